@@ -1,0 +1,67 @@
+"""Name -> function tables for advantage estimators and policy losses.
+
+The learner looks its algorithm up here by the config's name and never branches on it; a new
+loss (e.g. online DPO) is added by inserting it into `LOSSES`. Nothing here holds state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from torch import Tensor
+
+from cadence.algo.advantages import grpo_advantages, reinforce_advantages, rloo_advantages
+from cadence.algo.losses import LossParams, PolicyBatch, pg_loss, ppo_clip_loss
+
+AdvantageFn = Callable[[Tensor, "AdvantageContext"], Tensor]  # rewards (N, G) -> (N, G)
+LossFn = Callable[[PolicyBatch, LossParams], tuple[Tensor, dict[str, Tensor]]]
+F = TypeVar("F")
+
+
+@dataclass(frozen=True)
+class AdvantageContext:
+    """Everything any estimator may need beyond the rewards, so callers never branch on names."""
+
+    scale_by_std: bool = True  # GRPO: divide by the group's std (False: Dr. GRPO)
+    baseline: float = 0.0  # REINFORCE: e.g. the previous iteration's mean reward
+
+
+def _grpo(rewards: Tensor, ctx: AdvantageContext) -> Tensor:
+    return grpo_advantages(rewards, scale_by_std=ctx.scale_by_std)
+
+
+def _rloo(rewards: Tensor, ctx: AdvantageContext) -> Tensor:
+    return rloo_advantages(rewards)
+
+
+def _reinforce(rewards: Tensor, ctx: AdvantageContext) -> Tensor:
+    return reinforce_advantages(rewards, baseline=ctx.baseline)
+
+
+ADVANTAGES: dict[str, AdvantageFn] = {
+    "grpo": _grpo,
+    "rloo": _rloo,
+    "reinforce": _reinforce,
+}
+LOSSES: dict[str, LossFn] = {
+    "ppo_clip": ppo_clip_loss,
+    "pg": pg_loss,
+}
+
+
+def _lookup(table: dict[str, F], kind: str, name: str) -> F:
+    if name not in table:
+        raise ValueError(f"unknown {kind} {name!r}; allowed: {', '.join(table)}")
+    return table[name]
+
+
+def get_advantage(name: str) -> AdvantageFn:
+    """The advantage estimator registered as `name` (config key `algo.advantage`)."""
+    return _lookup(ADVANTAGES, "algo.advantage", name)
+
+
+def get_loss(name: str) -> LossFn:
+    """The policy loss registered as `name` (config key `algo.loss`)."""
+    return _lookup(LOSSES, "algo.loss", name)

@@ -1,0 +1,189 @@
+"""`cadence` command line: init-model, sft, train, eval.
+
+Exit codes: 0 success, 1 a failure during the run, 2 bad input (config key or value, a model
+directory that is missing or not a causal LM, malformed data), with a message naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from cadence.config import Config, ConfigError, load_config
+
+
+def _config(args: argparse.Namespace) -> Config:
+    return load_config(args.config, args.set)
+
+
+def cmd_init_model(args: argparse.Namespace) -> int:
+    from cadence.models import init_model
+    from cadence.pipeline.build import make_task
+
+    cfg = load_config(args.config, args.set) if args.config else load_config(None, args.set)
+    out = Path(args.out)
+    if (out / "config.json").exists() and not args.force:
+        print(f"{out} already holds a model; pass --force to rebuild it")
+        return 0
+    corpus = make_task(cfg).corpus(args.corpus_size)
+    init_model(args.preset, out, corpus, seed=cfg.train.seed)
+    print(f"built '{args.preset}' model and tokenizer in {out}")
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from cadence.learner.sft import cache_key, is_cached, run_sft
+    from cadence.models.io import check_model_dir
+    from cadence.pipeline.build import make_task, set_threads
+
+    cfg = _config(args)
+    s = cfg.sft
+    base, out = Path(s.base), Path(s.out)
+    check_model_dir(base)
+    key = cache_key(s.model_dump(), cfg.data.model_dump(), cfg.train.seed, base)
+    if is_cached(out, key) and not args.force:
+        print(f"SFT model in {out} is up to date (cached); pass --force to retrain")
+        return 0
+    set_threads(cfg.train.threads)
+    record = run_sft(
+        make_task(cfg),
+        cfg.data.prompt_template,
+        base,
+        out,
+        steps=s.steps,
+        batch_size=s.batch_size,
+        lr=s.lr,
+        warmup_steps=s.warmup_steps,
+        key=key,
+        direct_fraction=s.direct_fraction,
+        progress=cfg.metrics.progress,
+    )
+    print(
+        f"SFT done: {record['steps']} steps, loss {record['final_loss']:.3f}, "
+        f"{record['wall_s']:.0f}s -> {out}"
+    )
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from cadence.pipeline import build_run, train
+
+    cfg = _config(args)
+    out = Path(args.out)
+    run = build_run(cfg)
+    summary = train(run, out)
+    print_summary(summary, out)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from cadence.engine import HFEngine
+    from cadence.models import load_model, load_tokenizer
+    from cadence.pipeline.build import make_task, sampling_params, set_threads
+    from cadence.pipeline.evaluate import evaluate
+    from cadence.pipeline.prompts import heldout_prompts
+    from cadence.rewards import load_reward
+
+    cfg = _config(args)
+    set_threads(cfg.train.threads)
+    tokenizer = load_tokenizer(args.model_dir)
+    engine = HFEngine(load_model(args.model_dir), tokenizer, cfg.rollout.max_num_seqs)
+    prompts = heldout_prompts(make_task(cfg), cfg.data.prompt_template, cfg.data.task)
+    result = evaluate(
+        engine,
+        tokenizer,
+        load_reward(cfg.reward.function),
+        prompts,
+        sampling_params(cfg, tokenizer),
+    )
+    print(json.dumps({"model": str(args.model_dir), "num_prompts": len(prompts)} | result))
+    return 0
+
+
+def print_summary(summary: dict, out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"cadence run: {out}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("held-out accuracy before RL", f"{summary['accuracy_before']:.3f}"),
+        ("held-out accuracy after RL", f"{summary['accuracy_after']:.3f}"),
+        (
+            "reward (first -> last)",
+            f"{summary['reward_mean_first']:.3f} -> {summary['reward_mean_last']:.3f}",
+        ),
+        ("KL to reference (last)", f"{summary['kl_last']:.4f}"),
+        ("trained tokens", f"{summary['num_tokens']:,.0f}"),
+        ("TPSPD (tokens/s/device)", f"{summary['tpspd_overall']:,.0f}"),
+        ("generation / training busy", f"{summary['gen_s']:.1f}s / {summary['train_s']:.1f}s"),
+        ("RL wall time", f"{summary['wall_s']:.1f}s"),
+        ("mode / placement", f"{summary['mode']} / {summary['placement']}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cadence", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_config(sp: argparse.ArgumentParser, required: bool = True) -> None:
+        if required:
+            sp.add_argument("config", help="TOML config file")
+        sp.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config key, e.g. --set train.iterations=10",
+        )
+
+    sp = sub.add_parser("init-model", help="build the embedded default model and tokenizer")
+    sp.add_argument("--preset", default="tiny", help="model size: test, tiny, small")
+    sp.add_argument("--out", required=True, help="output model directory")
+    sp.add_argument("--config", default=None, help="config whose [data] task trains the tokenizer")
+    sp.add_argument("--corpus-size", type=int, default=20000, help="texts to train the tokenizer")
+    sp.add_argument("--force", action="store_true", help="rebuild even if --out holds a model")
+    with_config(sp, required=False)
+    sp.set_defaults(fn=cmd_init_model)
+
+    sp = sub.add_parser("sft", help="supervised warm start on reference solutions (cached)")
+    with_config(sp)
+    sp.add_argument("--force", action="store_true", help="retrain even if cached")
+    sp.set_defaults(fn=cmd_sft)
+
+    sp = sub.add_parser("train", help="RL training")
+    with_config(sp)
+    sp.add_argument("--out", default="runs/train", help="run output directory")
+    sp.set_defaults(fn=cmd_train)
+
+    sp = sub.add_parser("eval", help="held-out accuracy of a model directory")
+    sp.add_argument("model_dir")
+    sp.add_argument("--config", default=None, help="TOML config (task, rollout settings)")
+    with_config(sp, required=False)
+    sp.set_defaults(fn=cmd_eval)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from cadence.data import DataError
+    from cadence.models import ModelLoadError
+
+    try:
+        return args.fn(args)
+    except (ConfigError, ModelLoadError, DataError) as e:
+        print(f"cadence: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cadence: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The run configuration: TOML files validated by pydantic, with dotted `--set` overrides.
+
+Every field has a description; an unknown key or a bad value raises `ConfigError`, whose message
+names the key and what is allowed (the CLI turns it into exit code 2). Only the CLI and the run
+builder see the whole config; components take plain keyword arguments.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field("runs/sft", description="Local Hugging Face causal-LM directory to train.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
+    device: str = Field("cpu", description="Torch device for learner and colocated engine.")
+
+
+class DataConfig(_Section):
+    task: Literal["arithmetic", "gsm8k"] = Field(
+        "arithmetic", description="Task family: procedural arithmetic, or GSM8K-format JSONL."
+    )
+    path: str | None = Field(None, description="JSONL file for task 'gsm8k' (question/answer).")
+    heldout_path: str | None = Field(
+        None, description="Held-out JSONL for 'gsm8k'; default: the last num_heldout lines."
+    )
+    difficulty: int = Field(1, ge=1, le=3, description="Arithmetic difficulty, 1 (easiest)-3.")
+    max_operand: int | None = Field(
+        None, ge=2, description="Largest arithmetic operand (default: the difficulty's range)."
+    )
+    num_heldout: int = Field(200, ge=1, description="Held-out examples for accuracy.")
+    prompt_template: str = Field(
+        "Question: {question}\nAnswer: ", description="Prompt text; {question} is replaced."
+    )
+    on_bad_line: Literal["error", "skip"] = Field(
+        "error", description="Malformed JSONL line: stop with file:line, or skip and count."
+    )
+
+    @model_validator(mode="after")
+    def _path_for_gsm8k(self) -> DataConfig:
+        if self.task == "gsm8k" and not self.path:
+            raise ValueError("data.path is required when data.task = 'gsm8k'")
+        return self
+
+
+class RolloutConfig(_Section):
+    group_size: int = Field(8, ge=1, description="Responses sampled per prompt (G).")
+    max_new_tokens: int = Field(48, ge=1, description="Longest response, in tokens.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always).")
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences one engine batch decodes.")
+
+
+class RewardConfig(_Section):
+    function: str = Field(
+        "math", description="'math' (math-verify final answer) or 'module:function'."
+    )
+    max_error_fraction: float = Field(
+        0.1, ge=0.0, le=1.0, description="Stop the run when more samples than this fail scoring."
+    )
+
+
+class AlgoConfig(_Section):
+    loss: Literal["ppo_clip", "pg"] = Field("ppo_clip", description="Policy loss (registry name).")
+    advantage: Literal["grpo", "rloo", "reinforce"] = Field(
+        "grpo", description="Advantage estimator (registry name)."
+    )
+    scale_by_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO ratio floor is 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0.0, description="PPO ratio ceiling is 1 + clip_high.")
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL(policy || reference).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    loss_agg: Literal["token-mean", "seq-mean", "seq-sum-norm"] = Field(
+        "token-mean", description="Loss aggregation over the global batch."
+    )
+
+
+class TrainConfig(_Section):
+    iterations: int = Field(100, ge=1, description="Optimizer rounds (policy versions).")
+    seed: int = Field(0, description="Run seed: data order, sampling seeds, initialisation.")
+    prompts_per_iteration: int = Field(16, ge=1, description="Groups per iteration.")
+    lr: float = Field(1e-4, gt=0.0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
+    micro_batch_groups: int = Field(4, ge=1, description="Groups per forward/backward.")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per iteration.")
+    eval_every: int = Field(0, ge=0, description="Held-out eval every N iterations (0: ends).")
+    threads: int = Field(0, ge=0, description="torch threads (0: all cores).")
+
+
+class PipelineConfig(_Section):
+    mode: Literal["sync"] = Field("sync", description="Scheduling mode (see docs).")
+    placement: Literal["colocated"] = Field(
+        "colocated", description="colocated: generate with the learner's own weights in-process."
+    )
+
+
+class SFTConfig(_Section):
+    base: str = Field("runs/base", description="Model directory SFT starts from.")
+    out: str = Field("runs/sft", description="Where the SFT model is written (cached).")
+    steps: int = Field(300, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(32, ge=1, description="Examples per step.")
+    lr: float = Field(2e-3, gt=0.0, description="Peak learning rate (cosine decay).")
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
+    direct_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of SFT references shown as the bare '#### N' final answer, "
+        "without worked lines (the rest keep them); RL then learns which style pays.",
+    )
+
+
+class MetricsConfig(_Section):
+    tensorboard: bool = Field(False, description="Also write TensorBoard event files.")
+    progress: bool = Field(True, description="Live progress display on the console.")
+
+
+class Config(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+
+def _format_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(root)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"config key '{key}': {msg}")
+    return "\n".join(lines)
+
+
+def _parse_value(raw: str) -> Any:
+    """A TOML literal (number, bool, quoted string, list) or else the raw string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=c` overrides to a nested dict (in place) and return it."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override '{item}' is not of the form section.key=value")
+        *parents, leaf = key.strip().split(".")
+        node = data
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config key '{key}': '{p}' is not a section")
+        node[leaf] = _parse_value(raw.strip())
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or the defaults), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file '{p}' is not valid TOML: {e}") from e
+    apply_overrides(data, overrides or [])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (written to every run directory)."""
+    out = []
+    for section, values in cfg.model_dump(exclude_none=True).items():
+        out.append(f"[{section}]")
+        for k, v in values.items():
+            out.append(f"{k} = {_toml_value(v)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    import json
+
+    return json.dumps(str(v))  # a JSON string is a valid TOML basic string

@@ -1,0 +1,34 @@
+"""Tasks and datasets: where prompts and their reference answers come from.
+
+Nothing here imports torch or touches the network; files are read from local paths only.
+"""
+
+from cadence.data.gsm8k import DataError, JsonlTask, load_gsm8k_jsonl
+from cadence.data.tasks import (
+    DEFAULT_TEMPLATE,
+    TASKS,
+    ArithmeticTask,
+    Example,
+    Task,
+    direct_answer,
+    load_task,
+    make_prompt,
+    reference_answer,
+    to_prompt,
+)
+
+__all__ = [
+    "DEFAULT_TEMPLATE",
+    "TASKS",
+    "ArithmeticTask",
+    "DataError",
+    "Example",
+    "JsonlTask",
+    "Task",
+    "direct_answer",
+    "load_gsm8k_jsonl",
+    "load_task",
+    "make_prompt",
+    "reference_answer",
+    "to_prompt",
+]

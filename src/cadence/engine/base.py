@@ -1,0 +1,95 @@
+"""The inference-engine seam: what an engine takes, what it returns, and how it draws randomness.
+
+Sampling is reproducible per sample, not per batch: sample j of prompt i in iteration k draws its
+randomness from a seed derived from (run seed, k, i, j), and the uniform for decoding step t is a
+counter-based hash of (seed, t). No global RNG is touched, so the same completions come out whatever
+the batch composition, the order, or the process that generates them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from cadence.types import Completion
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()  # EOS and friends: the token is kept, decoding stops
+    stop: tuple[str, ...] = ()  # stop strings: decoding stops once the text contains one
+
+
+@dataclass
+class Request:
+    """Generate `len(seeds)` samples for one prompt, sample j seeded by `seeds[j]`."""
+
+    prompt_ids: list[int]
+    seeds: list[int] = field(default_factory=list)
+
+
+class Engine(Protocol):
+    def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
+        """One list of completions per request, in request order, `len(seeds)` each."""
+        ...
+
+
+def derive_seed(run_seed: int, iteration: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit seed for one sample, stable across processes and Python versions."""
+    key = f"{run_seed}:{iteration}:{prompt_index}:{sample_index}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
+
+
+def _to_signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN = _to_signed(0x9E3779B97F4A7C15)
+_M1 = _to_signed(0xBF58476D1CE4E5B9)
+_M2 = _to_signed(0x94D049BB133111EB)
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift on int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def step_uniforms(seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """Uniforms in [0, 1) (R,), one per row: splitmix64 of seed + (step + 1) * golden."""
+    x = seeds + torch.full_like(seeds, _GOLDEN) * (step + 1)  # int64 wraps, as splitmix64 wants
+    x = (x ^ _srl(x, 30)) * _M1
+    x = (x ^ _srl(x, 27)) * _M2
+    x = x ^ _srl(x, 31)
+    return _srl(x, 11).to(torch.float64) / float(1 << 53)
+
+
+def sample_tokens(
+    logits: torch.Tensor, uniforms: torch.Tensor, temperature: float, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF sampling with one given uniform per row.
+
+    Returns the sampled ids (R,) and their log-probs under softmax(logits / temperature) (R,), the
+    distribution the learner recomputes (top-p only truncates where the sample may fall).
+    """
+    logits = logits.float()  # (R, V)
+    if temperature <= 0:
+        ids = logits.argmax(dim=-1)  # (R,)
+        logp = torch.log_softmax(logits, dim=-1)  # (R, V)
+        return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)  # (R, V)
+    probs = logp.exp().double()  # (R, V)
+    if top_p < 1.0:
+        probs, order = probs.sort(dim=-1, descending=True, stable=True)  # (R, V)
+        keep = probs.cumsum(-1) - probs < top_p  # the first token is always kept
+        probs = probs * keep
+    cdf = probs.cumsum(-1)  # (R, V)
+    target = (uniforms * cdf[:, -1])[:, None]  # (R, 1)
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)  # (R, 1)
+    ids = order.gather(-1, idx).squeeze(-1) if top_p < 1.0 else idx.squeeze(-1)  # (R,)
+    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)

@@ -1,0 +1,56 @@
+"""Spans of work on named tracks (a worker, the learner), for busy/idle figures and the timeline.
+
+A span is (name, track, start, end) in seconds since the tracer's origin. Recording is thread-safe;
+nothing here draws or writes files.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Span:
+    name: str
+    track: str
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+class Tracer:
+    def __init__(self) -> None:
+        self.origin = time.perf_counter()
+        self.spans: list[Span] = []
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.origin
+
+    @contextmanager
+    def span(self, name: str, track: str) -> Iterator[None]:
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.add(Span(name, track, start, self.now()))
+
+    def add(self, span: Span) -> None:
+        with self._lock:
+            self.spans.append(span)
+
+    def busy_s(self, track_prefix: str, since: float = 0.0) -> float:
+        """Total duration of spans on tracks starting with `track_prefix` that began at `since`+."""
+        with self._lock:
+            return sum(
+                s.duration
+                for s in self.spans
+                if s.track.startswith(track_prefix) and s.start >= since
+            )

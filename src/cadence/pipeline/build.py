@@ -1,0 +1,127 @@
+"""The run builder: the one place that turns a whole `Config` into wired components.
+
+Components take plain keyword arguments; only this module (and the CLI) reads the config tree.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from cadence.algo import LossParams
+from cadence.config import Config
+from cadence.data import load_task
+from cadence.engine import HFEngine, SamplingParams
+from cadence.learner import Learner, LearnerParams
+from cadence.metrics import Tracer
+from cadence.models import load_model, load_tokenizer
+from cadence.pipeline.prompts import PromptStream, heldout_prompts
+from cadence.pipeline.source import ColocatedSource, GroupSource
+from cadence.pipeline.worker import RolloutWorker
+from cadence.rewards import RewardFn, load_reward
+from cadence.types import Prompt
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Run:
+    cfg: Config
+    tokenizer: object
+    learner: Learner
+    source: GroupSource
+    eval_engine: HFEngine
+    reward: RewardFn
+    sampling: SamplingParams
+    stream: PromptStream
+    heldout: list[Prompt]
+    tracer: Tracer
+
+
+def set_threads(threads: int) -> None:
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+def make_task(cfg: Config):
+    d = cfg.data
+    if d.task == "gsm8k":
+        return load_task(
+            "gsm8k",
+            path=d.path,
+            heldout_path=d.heldout_path,
+            num_heldout=d.num_heldout,
+            on_bad_line=d.on_bad_line,
+            seed=cfg.train.seed,
+        )
+    return load_task(
+        d.task,
+        difficulty=d.difficulty,
+        seed=cfg.train.seed,
+        num_heldout=d.num_heldout,
+        max_operand=d.max_operand,
+    )
+
+
+def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        stop_token_ids=(tokenizer.eos_token_id,),
+        stop=tuple(r.stop),
+    )
+
+
+def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
+    a, t = cfg.algo, cfg.train
+    params = LearnerParams(
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        loss=a.loss,
+        advantage=a.advantage,
+        scale_by_std=a.scale_by_std,
+        loss_agg=a.loss_agg,
+        micro_batch_groups=t.micro_batch_groups,
+        mini_batches=t.mini_batches,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
+    )
+    loss = LossParams(a.clip_low, a.clip_high, a.kl_coef, a.kl_estimator)
+    return params, loss
+
+
+def build_run(cfg: Config) -> Run:
+    set_threads(cfg.train.threads)
+    torch.manual_seed(cfg.train.seed)
+    dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
+    tokenizer = load_tokenizer(cfg.model.path)
+    model = load_model(cfg.model.path, dtype=dtype, device=device)
+    ref = None
+    if cfg.algo.kl_coef > 0:  # a frozen copy: no grad buffers, no optimizer state
+        ref = load_model(cfg.model.path, dtype=dtype, device=device).requires_grad_(False)
+    tracer = Tracer()
+    params, loss = learner_params(cfg)
+    learner = Learner(model, params, loss, tokenizer.pad_token_id, ref_model=ref, tracer=tracer)
+    engine = HFEngine(model, tokenizer, max_num_seqs=cfg.rollout.max_num_seqs)
+    reward = load_reward(cfg.reward.function)
+    sampling = sampling_params(cfg, tokenizer)
+    worker = RolloutWorker(
+        engine, tokenizer, reward, sampling, cfg.rollout.group_size, cfg.train.seed
+    )
+    task = make_task(cfg)
+    return Run(
+        cfg=cfg,
+        tokenizer=tokenizer,
+        learner=learner,
+        source=ColocatedSource(worker, tracer),
+        eval_engine=engine,
+        reward=reward,
+        sampling=sampling,
+        stream=PromptStream(task, cfg.data.prompt_template, cfg.data.task),
+        heldout=heldout_prompts(task, cfg.data.prompt_template, cfg.data.task),
+        tracer=tracer,
+    )

@@ -1,0 +1,29 @@
+"""Reward functions: the `RewardFn` seam, the math-verify reward and test doubles.
+
+Rewards are pure functions of text; nothing here imports torch or holds model state.
+"""
+
+from cadence.rewards.base import (
+    ConstantReward,
+    RewardBudgetExceeded,
+    RewardErrorBudget,
+    RewardFn,
+    RewardResult,
+    TableReward,
+    load_reward,
+    safe_reward,
+)
+from cadence.rewards.math import MathReward, extract_prediction
+
+__all__ = [
+    "ConstantReward",
+    "MathReward",
+    "RewardBudgetExceeded",
+    "RewardErrorBudget",
+    "RewardFn",
+    "RewardResult",
+    "TableReward",
+    "extract_prediction",
+    "load_reward",
+    "safe_reward",
+]

@@ -1,0 +1,126 @@
+"""The reward seam: the `RewardFn` protocol, loading one by name, and failing safely.
+
+A reward function maps (prompt, completion, reference answer) to a float. `safe_reward` turns a
+raised exception or a non-finite value into reward 0.0 plus an error string recorded on the
+completion, and `RewardErrorBudget` stops the run once such errors exceed a set fraction, so a
+broken reward is neither fatal on one sample nor silently trained on.
+
+This module must not import torch or a model library, nor evaluate strings as code: a
+"module:function" spec is resolved with importlib, never `eval`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class RewardFn(Protocol):
+    def __call__(self, prompt: str, completion: str, answer: str) -> float: ...
+
+
+class RewardBudgetExceeded(RuntimeError):
+    """Too large a fraction of reward calls failed."""
+
+
+@dataclass
+class RewardResult:
+    value: float
+    error: str | None = None  # "ExcType: message" or "non-finite reward: ..."; None when fine
+
+
+def load_reward(spec: str) -> RewardFn:
+    """ "math" gives `MathReward()`; "package.module:name" imports a function or callable object."""
+    if spec == "math":
+        from cadence.rewards.math import MathReward
+
+        return MathReward()
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"reward spec {spec!r} must be 'math' or 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward spec {spec!r}: cannot import module {module_name!r}: {e}") from e
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"reward spec {spec!r}: module {module_name!r} has no {attr!r}")
+    if isinstance(fn, type) or not callable(fn):
+        raise ValueError(
+            f"reward spec {spec!r}: {attr!r} is a {type(fn).__name__}, not a function or a "
+            "callable instance (prompt, completion, answer) -> float"
+        )
+    return fn
+
+
+def safe_reward(fn: RewardFn, prompt: str, completion: str, answer: str) -> RewardResult:
+    """Call `fn`; an exception or a non-finite/non-numeric value gives 0.0 and an error string.
+
+    Catches `Exception` only: KeyboardInterrupt and SystemExit still stop the program.
+    """
+    try:
+        value = fn(prompt, completion, answer)
+    except Exception as e:
+        return RewardResult(0.0, f"{type(e).__name__}: {e}")
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        shown = repr(value)[:80]
+        return RewardResult(0.0, f"non-finite reward: got {type(value).__name__} {shown}")
+    return RewardResult(float(value), None)
+
+
+class RewardErrorBudget:
+    """Raise once errors / samples > `max_error_fraction`, after `min_samples` were seen."""
+
+    def __init__(self, max_error_fraction: float = 0.1, min_samples: int = 64) -> None:
+        if not 0.0 <= max_error_fraction <= 1.0:
+            raise ValueError(f"max_error_fraction must be in [0, 1], got {max_error_fraction}")
+        if min_samples < 0:
+            raise ValueError(f"min_samples must be >= 0, got {min_samples}")
+        self.max_error_fraction = max_error_fraction
+        self.min_samples = min_samples
+        self.num_samples = 0
+        self.num_errors = 0
+
+    @property
+    def error_fraction(self) -> float:
+        return self.num_errors / self.num_samples if self.num_samples else 0.0
+
+    def record(self, n_samples: int, n_errors: int) -> None:
+        if n_samples < 0 or not 0 <= n_errors <= n_samples:
+            raise ValueError(f"need 0 <= n_errors <= n_samples, got {n_errors} and {n_samples}")
+        self.num_samples += n_samples
+        self.num_errors += n_errors
+        if self.num_samples >= self.min_samples and self.error_fraction > self.max_error_fraction:
+            raise RewardBudgetExceeded(
+                f"{self.num_errors} of {self.num_samples} reward calls failed "
+                f"({self.error_fraction:.1%} > max_error_fraction={self.max_error_fraction}); "
+                "fix the reward function (see each completion's reward_error) or raise the budget"
+            )
+
+
+class ConstantReward:
+    """Test double: the same value for every completion."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __call__(self, prompt: str, completion: str, answer: str) -> float:
+        return self.value
+
+
+class TableReward:
+    """Test double: a value per completion text; unknown ones raise KeyError or get `default`."""
+
+    def __init__(self, table: dict[str, float], default: float | None = None) -> None:
+        self.table = dict(table)
+        self.default = default
+
+    def __call__(self, prompt: str, completion: str, answer: str) -> float:
+        if completion in self.table:
+            return self.table[completion]
+        if self.default is None:
+            raise KeyError(f"TableReward has no value for completion {completion!r}")
+        return self.default

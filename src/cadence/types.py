@@ -1,0 +1,68 @@
+"""Records that cross a boundary (thread, process, module layer).
+
+Everything here is a plain dataclass of Python scalars, lists and tensors so it can be queued,
+pickled to a worker process, or written to JSON. Nothing here imports transformers or does I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One task instance: the text the model sees and the reference it is scored against.
+
+    `index` is the prompt's position in its iteration's batch (0..prompts_per_iteration-1); with
+    the run seed and the iteration it fixes the sampling seed of every response to this prompt.
+    """
+
+    uid: str  # stable id of the task instance (dataset name + row, or generator seed)
+    text: str  # the full prompt string fed to the tokenizer
+    answer: str  # reference answer (GSM8K convention: "... #### 42"; the number after #### counts)
+    index: int = 0
+
+
+@dataclass
+class Completion:
+    """One sampled response to a prompt."""
+
+    token_ids: list[int]  # response tokens only, EOS included when the model emitted it
+    logprobs: list[float]  # behaviour log-prob of each sampled token under the sampling policy
+    text: str = ""
+    finish_reason: str = "length"  # "eos" | "stop" | "length"
+    reward: float = 0.0
+    reward_error: str | None = None  # set when the reward function raised or returned NaN
+
+
+@dataclass
+class Group:
+    """One prompt with its `group_size` responses: the unit that flows from workers to learner."""
+
+    prompt: Prompt
+    prompt_ids: list[int]
+    completions: list[Completion]
+    policy_version: int  # learner version whose weights generated every completion
+    iteration: int  # iteration the group was generated for
+    gen_s: float = 0.0  # seconds spent generating (and scoring) this group
+
+    @property
+    def group_size(self) -> int:
+        return len(self.completions)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [c.reward for c in self.completions]
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + response tokens of every sample, as trained (the TPSPD numerator)."""
+        return sum(len(self.prompt_ids) + len(c.token_ids) for c in self.completions)
+
+
+@dataclass
+class IterationStats:
+    """What one iteration measured; the pipeline turns it into one `metrics.jsonl` line."""
+
+    iteration: int
+    values: dict[str, float] = field(default_factory=dict)

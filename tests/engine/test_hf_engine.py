@@ -1,0 +1,89 @@
+import pytest
+import torch
+
+from cadence.engine import (
+    HFEngine,
+    Request,
+    SamplingParams,
+    derive_seed,
+    sample_tokens,
+    step_uniforms,
+)
+
+
+def _requests(tokenizer, questions, group_size, iteration=0):
+    return [
+        Request(
+            tokenizer(f"Question: {q}\nAnswer: ")["input_ids"],
+            [derive_seed(7, iteration, i, j) for j in range(group_size)],
+        )
+        for i, q in enumerate(questions)
+    ]
+
+
+QUESTIONS = ["What is 3 + 4?", "Tom has 12 apples. He buys 7 more. How many?", "What is 19 - 8?"]
+
+
+def test_behaviour_logprobs_equal_full_forward_logprobs(model, tokenizer):
+    params = SamplingParams(max_new_tokens=12, temperature=0.8)
+    engine = HFEngine(model, tokenizer)
+    requests = _requests(tokenizer, QUESTIONS, 3)
+    outputs = engine.generate(requests, params)
+    for req, group in zip(requests, outputs, strict=True):
+        for c in group:
+            ids = torch.tensor([req.prompt_ids + c.token_ids])
+            with torch.no_grad():
+                logits = model(ids).logits[0].float() / params.temperature  # (L, V)
+            start = len(req.prompt_ids)
+            logp = torch.log_softmax(logits[start - 1 : -1], -1)  # (T, V)
+            expected = logp.gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_seeded_samples_do_not_depend_on_batch_composition(model, tokenizer):
+    params = SamplingParams(max_new_tokens=16, temperature=1.0)
+    engine = HFEngine(model, tokenizer)
+    full = engine.generate(_requests(tokenizer, QUESTIONS, 4), params)
+    # the middle prompt alone, then in a batch small enough to be split into chunks
+    alone = engine.generate(_requests(tokenizer, QUESTIONS, 4)[1:2], params)
+    chunked = HFEngine(model, tokenizer, max_num_seqs=5).generate(
+        list(reversed(_requests(tokenizer, QUESTIONS, 4))), params
+    )
+    assert [c.token_ids for c in alone[0]] == [c.token_ids for c in full[1]]
+    assert [c.token_ids for c in chunked[::-1][0]] == [c.token_ids for c in full[0]]
+    # different seeds give different samples (the randomness is really per sample)
+    assert len({tuple(c.token_ids) for g in full for c in g}) > 1
+
+
+def test_generation_stops_at_eos_and_respects_max_new_tokens(model, tokenizer):
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, stop_token_ids=(eos,))
+    for group in HFEngine(model, tokenizer).generate(_requests(tokenizer, QUESTIONS, 4), params):
+        for c in group:
+            assert 1 <= len(c.token_ids) <= 6
+            assert len(c.logprobs) == len(c.token_ids)
+            assert (c.finish_reason == "eos") == (c.token_ids[-1] == eos)
+            assert eos not in c.token_ids[:-1]
+
+
+def test_sampling_follows_the_distribution_and_greedy_takes_the_argmax():
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]]))  # probabilities 0.1, 0.6, 0.3
+    # inverse CDF over [0.1, 0.7, 1.0]: u=0.05 -> 0, u=0.5 -> 1, u=0.95 -> 2
+    for u, expected in [(0.05, 0), (0.5, 1), (0.95, 2)]:
+        ids, logp = sample_tokens(logits, torch.tensor([u], dtype=torch.float64), 1.0, 1.0)
+        assert ids.item() == expected
+        assert logp.item() == pytest.approx(torch.log_softmax(logits, -1)[0, expected].item())
+    # top_p=0.5 keeps only the 0.6 token: any u picks id 1
+    ids, _ = sample_tokens(logits, torch.tensor([0.99], dtype=torch.float64), 1.0, 0.5)
+    assert ids.item() == 1
+    ids, _ = sample_tokens(logits, torch.tensor([0.0], dtype=torch.float64), 0.0, 1.0)
+    assert ids.item() == 1
+
+
+def test_step_uniforms_are_uniform_and_independent_of_neighbours():
+    seeds = torch.tensor([derive_seed(0, 0, i, 0) for i in range(4000)], dtype=torch.int64)
+    u = step_uniforms(seeds, 3)
+    assert u.min() >= 0.0 and u.max() < 1.0
+    assert abs(u.mean().item() - 0.5) < 0.02  # std of the mean: 0.29 / sqrt(4000) = 0.0046
+    torch.testing.assert_close(step_uniforms(seeds[10:11], 3), u[10:11], rtol=0, atol=0)
+    assert not torch.equal(step_uniforms(seeds, 4), u)

@@ -1,0 +1,115 @@
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cadence.cli import main
+from cadence.config import load_config
+from cadence.engine import ScriptedEngine
+from cadence.metrics import MemorySink
+from cadence.pipeline import StaleGroupError, build_run, on_policy, train
+
+METRIC_FIELDS = [
+    "iteration",
+    "reward_mean",
+    "accuracy",
+    "kl",
+    "entropy",
+    "num_tokens",
+    "tpspd",
+    "gen_s",
+    "train_s",
+    "wall_s",
+]
+SUMMARY_FIELDS = ["accuracy_before", "accuracy_after", "tpspd_overall", "wall_s", "mode"]
+
+
+def _overrides(model_dir):
+    return [
+        f"model.path='{model_dir}'",
+        "train.iterations=2",
+        "train.prompts_per_iteration=4",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=12",
+        "data.num_heldout=8",
+        "algo.kl_coef=0.05",
+        "train.lr=1e-3",
+        "metrics.progress=false",
+        "reward.function='fixtures_rewards:even_length'",
+    ]
+
+
+@pytest.mark.slow
+def test_two_iterations_change_the_parameters_and_write_every_output(model_dir, tmp_path):
+    cfg = load_config(None, _overrides(model_dir))
+    memory = MemorySink()
+    summary = train(build_run(cfg), tmp_path, extra_sinks=[memory])
+    before = load_file(model_dir / "model.safetensors")
+    after = load_file(tmp_path / "final" / "model.safetensors")
+    assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-5
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in lines] == [0, 1] == [r["iteration"] for r in memory.records]
+    for record in lines:
+        for field in METRIC_FIELDS:
+            assert field in record and math.isfinite(record[field]), field
+        assert record["num_tokens"] > 0 and record["tpspd"] > 0
+    for field in SUMMARY_FIELDS:
+        assert field in summary
+    assert json.loads((tmp_path / "summary.json").read_text())["mode"] == "sync"
+    assert (tmp_path / "config.toml").is_file() and (tmp_path / "final" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_cli_train_runs_and_eval_reads_the_result(model_dir, tmp_path, capsys):
+    args = ["train", "configs/default.toml", "--out", str(tmp_path / "run")]
+    for o in _overrides(model_dir):
+        args += ["--set", o]
+    assert main(args) == 0
+    assert "held-out accuracy after RL" in capsys.readouterr().out
+    assert main(["eval", str(tmp_path / "run" / "final"), "--set", "data.num_heldout=4"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["num_prompts"] == 4 and 0.0 <= result["accuracy"] <= 1.0
+
+
+def test_groups_of_another_version_are_refused(model_dir):
+    cfg = load_config(None, _overrides(model_dir))
+    run = build_run(cfg)
+    run.source.worker.engine = ScriptedEngine(lambda ids, seed: [5, 6])
+    prompts = run.stream.next_batch(2)
+    run.source.start_iteration(prompts, iteration=0, version=3)  # a stale producer
+    with pytest.raises(StaleGroupError, match="policy_version 3"):
+        list(on_policy(run.source.groups(), version=0, seen=[]))
+    run.source.start_iteration(prompts, iteration=0, version=0)
+    assert len(list(on_policy(run.source.groups(), version=0, seen=[]))) == 2
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["train", "configs/default.toml", "--set", "train.iterationz=1"], "train.iterationz"),
+        (["train", "configs/default.toml", "--set", "pipeline.mode=fast"], "pipeline.mode"),
+        (["train", "no/such/config.toml"], "does not exist"),
+        (["train", "configs/default.toml", "--set", "model.path='no/such/dir'"], "no/such/dir"),
+    ],
+)
+def test_bad_input_exits_2_and_names_the_culprit(args, needle, capsys, tmp_path):
+    assert main([*args, "--out", str(tmp_path)]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_malformed_jsonl_line_is_reported_with_its_line_number(model_dir, tmp_path, capsys):
+    data = tmp_path / "train.jsonl"
+    good = json.dumps({"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"})
+    data.write_text(f"{good}\n{good}\nnot json\n")
+    args = ["eval", str(model_dir), "--set", "data.task='gsm8k'", "--set", f"data.path='{data}'"]
+    assert main(args) == 2
+    assert f"{data}:3" in capsys.readouterr().err
+
+
+def test_summary_reports_cpu_as_one_device():
+    from cadence.metrics import tpspd
+
+    assert tpspd(1000, 2.0) == 500.0 and tpspd(1000, 2.0, num_devices=4) == 125.0
+    assert torch.get_num_threads() >= 1

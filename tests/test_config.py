@@ -1,0 +1,54 @@
+import tomllib
+
+import pytest
+
+from cadence.config import Config, ConfigError, load_config, to_toml
+
+
+def test_defaults_validate_and_round_trip_through_toml():
+    cfg = load_config(None, ["train.iterations=3", 'rollout.stop=["\\n\\n"]'])
+    assert cfg.train.iterations == 3 and cfg.rollout.stop == ["\n\n"]
+    assert Config.model_validate(tomllib.loads(to_toml(cfg))) == cfg
+
+
+def test_required_keys_exist():
+    cfg = Config()
+    for key in [
+        "model.path",
+        "data.task",
+        "data.path",
+        "train.iterations",
+        "train.seed",
+        "train.prompts_per_iteration",
+        "rollout.group_size",
+        "rollout.max_new_tokens",
+        "rollout.temperature",
+        "algo.loss",
+        "algo.kl_coef",
+        "pipeline.mode",
+        "pipeline.placement",
+    ]:
+        section, field = key.split(".")
+        assert field in type(getattr(cfg, section)).model_fields, key
+
+
+@pytest.mark.parametrize(
+    "override, key, hint",
+    [
+        (["train.iterationz=3"], "train.iterationz", "unknown key"),
+        (['algo.loss="dpo"'], "algo.loss", "'ppo_clip' or 'pg'"),
+        (["rollout.group_size=0"], "rollout.group_size", "greater than or equal to 1"),
+        (["bogus.key=1"], "bogus", "unknown key"),
+    ],
+)
+def test_bad_keys_and_values_name_the_key(override, key, hint):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, override)
+    assert f"'{key}'" in str(info.value) and hint in str(info.value)
+
+
+def test_missing_file_and_bad_override_form(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match=r"section\.key=value"):
+        load_config(None, ["train.iterations"])
