@@ -93,6 +93,9 @@ class TrainConfig(_Section):
     seed: int = Field(0, description="Run seed: data order, sampling seeds, initialisation.")
     prompts_per_iteration: int = Field(16, ge=1, description="Groups per iteration.")
     lr: float = Field(1e-4, gt=0.0, description="AdamW learning rate.")
+    warmup_iterations: int = Field(
+        0, ge=0, description="Linear learning-rate warm-up over the first N optimizer steps."
+    )
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
     micro_batch_groups: int = Field(4, ge=1, description="Groups per forward/backward.")

@@ -63,3 +63,18 @@ def test_works_outside_the_main_thread() -> None:
     assert not thread.is_alive()
     assert errors == []
     assert results == [1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("10 + 5", 0.0),  # restating the question is no answer, though it evaluates to 15
+        ("#### 10 + 5", 0.0),
+        ("10 + 5 = 15", 1.0),  # the last number is the answer
+        ("10 + 5 = 15\n#### 15", 1.0),
+        ("#### 1,5", 0.0),
+        ("#### 15.", 1.0),
+    ],
+)
+def test_numeric_answers_are_numbers_not_expressions(completion: str, expected: float) -> None:
+    assert MathReward()("", completion, "10 + 5 = 15\n#### 15") == expected

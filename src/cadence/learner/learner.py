@@ -35,6 +35,7 @@ from cadence.types import Group
 @dataclass(frozen=True)
 class LearnerParams:
     lr: float = 1e-4
+    warmup_steps: int = 0  # linear learning-rate warm-up over the first optimizer steps
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     loss: str = "ppo_clip"
@@ -83,6 +84,10 @@ class Learner:
             [p for p in model.parameters() if p.requires_grad],
             lr=params.lr,
             weight_decay=params.weight_decay,
+        )
+        warmup = max(params.warmup_steps, 1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup)
         )
         self.version = 0  # policy version: number of iterations trained
         self.baseline = 0.0  # previous iteration's mean reward (for "reinforce")
@@ -202,6 +207,7 @@ class Learner:
                 self.model.parameters(), self.params.max_grad_norm
             )
             self.optimizer.step()
+            self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         out = {k: sums[k] / norm for k in ("loss", "pg_loss", "kl", "clip_frac", "ratio")}
         out["entropy"] = sums["entropy_sum"] / max(sums["num_response_tokens"], 1.0)

@@ -79,6 +79,7 @@ def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
     a, t = cfg.algo, cfg.train
     params = LearnerParams(
         lr=t.lr,
+        warmup_steps=t.warmup_iterations * t.mini_batches,
         weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm,
         loss=a.loss,

@@ -1,8 +1,11 @@
 """Exact-answer math reward, checked by the math-verify library.
 
 The gold answer is the text after "####" in the reference; the prediction is the first line after
-the completion's last "####", or, without one, the whole completion (math-verify then takes its
-final number). Parsing costs about 0.7 ms and answers repeat a lot, so parsed strings are cached.
+the completion's last "####", or, without one, the whole completion. When the gold answer is a
+plain number (GSM8K's convention), the prediction is cut down to its last number: math-verify
+evaluates expressions, so "10 + 5" would otherwise be judged equal to 15, and a policy learns to
+restate the question instead of answering it (seen in training). Parsing costs about 0.7 ms and
+answers repeat a lot, so parsed strings are cached.
 
 This module must not hand-write a math checker (math-verify is the verifier) and holds no state
 beyond the parse cache.
@@ -11,6 +14,7 @@ beyond the parse cache.
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from typing import Any
 
@@ -19,6 +23,7 @@ from math_verify import parse, verify
 from cadence.data.tasks import reference_answer
 
 _CACHE_SIZE = 1 << 16
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")  # 12, -3, 1,000, 2.5, .5
 
 
 def _in_main_thread() -> bool:
@@ -42,6 +47,12 @@ def extract_prediction(completion: str) -> str:
     return lines[0].strip() if lines else ""
 
 
+def last_number(text: str) -> str:
+    """The last number written in `text` ("" if none): the answer of a numeric task."""
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else ""
+
+
 class MathReward:
     """1.0 if the completion's final answer equals the reference's final answer, else 0.0.
 
@@ -60,6 +71,8 @@ class MathReward:
         if not gold:
             raise ValueError(f"math-verify could not parse the reference answer {gold_text!r}")
         prediction = extract_prediction(completion)
+        if _NUMBER.fullmatch(gold_text.strip()):
+            prediction = last_number(prediction)
         if not prediction:
             return 0.0
         predicted = _parse_cached(prediction)
