@@ -4,3 +4,22 @@
 def even_length(prompt: str, completion: str, answer: str) -> float:
     """1 for a completion of even length: gives an untrained model's groups a spread of rewards."""
     return 1.0 if len(completion) % 2 == 0 else 0.0
+
+
+def exit_on_third_call(prompt: str, completion: str, answer: str) -> float:
+    """Kills the worker process that calls it the third time: a worker dying mid-iteration.
+
+    In any other process (the learner evaluates with the same reward) it is a constant 0.
+    """
+    import multiprocessing
+    import os
+
+    global _calls
+    if multiprocessing.current_process().name.startswith("cadence-worker"):
+        _calls += 1
+        if _calls == 3:
+            os._exit(3)
+    return 0.0
+
+
+_calls = 0

@@ -102,6 +102,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from cadence.bench import bench, parse_modes
+
+    try:
+        names = parse_modes(args.modes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    load_config(args.config, args.set)  # fail early on a bad config, before any run starts
+    overrides = list(args.set) + (
+        [f"train.iterations={args.iterations}"] if args.iterations else []
+    )
+    rows = bench(args.config, overrides, names, args.repeats, Path(args.out))
+    print((Path(args.out) / "bench.md").read_text())
+    return 0 if rows else 1
+
+
 def print_summary(summary: dict, out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -161,6 +177,19 @@ def parser() -> argparse.ArgumentParser:
     with_config(sp)
     sp.add_argument("--out", default="runs/train", help="run output directory")
     sp.set_defaults(fn=cmd_train)
+
+    sp = sub.add_parser("bench", help="the same workload in several modes, side by side")
+    sp.add_argument(
+        "--modes",
+        default="sync-colocated,sync,periodic",
+        help="comma-separated: sync-colocated, sync, periodic",
+    )
+    sp.add_argument("--out", required=True, help="output directory (bench.json, bench.md)")
+    sp.add_argument("--config", default="configs/default.toml", help="workload config")
+    sp.add_argument("--repeats", type=int, default=3, help="repeats per mode (median)")
+    sp.add_argument("--iterations", type=int, default=0, help="iterations per run (0: config)")
+    with_config(sp, required=False)
+    sp.set_defaults(fn=cmd_bench)
 
     sp = sub.add_parser("eval", help="held-out accuracy of a model directory")
     sp.add_argument("model_dir")

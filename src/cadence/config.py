@@ -105,10 +105,42 @@ class TrainConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    mode: Literal["sync"] = Field("sync", description="Scheduling mode (see docs).")
-    placement: Literal["colocated"] = Field(
-        "colocated", description="colocated: generate with the learner's own weights in-process."
+    mode: Literal["sync", "periodic"] = Field(
+        "sync",
+        description="sync: train once the whole batch is generated; periodic: train on groups as "
+        "they finish, weights synced once per iteration (on-policy, same update as sync).",
     )
+    placement: Literal["colocated", "separate"] = Field(
+        "colocated",
+        description="colocated: generate with the learner's own weights in its thread; "
+        "separate: num_workers inference worker processes.",
+    )
+    num_workers: int = Field(1, ge=1, description="Inference worker processes (separate).")
+    threads_per_worker: int = Field(1, ge=1, description="torch threads in each worker.")
+    learner_threads: int = Field(
+        0, ge=0, description="torch threads of the learner when separate (0: cores - workers)."
+    )
+    prompts_per_task: int = Field(
+        4, ge=1, description="Prompts a worker generates as one engine batch (one task)."
+    )
+    tasks_in_flight: int = Field(
+        2, ge=1, description="Tasks queued at each worker at once (bounded concurrency)."
+    )
+    queue_size: int = Field(
+        0, ge=0, description="Bound of the group queue (0: prompts_per_iteration, never blocks)."
+    )
+    worker_timeout_s: float = Field(
+        300.0, gt=0, description="Longest wait for a worker to start or acknowledge weights."
+    )
+
+    @model_validator(mode="after")
+    def _periodic_needs_workers(self) -> PipelineConfig:
+        if self.mode == "periodic" and self.placement != "separate":
+            raise ValueError(
+                "pipeline.mode = 'periodic' needs pipeline.placement = 'separate' "
+                "(colocated generation cannot overlap with training)"
+            )
+        return self
 
 
 class SFTConfig(_Section):

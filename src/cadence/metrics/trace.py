@@ -46,11 +46,34 @@ class Tracer:
         with self._lock:
             self.spans.append(span)
 
-    def busy_s(self, track_prefix: str, since: float = 0.0) -> float:
-        """Total duration of spans on tracks starting with `track_prefix` that began at `since`+."""
+    def select(
+        self, track_prefix: str, since: float = 0.0, names: tuple[str, ...] = ()
+    ) -> list[Span]:
+        """Spans on tracks starting with `track_prefix`, begun at `since` or later."""
         with self._lock:
-            return sum(
-                s.duration
+            return [
+                s
                 for s in self.spans
-                if s.track.startswith(track_prefix) and s.start >= since
-            )
+                if s.track.startswith(track_prefix)
+                and s.start >= since
+                and (not names or s.name in names)
+            ]
+
+    def busy_s(self, track_prefix: str, since: float = 0.0, names: tuple[str, ...] = ()) -> float:
+        """Total duration of the selected spans."""
+        return sum(s.duration for s in self.select(track_prefix, since, names))
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def overlap_length(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    """Length of time covered by both interval sets (each may overlap itself)."""
+    return union_length(xs) + union_length(ys) - union_length(xs + ys)

@@ -18,8 +18,10 @@ from cadence.learner import Learner, LearnerParams
 from cadence.metrics import Tracer
 from cadence.models import load_model, load_tokenizer
 from cadence.pipeline.prompts import PromptStream, heldout_prompts
-from cadence.pipeline.source import ColocatedSource, GroupSource
+from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
+from cadence.pipeline.weights import SharedWeights
 from cadence.pipeline.worker import RolloutWorker
+from cadence.pipeline.workers import WorkerPool, WorkerSpec
 from cadence.rewards import RewardFn, load_reward
 from cadence.types import Prompt
 
@@ -95,8 +97,42 @@ def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
     return params, loss
 
 
+def learner_threads(cfg: Config) -> int:
+    p = cfg.pipeline
+    if p.placement == "colocated":
+        return cfg.train.threads
+    cores = os.cpu_count() or 1
+    return p.learner_threads or max(1, cores - p.num_workers * p.threads_per_worker)
+
+
+def build_source(cfg: Config, model, tokenizer, worker: RolloutWorker, tracer: Tracer):
+    p = cfg.pipeline
+    if p.placement == "colocated":
+        return ColocatedSource(worker, tracer)
+    spec = WorkerSpec(
+        model_path=cfg.model.path,
+        dtype=cfg.model.dtype,
+        reward=cfg.reward.function,
+        sampling=worker.sampling,
+        group_size=cfg.rollout.group_size,
+        run_seed=cfg.train.seed,
+        threads=p.threads_per_worker,
+        max_num_seqs=cfg.rollout.max_num_seqs,
+    )
+    pool = WorkerPool(spec, SharedWeights(model), p.num_workers, timeout_s=p.worker_timeout_s)
+    return WorkerSource(
+        pool,
+        model,
+        tracer,
+        stream=p.mode == "periodic",
+        prompts_per_task=p.prompts_per_task,
+        tasks_in_flight=p.tasks_in_flight,
+        queue_size=p.queue_size,
+    )
+
+
 def build_run(cfg: Config) -> Run:
-    set_threads(cfg.train.threads)
+    set_threads(learner_threads(cfg))
     torch.manual_seed(cfg.train.seed)
     dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
     tokenizer = load_tokenizer(cfg.model.path)
@@ -118,7 +154,7 @@ def build_run(cfg: Config) -> Run:
         cfg=cfg,
         tokenizer=tokenizer,
         learner=learner,
-        source=ColocatedSource(worker, tracer),
+        source=build_source(cfg, model, tokenizer, worker, tracer),
         eval_engine=engine,
         reward=reward,
         sampling=sampling,

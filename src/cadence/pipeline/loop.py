@@ -15,6 +15,8 @@ from pathlib import Path
 
 from cadence.config import to_toml
 from cadence.metrics import ConsoleProgress, JsonlSink, MetricsSink, TensorBoardSink, tpspd
+from cadence.metrics.timeline import draw_timeline, write_chrome_trace
+from cadence.metrics.trace import overlap_length
 from cadence.models import save_pretrained
 from cadence.pipeline.build import Run
 from cadence.pipeline.evaluate import evaluate
@@ -38,6 +40,9 @@ def on_policy(groups: Iterator[Group], version: int, seen: list[Group]) -> Itera
         yield g
 
 
+TRAIN_SPANS = ("forward_backward", "optimizer_step")
+
+
 def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[str, float]:
     cfg, learner, tracer = run.cfg, run.learner, run.tracer
     start = tracer.now()
@@ -47,21 +52,51 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
     seen: list[Group] = []
     stats = learner.train_iteration(on_policy(run.source.groups(), version, seen), len(prompts))
     wall = tracer.now() - start
+    if len(seen) != len(prompts):
+        raise RuntimeError(f"iteration {iteration} consumed {len(seen)} of {len(prompts)} groups")
     completions = [c for g in seen for c in g.completions]
     errors = sum(c.reward_error is not None for c in completions)
     budget.record(len(completions), errors)
     rewards = [c.reward for c in completions]
-    return stats | {
-        "iteration": iteration,
-        "policy_version": version,
-        "reward_mean": sum(rewards) / len(rewards),
-        "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-        "reward_errors": errors,
-        "response_tokens_mean": sum(len(c.token_ids) for c in completions) / len(completions),
-        "gen_s": tracer.busy_s("worker", since=start),
-        "train_s": tracer.busy_s("learner", since=start),
-        "wall_s": wall,
-        "tpspd": tpspd(stats["num_tokens"], wall),
+    return (
+        stats
+        | {
+            "iteration": iteration,
+            "policy_version": version,
+            "reward_mean": sum(rewards) / len(rewards),
+            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+            "reward_errors": errors,
+            "response_tokens_mean": sum(len(c.token_ids) for c in completions) / len(completions),
+            "wall_s": wall,
+            "tpspd": tpspd(stats["num_tokens"], wall),
+        }
+        | pipeline_figures(run, start, wall)
+    )
+
+
+def pipeline_figures(run: Run, start: float, wall: float) -> dict[str, float]:
+    """Busy, idle and overlap times of generation and training over one iteration."""
+    tracer, times = run.tracer, run.source.times
+    gen = [(s.start, s.end) for s in tracer.select("worker", since=start)]
+    train = [(s.start, s.end) for s in tracer.select("learner", since=start, names=TRAIN_SPANS)]
+    num_workers = max(len({s.track for s in tracer.select("worker", since=start)}), 1)
+    gen_busy = sum(b - a for a, b in gen) / num_workers
+    train_busy = sum(b - a for a, b in train)
+    depths = times.queue_depths or [0]
+    return {
+        "gen_s": gen_busy,
+        "train_s": train_busy,
+        "gen_busy_s": gen_busy,
+        "train_busy_s": train_busy,
+        "t_weight_sync": times.weight_sync_s,
+        "t_first_group": times.first_group,
+        "t_last_group": times.last_group,
+        "learner_idle_s": times.learner_wait_s,
+        "worker_idle_s": max(wall - gen_busy, 0.0),
+        "overlap_s": overlap_length(gen, train),
+        "pipeline_efficiency": max(gen_busy, train_busy) / wall,
+        "queue_depth": sum(depths) / len(depths),
+        "queue_depth_max": max(depths),
     }
 
 
@@ -80,20 +115,26 @@ def _sinks(run: Run, out: Path, extra: list[MetricsSink]) -> list[MetricsSink]:
     return sinks
 
 
-def train(run: Run, out: Path, extra_sinks: list[MetricsSink] | None = None) -> dict:
-    """Run every iteration, write the outputs, return the summary."""
+def train(
+    run: Run, out: Path, extra_sinks: list[MetricsSink] | None = None, evaluate: bool = True
+) -> dict:
+    """Run every iteration, write the outputs, return the summary.
+
+    `evaluate=False` skips the held-out accuracy before and after (benchmarks time the loop only).
+    """
     cfg = run.cfg
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(to_toml(cfg))
     t_total = time.perf_counter()
-    accuracy_before = heldout_accuracy(run)
+    accuracy_before = heldout_accuracy(run) if evaluate else float("nan")
     budget = RewardErrorBudget(cfg.reward.max_error_fraction)
     sinks = _sinks(run, out, extra_sinks or [])
     records: list[dict[str, float]] = []
     t_loop = time.perf_counter()
     try:
         for k in range(cfg.train.iterations):
-            record = run_iteration(run, k, budget)
+            with run.tracer.span("iteration", "run"):
+                record = run_iteration(run, k, budget)
             if cfg.train.eval_every and (k + 1) % cfg.train.eval_every == 0:
                 record["heldout_accuracy"] = heldout_accuracy(run)
             records.append(record)
@@ -103,13 +144,26 @@ def train(run: Run, out: Path, extra_sinks: list[MetricsSink] | None = None) -> 
         for s in sinks:
             s.close()
         run.source.close()
+        write_timeline(run, out)
     loop_s = time.perf_counter() - t_loop
-    accuracy_after = heldout_accuracy(run)
+    accuracy_after = heldout_accuracy(run) if evaluate else float("nan")
     save_pretrained(run.learner.model, run.tokenizer, out / "final")
     summary = _summary(cfg, records, accuracy_before, accuracy_after, loop_s)
     summary["total_wall_s"] = time.perf_counter() - t_total
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def write_timeline(run: Run, out: Path, last_iterations: int = 3) -> None:
+    """All spans to `trace.json` (Perfetto); the last few iterations drawn to `timeline.png`."""
+    spans = list(run.tracer.spans)
+    write_chrome_trace(spans, out / "trace.json")
+    starts = sorted(s.start for s in spans if s.name == "iteration")
+    since = starts[-last_iterations] if len(starts) >= last_iterations else 0.0
+    shown = [s for s in spans if s.start >= since and s.name != "iteration"]
+    marks = [(t, "iteration start") for t in starts if t >= since]
+    title = f"cadence {run.cfg.pipeline.mode} / {run.cfg.pipeline.placement}"
+    draw_timeline(shown, out / "timeline.png", title=title, marks=marks)
 
 
 def _summary(cfg, records, accuracy_before: float, accuracy_after: float, loop_s: float) -> dict:
@@ -132,5 +186,9 @@ def _summary(cfg, records, accuracy_before: float, accuracy_after: float, loop_s
         "tpspd_overall": tpspd(num_tokens, loop_s),
         "gen_s": sum(r["gen_s"] for r in records),
         "train_s": sum(r["train_s"] for r in records),
+        "pipeline_efficiency": max(
+            sum(r["gen_busy_s"] for r in records), sum(r["train_busy_s"] for r in records)
+        )
+        / loop_s,
         "wall_s": loop_s,
     }

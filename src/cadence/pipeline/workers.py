@@ -1,0 +1,221 @@
+"""Inference worker processes (local backend) and the pool that drives them.
+
+Each worker is a spawned process with its own engine, reward function and torch threads. It
+obeys three messages on its own queue: `sync` (load the published weights, acknowledge the
+version), `rollout` (generate and score a task of prompts with the loaded version) and `stop`.
+Every result, acknowledgement or error goes to one shared result queue, carrying the worker id.
+A worker stamps each group with the version it actually has loaded, so a prompt sent before the
+sync finished is caught by the learner's version check, not trusted.
+
+The pool never lets a failure hang: every wait has a timeout and checks that workers are alive; a
+worker's exception comes back with its traceback; `close()` stops, then terminates, then kills.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from cadence.engine import SamplingParams
+from cadence.pipeline.weights import SharedWeights, load_into
+from cadence.types import Group, Prompt
+
+
+class WorkerError(RuntimeError):
+    """A worker raised; the message holds the worker's own traceback."""
+
+
+class WorkerDied(RuntimeError):
+    """A worker process exited without being asked to."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs to build itself (plain, picklable values)."""
+
+    model_path: str
+    dtype: str
+    reward: str
+    sampling: SamplingParams
+    group_size: int
+    run_seed: int
+    threads: int
+    max_num_seqs: int
+
+
+@dataclass
+class TaskResult:
+    worker: int
+    task_id: int
+    groups: list[Group]
+    start: float  # time.perf_counter() in the worker (CLOCK_MONOTONIC: comparable across processes)
+    end: float
+
+
+def _build_worker(spec: WorkerSpec):
+    from cadence.engine import HFEngine
+    from cadence.models import load_model, load_tokenizer
+    from cadence.pipeline.build import DTYPES
+    from cadence.pipeline.worker import RolloutWorker
+    from cadence.rewards import load_reward
+
+    tokenizer = load_tokenizer(spec.model_path)
+    model = load_model(spec.model_path, dtype=DTYPES[spec.dtype])
+    engine = HFEngine(model, tokenizer, max_num_seqs=spec.max_num_seqs)
+    reward = load_reward(spec.reward)
+    return model, RolloutWorker(
+        engine, tokenizer, reward, spec.sampling, spec.group_size, spec.run_seed
+    )
+
+
+def worker_main(wid: int, spec: WorkerSpec, tensors: dict, inbox, outbox) -> None:
+    """The worker process's main loop (its main thread, so math-verify keeps its timeouts)."""
+    try:
+        torch.set_num_threads(spec.threads)
+        model, worker = _build_worker(spec)
+        version = -1
+        parent = os.getppid()
+        outbox.put(("ready", wid, None))
+        while True:
+            try:
+                kind, payload = inbox.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:  # the learner died without stopping us
+                    return
+                continue
+            if kind == "stop":
+                return
+            if kind == "sync":
+                load_into(model, tensors)
+                version = payload
+                outbox.put(("ack", wid, version))
+            elif kind == "rollout":
+                task_id, prompts, iteration = payload
+                start = time.perf_counter()
+                groups = worker.rollout(prompts, iteration, version)
+                outbox.put(
+                    ("groups", wid, TaskResult(wid, task_id, groups, start, time.perf_counter()))
+                )
+    except BaseException:
+        outbox.put(("error", wid, traceback.format_exc()))
+
+
+@dataclass
+class _Proc:
+    process: Any
+    inbox: Any
+    in_flight: dict[int, list[Prompt]] = field(default_factory=dict)
+
+
+class WorkerPool:
+    def __init__(
+        self, spec: WorkerSpec, weights: SharedWeights, num_workers: int, timeout_s: float = 300.0
+    ) -> None:
+        self.spec = spec
+        self.weights = weights
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.procs: list[_Proc] = []
+        for wid in range(num_workers):
+            inbox = ctx.Queue()
+            p = ctx.Process(
+                target=worker_main,
+                name=f"cadence-worker-{wid}",
+                daemon=True,
+                args=(wid, spec, weights.tensors, inbox, self.results),
+            )
+            p.start()
+            self.procs.append(_Proc(p, inbox))
+        try:
+            self._await("ready", set(range(num_workers)))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.procs)
+
+    def sync(self, model: torch.nn.Module, version: int) -> None:
+        """The barrier: publish `version`, then wait until every worker has loaded it."""
+        self.weights.publish(model, version)
+        self.send_sync(version)
+        self._await("ack", set(range(self.num_workers)), version)
+
+    def send_sync(self, version: int) -> None:
+        for proc in self.procs:
+            proc.inbox.put(("sync", version))
+
+    def submit(self, wid: int, task_id: int, prompts: list[Prompt], iteration: int) -> None:
+        self.procs[wid].in_flight[task_id] = prompts
+        self.procs[wid].inbox.put(("rollout", (task_id, prompts, iteration)))
+
+    def next_result(self, timeout_s: float | None = None) -> TaskResult:
+        """The next finished task from any worker; raises if one failed or died."""
+        kind, wid, payload = self._get(timeout_s or self.timeout_s)
+        if kind != "groups":
+            raise WorkerError(f"worker {wid} sent '{kind}' while tasks were running")
+        self.procs[wid].in_flight.pop(payload.task_id, None)
+        return payload
+
+    def _await(self, kind: str, pending: set[int], value: Any = None) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            got, wid, payload = self._get(max(deadline - time.monotonic(), 0.01))
+            if got != kind or (value is not None and payload != value):
+                raise WorkerError(f"worker {wid} sent '{got}' ({payload}) awaiting '{kind}'")
+            pending.discard(wid)
+
+    def _get(self, timeout_s: float) -> tuple[str, int, Any]:
+        """One message from the result queue, polling worker liveness every half second."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                kind, wid, payload = self.results.get(timeout=0.5)
+            except queue.Empty:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no word from the workers for {timeout_s:.0f}s") from None
+                continue
+            if kind == "error":
+                raise WorkerError(f"worker {wid} failed:\n{payload}")
+            return kind, wid, payload
+
+    def _check_alive(self) -> None:
+        for wid, proc in enumerate(self.procs):
+            if not proc.process.is_alive():
+                uids = [p.uid for prompts in proc.in_flight.values() for p in prompts]
+                raise WorkerDied(
+                    f"worker {wid} (pid {proc.process.pid}) exited with code "
+                    f"{proc.process.exitcode}; prompts in flight: {uids or 'none'}"
+                )
+
+    def close(self) -> None:
+        """Stop every worker; terminate, then kill, any that does not exit in time."""
+        for proc in self.procs:
+            if proc.process.is_alive():
+                with contextlib.suppress(OSError, ValueError):  # its queue may be broken
+                    proc.inbox.put(("stop", None))
+        for proc in self.procs:
+            proc.process.join(timeout=5)
+            if proc.process.is_alive():
+                proc.process.terminate()
+                proc.process.join(timeout=5)
+            if proc.process.is_alive():
+                proc.process.kill()
+                proc.process.join()
+        for proc in self.procs:
+            proc.inbox.close()
+            proc.inbox.cancel_join_thread()
+        self.results.close()
+        self.results.cancel_join_thread()
+        self.procs = []

@@ -1,0 +1,146 @@
+"""Periodic asynchrony: worker processes, producer thread, streaming consumer, proven on-policy."""
+
+import multiprocessing
+import os
+
+import pytest
+
+from cadence.config import load_config
+from cadence.metrics import MemorySink
+from cadence.models import load_model
+from cadence.pipeline import StaleGroupError, build_run, train
+from cadence.pipeline.source import WorkerSource
+from cadence.pipeline.workers import WorkerDied, WorkerError
+
+pytestmark = pytest.mark.slow
+
+
+def _cfg(model_dir, mode, *extra):
+    return load_config(
+        None,
+        [
+            f"model.path='{model_dir}'",
+            f"pipeline.mode='{mode}'",
+            "pipeline.placement='separate'",
+            "pipeline.num_workers=2",
+            "pipeline.prompts_per_task=1",
+            "train.iterations=3",
+            "train.prompts_per_iteration=6",
+            "train.micro_batch_groups=2",
+            "train.lr=1e-3",
+            "rollout.group_size=4",
+            "rollout.max_new_tokens=10",
+            "data.num_heldout=4",
+            "algo.kl_coef=0.05",
+            "metrics.progress=false",
+            "reward.function='fixtures_rewards:even_length'",
+            *extra,
+        ],
+    )
+
+
+def _pids_alive(pids):
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+def _train(cfg, out):
+    run = build_run(cfg)
+    pids = (
+        [p.process.pid for p in run.source.pool.procs]
+        if cfg.pipeline.placement == "separate"
+        else []
+    )
+    sink = MemorySink()
+    train(run, out, extra_sinks=[sink])
+    return run, sink.records, pids
+
+
+def test_periodic_update_equals_sync_update(model_dir, tmp_path):
+    sync_run, sync_records, _ = _train(_cfg(model_dir, "sync"), tmp_path / "sync")
+    per_run, per_records, pids = _train(_cfg(model_dir, "periodic"), tmp_path / "periodic")
+    diff = max(
+        (a - b).abs().max().item()
+        for a, b in zip(
+            sync_run.learner.model.parameters(), per_run.learner.model.parameters(), strict=True
+        )
+    )
+    assert diff < 1e-6
+    assert [r["reward_mean"] for r in sync_records] == [r["reward_mean"] for r in per_records]
+    for r in per_records:  # one optimizer step per iteration, every group consumed once
+        assert r["optimizer_steps"] == 1
+        assert r["policy_version"] == r["iteration"]
+    # the learner really moved, so equality is not trivially of two untrained models
+    fresh = load_model(model_dir)
+    moved = max(
+        (a - b).abs().max().item()
+        for a, b in zip(fresh.parameters(), per_run.learner.model.parameters(), strict=True)
+    )
+    assert moved > 1e-4
+    assert not _pids_alive(pids) and not multiprocessing.active_children()
+
+
+def test_learner_trains_before_the_last_group_is_generated(model_dir, tmp_path):
+    cfg = _cfg(model_dir, "periodic", "train.micro_batch_groups=1", "pipeline.tasks_in_flight=1")
+    run, records, _ = _train(cfg, tmp_path)
+    spans = run.tracer.spans
+    for k in range(1, 3):  # iterations after the first (warm caches)
+        starts = [s.start for s in spans if s.name == "weight_sync"]
+        window = (starts[k], starts[k + 1] if k + 1 < len(starts) else float("inf"))
+        inside = [s for s in spans if window[0] <= s.start < window[1]]
+        first_train = min(s.start for s in inside if s.name == "forward_backward")
+        last_gen_end = max(s.end for s in inside if s.name == "generate")
+        assert first_train < last_gen_end
+    assert all(r["overlap_s"] > 0 for r in records[1:])
+    for key in [
+        "t_weight_sync",
+        "t_first_group",
+        "t_last_group",
+        "gen_busy_s",
+        "train_busy_s",
+        "learner_idle_s",
+        "worker_idle_s",
+        "overlap_s",
+        "pipeline_efficiency",
+        "queue_depth",
+        "tpspd",
+    ]:
+        assert key in records[-1], key
+
+
+class EagerProducer(WorkerSource):
+    """Broken on purpose: publishes the weights but sends prompts without the workers' loading
+    and acknowledging them."""
+
+    def barrier(self, version):
+        self.pool.weights.publish(self.model, version)
+
+
+def test_producer_that_skips_the_barrier_is_caught(model_dir, tmp_path):
+    run = build_run(_cfg(model_dir, "periodic", "pipeline.num_workers=1"))
+    run.source.__class__ = EagerProducer
+    with pytest.raises(StaleGroupError, match="policy_version -1, learner is at 0"):
+        train(run, tmp_path)
+    assert not multiprocessing.active_children()
+
+
+def test_worker_death_is_reported_with_its_prompts_and_leaves_no_process(model_dir, tmp_path):
+    cfg = _cfg(model_dir, "periodic", "reward.function='fixtures_rewards:exit_on_third_call'")
+    run = build_run(cfg)
+    pids = [p.process.pid for p in run.source.pool.procs]
+    with pytest.raises(WorkerDied, match=r"worker \d \(pid \d+\) exited with code 3"):
+        train(run, tmp_path)
+    assert not _pids_alive(pids) and not multiprocessing.active_children()
+
+
+def test_worker_exception_reaches_the_learner_with_its_traceback(model_dir, tmp_path):
+    cfg = _cfg(model_dir, "periodic", "reward.function='fixtures_broken_in_workers:reward'")
+    with pytest.raises(WorkerError, match=r"(?s)worker \d failed:.*Traceback.*refuses to load"):
+        build_run(cfg)
+    assert not multiprocessing.active_children()
