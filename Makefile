@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 bench: $(STAMP)
-	$(VENV)/bin/python benchmarks/engine_vs_generate.py
+	$(VENV)/bin/python benchmarks/engine_vs_generate.py $(if $(wildcard runs/sft/config.json),--model runs/sft)
 
 clean:
 	rm -rf runs

@@ -91,14 +91,17 @@ def write_chrome_trace(spans: list[Span], path: str | Path) -> Path:
     return path
 
 
+# The pipeline's own span names keep one colour in every picture; other names take the rest.
+_KNOWN = ("generate", "forward_backward", "optimizer_step", "weight_sync")
+
+
 def _name_colours(spans: list[Span]) -> dict[str, tuple[float, ...]]:
-    # tab10 in order of first appearance, so a name keeps its colour across runs of one setup.
     palette = colormaps["tab10"].colors
-    colours: dict[str, tuple[float, ...]] = {}
+    colours: dict[str, tuple[float, ...]] = {n: palette[i] for i, n in enumerate(_KNOWN)}
     for span in spans:
         if span.name not in colours:
             colours[span.name] = palette[len(colours) % len(palette)]
-    return colours
+    return {n: c for n, c in colours.items() if any(s.name == n for s in spans)}
 
 
 def _draw_spans(ax: Axes, spans: list[Span], tracks: list[str]) -> None:
