@@ -113,3 +113,48 @@ def test_summary_reports_cpu_as_one_device():
 
     assert tpspd(1000, 2.0) == 500.0 and tpspd(1000, 2.0, num_devices=4) == 125.0
     assert torch.get_num_threads() >= 1
+
+
+@pytest.mark.slow
+def test_tensorboard_option_writes_event_files(model_dir, tmp_path):
+    cfg = load_config(None, [*_overrides(model_dir), "metrics.tensorboard=true"])
+    train(build_run(cfg), tmp_path, evaluate=False)
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow
+def test_bench_writes_one_row_per_mode_with_the_named_fields(model_dir, tmp_path, capsys):
+    args = [
+        "bench",
+        "--config",
+        "configs/default.toml",
+        "--modes",
+        "sync-colocated,periodic",
+        "--repeats",
+        "1",
+        "--iterations",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
+    for o in _overrides(model_dir):
+        args += ["--set", o]
+    assert main(args) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert [r["name"] for r in rows] == ["sync-colocated", "periodic"]
+    for r in rows:
+        for field in [
+            "name",
+            "mode",
+            "placement",
+            "tpspd",
+            "wall_s",
+            "gen_busy_s",
+            "train_busy_s",
+            "pipeline_efficiency",
+        ]:
+            assert field in r, field
+        assert r["tpspd"] > 0
+    assert "| periodic | periodic | separate |" in (tmp_path / "bench.md").read_text()
+    assert main(["bench", "--modes", "fast", "--out", str(tmp_path)]) == 2
+    assert "allowed: sync-colocated, sync, periodic" in capsys.readouterr().err
