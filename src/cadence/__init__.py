@@ -1,7 +1,7 @@
 """cadence: RL post-training of language models that overlaps generation and training."""
 
 from cadence.config import Config, ConfigError, load_config
-from cadence.types import Completion, Group, IterationStats, Prompt
+from cadence.types import Completion, Group, Prompt
 
 __version__ = "0.1.0"
 
@@ -10,7 +10,6 @@ __all__ = [
     "Config",
     "ConfigError",
     "Group",
-    "IterationStats",
     "Prompt",
     "__version__",
     "load_config",

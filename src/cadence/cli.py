@@ -22,7 +22,7 @@ def cmd_init_model(args: argparse.Namespace) -> int:
     from cadence.models import init_model
     from cadence.pipeline.build import make_task
 
-    cfg = load_config(args.config, args.set) if args.config else load_config(None, args.set)
+    cfg = load_config(args.config, args.set)
     out = Path(args.out)
     if (out / "config.json").exists() and not args.force:
         print(f"{out} already holds a model; pass --force to rebuild it")

@@ -6,7 +6,7 @@ pickled to a worker process, or written to JSON. Nothing here imports transforme
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,3 @@ class Group:
     def num_tokens(self) -> int:
         """Prompt + response tokens of every sample, as trained (the TPSPD numerator)."""
         return sum(len(self.prompt_ids) + len(c.token_ids) for c in self.completions)
-
-
-@dataclass
-class IterationStats:
-    """What one iteration measured; the pipeline turns it into one `metrics.jsonl` line."""
-
-    iteration: int
-    values: dict[str, float] = field(default_factory=dict)

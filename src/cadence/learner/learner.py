@@ -48,6 +48,16 @@ class LearnerParams:
     temperature: float = 1.0  # log-probs are of softmax(logits / temperature), as sampled
 
 
+@dataclass
+class _Packed:
+    ids: torch.Tensor  # (B, L) right-padded [prompt | response]
+    attn: torch.Tensor  # (B, L)
+    starts: torch.Tensor  # (B,) position of each row's first response token
+    loss_mask: torch.Tensor  # (B, T) response tokens, aligned from each row's start
+    behaviour_logprobs: torch.Tensor  # (B, T) recorded by the engine at sampling time
+    advantages: torch.Tensor  # (B,)
+
+
 class _Sums:
     """Running sums over one optimizer step's micro-batches."""
 
@@ -121,22 +131,30 @@ class Learner:
 
     def _forward_backward(self, groups: list[Group], sums: _Sums) -> None:
         with self.tracer.span("forward_backward", "learner"):
-            batch, ids, attn, starts = self._pack(groups)
+            packed = self._pack(groups)
+            ids, attn, starts, mask = packed.ids, packed.attn, packed.starts, packed.loss_mask
             logits = self.model(input_ids=ids, attention_mask=attn).logits  # (B, L, V)
-            logprobs, entropy = self._response_logprobs(logits, ids, starts, batch.loss_mask)
-            batch.logprobs = logprobs
-            if self.params.mini_batches == 1:  # old policy == policy at the iteration's start
-                batch.old_logprobs = logprobs.detach()
+            logprobs, entropy = self._response_logprobs(logits, ids, starts, mask)
+            ref_logprobs = None
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_logits = self.ref_model(input_ids=ids, attention_mask=attn).logits
-                    batch.ref_logprobs, _ = self._response_logprobs(
-                        ref_logits, ids, starts, batch.loss_mask, with_entropy=False
+                    ref_logprobs, _ = self._response_logprobs(
+                        ref_logits, ids, starts, mask, with_entropy=False
                     )
-            batch.__post_init__()
+            batch = PolicyBatch(
+                logprobs=logprobs,
+                # one step per iteration: the old policy is the policy at the iteration's start
+                old_logprobs=logprobs.detach()
+                if self.params.mini_batches == 1
+                else packed.behaviour_logprobs,
+                advantages=packed.advantages,
+                loss_mask=mask,
+                token_weights=token_weights(mask, self.params.loss_agg),
+                ref_logprobs=ref_logprobs,
+            )
             loss, metrics = self.loss_fn(batch, self.loss_params)
             loss.backward()
-        mask = batch.loss_mask
         sums.add(
             loss=loss.item(),
             **{k: v.item() for k, v in metrics.items()},
@@ -146,7 +164,7 @@ class Learner:
             num_tokens=float(sum(g.num_tokens for g in groups)),
         )
 
-    def _pack(self, groups: list[Group]):
+    def _pack(self, groups: list[Group]) -> _Packed:
         """Right-padded [prompt | response] rows; response-aligned tensors for the loss."""
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # (N, G)
         ctx = AdvantageContext(scale_by_std=self.params.scale_by_std, baseline=self.baseline)
@@ -165,18 +183,12 @@ class Learner:
             behaviour[b, : len(c.token_ids)] = torch.tensor(c.logprobs)
             mask[b, : len(c.token_ids)] = 1
         starts = torch.tensor([len(p) for p, _ in rows])  # (B,) first response position
-        batch = PolicyBatch(
-            logprobs=behaviour,
-            old_logprobs=behaviour,
-            advantages=adv.flatten(),
-            loss_mask=mask,
-            token_weights=token_weights(mask, self.params.loss_agg),
-        )
-        return batch, ids, attn, starts
+        device = next(self.model.parameters()).device
+        return _Packed(*(t.to(device) for t in (ids, attn, starts, mask, behaviour, adv.flatten())))
 
     def _response_logprobs(self, logits, ids, starts, mask, with_entropy: bool = True):
         """Log-probs (and entropy) of each response token, aligned to (B, T)."""
-        steps = torch.arange(mask.shape[1])  # (T,)
+        steps = torch.arange(mask.shape[1], device=ids.device)  # (T,)
         targets = (starts[:, None] + steps[None, :]).clamp(max=ids.shape[1] - 1)  # (B, T)
         pred = (
             logits.gather(1, (targets - 1)[:, :, None].expand(-1, -1, logits.shape[-1])).float()

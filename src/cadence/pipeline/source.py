@@ -22,6 +22,8 @@ from cadence.types import Group, Prompt
 
 
 class GroupSource(Protocol):
+    times: IterationTimes  # what the current iteration measured
+
     def start_iteration(self, prompts: list[Prompt], iteration: int, version: int) -> None: ...
 
     def groups(self) -> Iterator[Group]:
