@@ -1,0 +1,83 @@
+"""Ctrl-C stops the learner and every worker process; nothing is left behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # field 4 of /proc/PID/stat: the parent's pid
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return state != "Z"
+
+
+def test_ctrl_c_stops_learner_and_workers(model_dir, tmp_path):
+    args = [
+        sys.executable,
+        "-m",
+        "cadence.cli",
+        "train",
+        "configs/default.toml",
+        "--out",
+        str(tmp_path),
+        "--set",
+        f"model.path='{model_dir}'",
+        "--set",
+        "pipeline.placement='separate'",
+        "--set",
+        "pipeline.mode='periodic'",
+        "--set",
+        "pipeline.num_workers=2",
+        "--set",
+        "train.iterations=100000",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "data.num_heldout=2",
+        "--set",
+        "metrics.progress=false",
+    ]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        args, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 120
+    while (
+        not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").stat().st_size
+    ):
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    workers = [
+        pid
+        for pid in _children(proc.pid)
+        if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    ]
+    assert len(workers) == 2
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    assert proc.wait(timeout=60) == 130
+    assert "interrupted" in proc.stderr.read().decode()
+    time.sleep(0.5)
+    assert not [pid for pid in workers if _alive(pid)]
