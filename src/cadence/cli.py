@@ -57,7 +57,6 @@ def cmd_sft(args: argparse.Namespace) -> int:
         lr=s.lr,
         warmup_steps=s.warmup_steps,
         key=key,
-        direct_fraction=s.direct_fraction,
         progress=cfg.metrics.progress,
     )
     print(

@@ -150,13 +150,6 @@ class SFTConfig(_Section):
     batch_size: int = Field(32, ge=1, description="Examples per step.")
     lr: float = Field(2e-3, gt=0.0, description="Peak learning rate (cosine decay).")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
-    direct_fraction: float = Field(
-        0.0,
-        ge=0.0,
-        le=1.0,
-        description="Fraction of SFT references shown as the bare '#### N' final answer, "
-        "without worked lines (the rest keep them); RL then learns which style pays.",
-    )
 
 
 class MetricsConfig(_Section):

@@ -13,7 +13,6 @@ from cadence.data.tasks import (
     TASKS,
     ArithmeticTask,
     Example,
-    direct_answer,
     load_task,
     make_prompt,
     reference_answer,
@@ -189,15 +188,10 @@ def test_public_surface() -> None:
         "Task",
         "load_gsm8k_jsonl",
         "load_task",
-        "direct_answer",
         "make_prompt",
         "reference_answer",
         "to_prompt",
     }
-
-
-def test_direct_answer_keeps_only_the_final_answer() -> None:
-    assert direct_answer("12 + 7 = 19\n19 - 4 = 15\n#### 15") == "#### 15"
 
 
 def test_max_operand_bounds_every_number() -> None:

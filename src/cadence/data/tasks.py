@@ -67,11 +67,6 @@ def to_prompt(example: Example, uid: str, index: int, template: str = DEFAULT_TE
     )
 
 
-def direct_answer(answer: str) -> str:
-    """The same answer without its worked lines: just "#### <final answer>"."""
-    return f"#### {reference_answer(answer)}"
-
-
 def reference_answer(answer: str) -> str:
     """The final answer: the text after the last "####", stripped."""
     _, sep, tail = answer.rpartition("####")

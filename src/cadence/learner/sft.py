@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from cadence.data import direct_answer, make_prompt
-from cadence.data.tasks import stable_seed
+from cadence.data import make_prompt
 from cadence.models import load_model, load_tokenizer, save_pretrained
 
 MARKER = "sft.json"
@@ -34,22 +33,12 @@ def is_cached(out: Path, key: str) -> bool:
     return marker.is_file() and json.loads(marker.read_text()).get("key") == key
 
 
-def sft_answer(answer: str, index: int, direct_fraction: float) -> str:
-    """The worked answer, or (for a stable `direct_fraction` of indices) the bare final answer."""
-    if direct_fraction > 0 and stable_seed(f"direct:{index}") % 10_000 < direct_fraction * 10_000:
-        return direct_answer(answer)
-    return answer
-
-
-def encode_batch(
-    examples, tokenizer, template: str, start: int = 0, direct_fraction: float = 0.0
-) -> tuple[torch.Tensor, ...]:
+def encode_batch(examples, tokenizer, template: str) -> tuple[torch.Tensor, ...]:
     """input_ids, attention_mask, labels (-100 on prompt and padding); right-padded."""
     rows = []
-    for i, ex in enumerate(examples, start=start):
+    for ex in examples:
         p = tokenizer(make_prompt(ex.question, template), add_special_tokens=False)["input_ids"]
-        text = sft_answer(ex.answer, i, direct_fraction)
-        a = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        a = tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append((p, a))
     width = max(len(p) + len(a) for p, a in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)  # (B, L)
@@ -84,7 +73,6 @@ def run_sft(
     lr: float,
     warmup_steps: int,
     key: str,
-    direct_fraction: float = 0.0,
     progress: bool = True,
 ) -> dict:
     """Train `steps` steps of `batch_size` examples from `task.train_iter()`, save to `out`."""
@@ -98,11 +86,9 @@ def run_sft(
     start, loss_value = time.perf_counter(), float("nan")
     with Progress(disable=not progress) as bar:
         job = bar.add_task("SFT", total=steps)
-        for step in range(steps):
+        for _ in range(steps):
             batch = [next(examples) for _ in range(batch_size)]
-            ids, attn, labels = encode_batch(
-                batch, tokenizer, template, step * batch_size, direct_fraction
-            )
+            ids, attn, labels = encode_batch(batch, tokenizer, template)
             loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
