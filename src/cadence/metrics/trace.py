@@ -59,10 +59,6 @@ class Tracer:
                 and (not names or s.name in names)
             ]
 
-    def busy_s(self, track_prefix: str, since: float = 0.0, names: tuple[str, ...] = ()) -> float:
-        """Total duration of the selected spans."""
-        return sum(s.duration for s in self.select(track_prefix, since, names))
-
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by possibly overlapping intervals."""

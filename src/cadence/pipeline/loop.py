@@ -77,9 +77,10 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
 def pipeline_figures(run: Run, start: float, wall: float) -> dict[str, float]:
     """Busy, idle and overlap times of generation and training over one iteration."""
     tracer, times = run.tracer, run.source.times
-    gen = [(s.start, s.end) for s in tracer.select("worker", since=start)]
+    gen_spans = tracer.select("worker", since=start)
+    gen = [(s.start, s.end) for s in gen_spans]
     train = [(s.start, s.end) for s in tracer.select("learner", since=start, names=TRAIN_SPANS)]
-    num_workers = max(len({s.track for s in tracer.select("worker", since=start)}), 1)
+    num_workers = max(len({s.track for s in gen_spans}), 1)
     gen_busy = sum(b - a for a, b in gen) / num_workers
     train_busy = sum(b - a for a, b in train)
     depths = times.queue_depths or [0]
