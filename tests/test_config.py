@@ -27,6 +27,9 @@ def test_required_keys_exist():
         "algo.kl_coef",
         "pipeline.mode",
         "pipeline.placement",
+        "learner.shared_prompt",
+        "learner.shared_prompt_impl",
+        "learner.reuse_old_logprobs",
     ]:
         section, field = key.split(".")
         assert field in type(getattr(cfg, section)).model_fields, key
@@ -39,6 +42,11 @@ def test_required_keys_exist():
         (['algo.loss="dpo"'], "algo.loss", "'ppo_clip' or 'pg'"),
         (["rollout.group_size=0"], "rollout.group_size", "greater than or equal to 1"),
         (["bogus.key=1"], "bogus", "unknown key"),
+        (
+            ['learner.shared_prompt_impl="flash"'],
+            "learner.shared_prompt_impl",
+            "'prefix' or 'dense'",
+        ),
     ],
 )
 def test_bad_keys_and_values_name_the_key(override, key, hint):
@@ -52,3 +60,8 @@ def test_missing_file_and_bad_override_form(tmp_path):
         load_config(tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match=r"section\.key=value"):
         load_config(None, ["train.iterations"])
+
+
+def test_shared_prompt_is_on_by_default():
+    cfg = Config()
+    assert cfg.learner.shared_prompt and cfg.learner.shared_prompt_impl == "prefix"

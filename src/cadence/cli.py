@@ -102,13 +102,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from cadence.bench import bench, parse_modes
+    from cadence.bench import bench, bench_shared_prompt, parse_modes
 
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1; got {args.repeats}")
+    load_config(args.config, args.set)  # fail early on a bad config, before any run starts
+    if args.suite == "shared-prompt":
+        rows = bench_shared_prompt(args.config, list(args.set), args.repeats, Path(args.out))
+        print((Path(args.out) / "bench.md").read_text())
+        return 0 if rows else 1
     try:
         names = parse_modes(args.modes)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    load_config(args.config, args.set)  # fail early on a bad config, before any run starts
     overrides = list(args.set) + (
         [f"train.iterations={args.iterations}"] if args.iterations else []
     )
@@ -133,6 +139,7 @@ def print_summary(summary: dict, out: Path) -> None:
         ),
         ("KL to reference (last)", f"{summary['kl_last']:.4f}"),
         ("trained tokens", f"{summary['num_tokens']:,.0f}"),
+        ("tokens computed by the learner", f"{summary['tokens_computed']:,.0f}"),
         ("TPSPD (tokens/s/device)", f"{summary['tpspd_overall']:,.0f}"),
         ("generation / training busy", f"{summary['gen_s']:.1f}s / {summary['train_s']:.1f}s"),
         ("RL wall time", f"{summary['wall_s']:.1f}s"),
@@ -177,16 +184,25 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="runs/train", help="run output directory")
     sp.set_defaults(fn=cmd_train)
 
-    sp = sub.add_parser("bench", help="the same workload in several modes, side by side")
+    sp = sub.add_parser("bench", help="measurements side by side (pipeline modes, layouts)")
+    sp.add_argument(
+        "--suite",
+        default="modes",
+        choices=["modes", "shared-prompt"],
+        help="modes: the RL workload in each pipeline mode; shared-prompt: one training "
+        "iteration with the prompt shared or not",
+    )
     sp.add_argument(
         "--modes",
         default="sync-colocated,sync,periodic",
-        help="comma-separated: sync-colocated, sync, periodic",
+        help="comma-separated: sync-colocated, sync, periodic (suite 'modes')",
     )
     sp.add_argument("--out", required=True, help="output directory (bench.json, bench.md)")
     sp.add_argument("--config", default="configs/default.toml", help="workload config")
     sp.add_argument("--repeats", type=int, default=3, help="repeats per mode (median)")
-    sp.add_argument("--iterations", type=int, default=0, help="iterations per run (0: config)")
+    sp.add_argument(
+        "--iterations", type=int, default=0, help="iterations per run, suite 'modes' (0: config)"
+    )
     with_config(sp, required=False)
     sp.set_defaults(fn=cmd_bench)
 

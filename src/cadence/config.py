@@ -104,6 +104,24 @@ class TrainConfig(_Section):
     threads: int = Field(0, ge=0, description="torch threads (0: all cores).")
 
 
+class LearnerConfig(_Section):
+    shared_prompt: bool = Field(
+        True,
+        description="Pack each group as [prompt | r1 | ... | rG] so its prompt is computed once "
+        "for its G responses (same log-probs as the unpacked forward).",
+    )
+    shared_prompt_impl: Literal["prefix", "dense"] = Field(
+        "prefix",
+        description="prefix: run the prompts once and let the responses attend to their keys and "
+        "values (no quadratic mask; the faster); dense: one row per group with a 4-D mask.",
+    )
+    reuse_old_logprobs: bool = Field(
+        True,
+        description="Before an iteration's first optimizer step the old policy is the policy: use "
+        "its log-probs detached instead of a pass of the frozen old copy.",
+    )
+
+
 class PipelineConfig(_Section):
     mode: Literal["sync", "periodic"] = Field(
         "sync",
@@ -164,6 +182,7 @@ class Config(_Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)

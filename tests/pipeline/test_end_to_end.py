@@ -22,6 +22,9 @@ METRIC_FIELDS = [
     "gen_s",
     "train_s",
     "wall_s",
+    "tokens_computed",
+    "forward_passes_per_microbatch",
+    "frozen_copies_mb",
 ]
 SUMMARY_FIELDS = ["accuracy_before", "accuracy_after", "tpspd_overall", "wall_s", "mode"]
 
@@ -158,3 +161,21 @@ def test_bench_writes_one_row_per_mode_with_the_named_fields(model_dir, tmp_path
     assert "| periodic | periodic | separate |" in (tmp_path / "bench.md").read_text()
     assert main(["bench", "--modes", "fast", "--out", str(tmp_path)]) == 2
     assert "allowed: sync-colocated, sync, periodic" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_shared_prompt_suite_reports_tokens_and_times(model_dir, tmp_path):
+    args = ["bench", "--suite", "shared-prompt", "--repeats", "1", "--out", str(tmp_path)]
+    for o in [*_overrides(model_dir), "train.prompts_per_iteration=2"]:
+        args += ["--set", o]
+    assert main(args) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())
+    assert [(r["workload"], r["layout"]) for r in rows] == [
+        (w, v) for w in ("default", "long-prompt") for v in ("off", "dense", "prefix")
+    ]
+    for r in rows:
+        assert r["time_s"] > 0 and r["tokens_computed"] > 0
+        if r["workload"] == "long-prompt" and r["layout"] != "off":
+            # G(P + R) / (P + G R) with P = 256, R = 64, G = 8, exactly
+            assert r["tokens_ratio"] == pytest.approx(8 * (256 + 64) / (256 + 8 * 64), rel=1e-12)
+    assert "| long-prompt | prefix |" in (tmp_path / "bench.md").read_text()

@@ -11,6 +11,7 @@ from cadence.models import load_model
 from cadence.pipeline import StaleGroupError, build_run, train
 from cadence.pipeline.source import WorkerSource
 from cadence.pipeline.workers import WorkerDied, WorkerError
+from updates import assert_same_update, capture_grads, max_relative_diff
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +51,10 @@ def _pids_alive(pids):
     return alive
 
 
-def _train(cfg, out):
+def _train(cfg, out, grads=None):
     run = build_run(cfg)
+    if grads is not None:
+        capture_grads(run.learner, grads)
     pids = (
         [p.process.pid for p in run.source.pool.procs]
         if cfg.pipeline.placement == "separate"
@@ -63,15 +66,21 @@ def _train(cfg, out):
 
 
 def test_periodic_update_equals_sync_update(model_dir, tmp_path):
-    sync_run, sync_records, _ = _train(_cfg(model_dir, "sync"), tmp_path / "sync")
-    per_run, per_records, pids = _train(_cfg(model_dir, "periodic"), tmp_path / "periodic")
-    diff = max(
-        (a - b).abs().max().item()
-        for a, b in zip(
-            sync_run.learner.model.parameters(), per_run.learner.model.parameters(), strict=True
-        )
+    sync_grads, per_grads = [], []
+    sync_run, sync_records, _ = _train(_cfg(model_dir, "sync"), tmp_path / "sync", sync_grads)
+    per_run, per_records, pids = _train(
+        _cfg(model_dir, "periodic"), tmp_path / "periodic", per_grads
     )
-    assert diff < 1e-6
+    # Groups reach the periodic learner in completion order, so its sums run in another order:
+    # equal within float tolerance, step by step (see tests/updates.py). The first step's
+    # gradients agree to ~3e-7 relative; later steps start from parameters that already differ by
+    # float noise (magnified by Adam where |g| ~ eps) and agree to ~5e-6. A lost or repeated
+    # group of the six changes the sum by a sixth; a stale one changes the samples themselves.
+    assert len(per_grads) == 3
+    assert max_relative_diff(per_grads[0], sync_grads[0]) <= 1e-5
+    assert_same_update(
+        per_run.learner.model, sync_run.learner.model, per_grads, sync_grads, grad_rtol=5e-5
+    )
     assert [r["reward_mean"] for r in sync_records] == [r["reward_mean"] for r in per_records]
     for r in per_records:  # one optimizer step per iteration, every group consumed once
         assert r["optimizer_steps"] == 1

@@ -5,15 +5,22 @@ into micro-batches on group boundaries; each micro-batch's loss is an unnormalis
 gradients are divided by the global-batch normaliser at step time. The update therefore does not
 depend on the micro-batch size or the order groups arrive in.
 
-The loss and the advantage estimator come from `algo.registry`; the learner never branches on
-algorithm names. With one optimizer step per iteration the old policy is the policy itself, so
-`old_logprobs` are its log-probs detached (no extra pass); with several mini-batches they are the
-behaviour log-probs the engine recorded.
+A micro-batch's layout (learner/packing.py) is built once and shared by every model that reads it:
+by default each group's prompt is computed once for its G responses (`shared_prompt`). The loss
+needs three log-probs per token, from as few passes as the algorithm allows (the unified
+tri-model): `logprobs` from the policy, with grad; `old_logprobs` from the policy as it was at the
+iteration's start, which before the iteration's first optimizer step *is* the policy, so they are
+its log-probs detached and cost no pass (a frozen old copy, refreshed each iteration, is evaluated
+only after a step, i.e. with `mini_batches` > 1, or when `reuse_old_logprobs` is off); and
+`ref_logprobs` from the frozen reference, under no_grad. The loss and the advantage estimator
+come from `algo.registry`; the learner never branches on algorithm names.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -28,6 +35,7 @@ from cadence.algo import (
     normaliser,
     token_weights,
 )
+from cadence.learner.packing import LAYOUTS, Layout, check_layout
 from cadence.metrics.trace import Tracer
 from cadence.types import Group
 
@@ -46,14 +54,17 @@ class LearnerParams:
     mini_batches: int = 1
     max_new_tokens: int = 64  # normaliser of "seq-sum-norm"
     temperature: float = 1.0  # log-probs are of softmax(logits / temperature), as sampled
+    shared_prompt: bool = True  # compute each group's prompt once for its G responses
+    shared_prompt_impl: str = "prefix"  # "prefix" (prompt K/V reused) or "dense" (4-D mask)
+    reuse_old_logprobs: bool = True  # before the first step, old_logprobs = policy's, detached
 
 
 @dataclass
-class _Packed:
-    ids: torch.Tensor  # (B, L) right-padded [prompt | response]
-    attn: torch.Tensor  # (B, L)
-    starts: torch.Tensor  # (B,) position of each row's first response token
-    loss_mask: torch.Tensor  # (B, T) response tokens, aligned from each row's start
+class _Responses:
+    """Response-aligned tensors of one micro-batch (B responses, T = longest response)."""
+
+    tokens: torch.Tensor  # (B, T) response token ids, right-padded
+    loss_mask: torch.Tensor  # (B, T) 1.0 on response tokens
     behaviour_logprobs: torch.Tensor  # (B, T) recorded by the engine at sampling time
     advantages: torch.Tensor  # (B,)
 
@@ -70,6 +81,18 @@ class _Sums:
 
     def __getitem__(self, k: str) -> float:
         return self.values.get(k, 0.0)
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy for no_grad passes: no gradient buffers, never in an optimizer, in eval mode."""
+    return copy.deepcopy(model).requires_grad_(False).eval()
+
+
+def model_bytes(model: torch.nn.Module | None) -> int:
+    if model is None:
+        return 0
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class Learner:
@@ -90,6 +113,12 @@ class Learner:
         self.tracer = tracer or Tracer()
         self.loss_fn = get_loss(params.loss)
         self.advantage_fn = get_advantage(params.advantage)
+        if loss_params.kl_coef > 0 and ref_model is None:
+            raise ValueError("algo.kl_coef > 0 needs a reference model")
+        self.layout = self._choose_layout()
+        needs_old = params.mini_batches > 1 or not params.reuse_old_logprobs
+        self.old_model = frozen_copy(model) if needs_old else None
+        self.frozen_copies_bytes = model_bytes(ref_model) + model_bytes(self.old_model)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=params.lr,
@@ -101,13 +130,32 @@ class Learner:
         )
         self.version = 0  # policy version: number of iterations trained
         self.baseline = 0.0  # previous iteration's mean reward (for "reinforce")
-        if loss_params.kl_coef > 0 and ref_model is None:
-            raise ValueError("algo.kl_coef > 0 needs a reference model")
+        self._steps_this_iteration = 0
+
+    def _choose_layout(self) -> str:
+        if not self.params.shared_prompt:
+            return "unpacked"
+        name = self.params.shared_prompt_impl
+        if name not in LAYOUTS or name == "unpacked":
+            raise ValueError(f"unknown shared_prompt_impl {name!r}; allowed: prefix, dense")
+        reason = check_layout(self.model, name, self.pad_id)
+        if reason is None:
+            return name
+        warnings.warn(
+            f"shared-prompt packing ('{name}') is off for this model: {reason}. Training uses the "
+            "unpacked layout (each response repeats its prompt; same result, more compute). "
+            "Set learner.shared_prompt = false to silence this.",
+            stacklevel=3,
+        )
+        return "unpacked"
 
     def train_iteration(self, groups: Iterable[Group], num_groups: int) -> dict[str, float]:
         """Train on `num_groups` groups as they come; step after each mini-batch's last group."""
         per_step = math.ceil(num_groups / self.params.mini_batches)
         self.model.train()
+        if self.old_model is not None:  # the old policy is the policy at the iteration's start
+            self.old_model.load_state_dict(self.model.state_dict())
+        self._steps_this_iteration = 0
         buffer: list[Group] = []
         sums, steps, rewards = _Sums(), [], []
         for i, group in enumerate(groups, start=1):
@@ -124,37 +172,45 @@ class Learner:
             raise RuntimeError(f"learner got no groups (expected {num_groups})")
         self.version += 1
         self.baseline = sum(rewards) / len(rewards)
-        return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]} | {
-            "num_tokens": float(sum(s["num_tokens"] for s in steps)),
+        totals = {k: sum(s[k] for s in steps) for k in _TOTALS}
+        return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k not in _TOTALS} | {
+            "num_tokens": totals["num_tokens"],
+            "tokens_computed": totals["tokens_computed"],
+            "forward_passes_per_microbatch": totals["forward_passes"] / totals["micro_batches"],
+            "frozen_copies_mb": self.frozen_copies_bytes / 2**20,
             "optimizer_steps": float(len(steps)),
         }
 
     def _forward_backward(self, groups: list[Group], sums: _Sums) -> None:
         with self.tracer.span("forward_backward", "learner"):
-            packed = self._pack(groups)
-            ids, attn, starts, mask = packed.ids, packed.attn, packed.starts, packed.loss_mask
-            logits = self.model(input_ids=ids, attention_mask=attn).logits  # (B, L, V)
-            logprobs, entropy = self._response_logprobs(logits, ids, starts, mask)
+            device = next(self.model.parameters()).device
+            tokens = [(g.prompt_ids, [c.token_ids for c in g.completions]) for g in groups]
+            layout = LAYOUTS[self.layout](tokens, self.pad_id).to(device)
+            resp = self._responses(groups, device)
+            logprobs, entropy = self._logprobs(self.model, layout, resp, with_entropy=True)
+            passes = 1
+            if self.old_model is None or (
+                self._steps_this_iteration == 0 and self.params.reuse_old_logprobs
+            ):  # no step taken yet this iteration: the old policy is the policy itself
+                old_logprobs = logprobs.detach()
+            else:
+                old_logprobs = self._frozen_logprobs(self.old_model, layout, resp)
+                passes += 1
             ref_logprobs = None
             if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_logits = self.ref_model(input_ids=ids, attention_mask=attn).logits
-                    ref_logprobs, _ = self._response_logprobs(
-                        ref_logits, ids, starts, mask, with_entropy=False
-                    )
+                ref_logprobs = self._frozen_logprobs(self.ref_model, layout, resp)
+                passes += 1
             batch = PolicyBatch(
                 logprobs=logprobs,
-                # one step per iteration: the old policy is the policy at the iteration's start
-                old_logprobs=logprobs.detach()
-                if self.params.mini_batches == 1
-                else packed.behaviour_logprobs,
-                advantages=packed.advantages,
-                loss_mask=mask,
-                token_weights=token_weights(mask, self.params.loss_agg),
+                old_logprobs=old_logprobs,
+                advantages=resp.advantages,
+                loss_mask=resp.loss_mask,
+                token_weights=token_weights(resp.loss_mask, self.params.loss_agg),
                 ref_logprobs=ref_logprobs,
             )
             loss, metrics = self.loss_fn(batch, self.loss_params)
             loss.backward()
+        mask = resp.loss_mask
         sums.add(
             loss=loss.item(),
             **{k: v.item() for k, v in metrics.items()},
@@ -162,41 +218,37 @@ class Learner:
             num_response_tokens=float(mask.sum()),
             num_seqs=float(mask.shape[0]),
             num_tokens=float(sum(g.num_tokens for g in groups)),
+            tokens_computed=float(layout.tokens_computed),
+            forward_passes=float(passes),
+            micro_batches=1.0,
         )
 
-    def _pack(self, groups: list[Group]) -> _Packed:
-        """Right-padded [prompt | response] rows; response-aligned tensors for the loss."""
+    def _responses(self, groups: list[Group], device: torch.device) -> _Responses:
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # (N, G)
         ctx = AdvantageContext(scale_by_std=self.params.scale_by_std, baseline=self.baseline)
         adv = self.advantage_fn(rewards, ctx)  # (N, G)
-        rows = [(g.prompt_ids, c) for g in groups for c in g.completions]
-        width = max(len(p) + len(c.token_ids) for p, c in rows)
-        resp_len = max(max(len(c.token_ids) for _, c in rows), 1)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # (B, L)
-        attn = torch.zeros((len(rows), width), dtype=torch.long)  # (B, L)
-        behaviour = torch.zeros((len(rows), resp_len))  # (B, T)
-        mask = torch.zeros((len(rows), resp_len))  # (B, T)
-        for b, (p, c) in enumerate(rows):
-            n = len(p) + len(c.token_ids)
-            ids[b, :n] = torch.tensor(p + c.token_ids)
-            attn[b, :n] = 1
-            behaviour[b, : len(c.token_ids)] = torch.tensor(c.logprobs)
-            mask[b, : len(c.token_ids)] = 1
-        starts = torch.tensor([len(p) for p, _ in rows])  # (B,) first response position
-        device = next(self.model.parameters()).device
-        return _Packed(*(t.to(device) for t in (ids, attn, starts, mask, behaviour, adv.flatten())))
+        completions = [c for g in groups for c in g.completions]
+        width = max([len(c.token_ids) for c in completions] + [1])
+        tokens = torch.full((len(completions), width), self.pad_id, dtype=torch.long)  # (B, T)
+        behaviour = torch.zeros((len(completions), width))  # (B, T)
+        mask = torch.zeros((len(completions), width))  # (B, T)
+        for b, c in enumerate(completions):
+            n = len(c.token_ids)
+            tokens[b, :n] = torch.tensor(c.token_ids, dtype=torch.long)
+            behaviour[b, :n] = torch.tensor(c.logprobs)
+            mask[b, :n] = 1
+        moved = (t.to(device) for t in (tokens, mask, behaviour, adv.flatten()))
+        return _Responses(*moved)
 
-    def _response_logprobs(self, logits, ids, starts, mask, with_entropy: bool = True):
-        """Log-probs (and entropy) of each response token, aligned to (B, T)."""
-        steps = torch.arange(mask.shape[1], device=ids.device)  # (T,)
-        targets = (starts[:, None] + steps[None, :]).clamp(max=ids.shape[1] - 1)  # (B, T)
-        pred = (
-            logits.gather(1, (targets - 1)[:, :, None].expand(-1, -1, logits.shape[-1])).float()
-            / self.params.temperature
-        )  # (B, T, V)
+    @torch.no_grad()
+    def _frozen_logprobs(self, model, layout: Layout, resp: _Responses) -> torch.Tensor:
+        return self._logprobs(model, layout, resp, with_entropy=False)[0]
+
+    def _logprobs(self, model, layout: Layout, resp: _Responses, with_entropy: bool):
+        """Log-probs (and entropy) of each response token under softmax(logits / temperature)."""
+        pred = layout.logits(model).float() / self.params.temperature  # (B, T, V)
         log_z = pred.logsumexp(-1)  # (B, T)
-        token_ids = ids.gather(1, targets)  # (B, T)
-        logprobs = pred.gather(-1, token_ids[:, :, None]).squeeze(-1) - log_z  # (B, T)
+        logprobs = pred.gather(-1, resp.tokens[:, :, None]).squeeze(-1) - log_z  # (B, T)
         if not with_entropy:
             return logprobs, None
         with torch.no_grad():
@@ -221,9 +273,13 @@ class Learner:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self._steps_this_iteration += 1
         out = {k: sums[k] / norm for k in ("loss", "pg_loss", "kl", "clip_frac", "ratio")}
         out["entropy"] = sums["entropy_sum"] / max(sums["num_response_tokens"], 1.0)
         out["grad_norm"] = float(grad_norm)
-        out["num_tokens"] = sums["num_tokens"]
         out["num_response_tokens"] = sums["num_response_tokens"]
-        return out
+        return out | {k: sums[k] for k in _TOTALS}
+
+
+# figures summed over an iteration's optimizer steps (the others are averaged)
+_TOTALS = ("num_tokens", "tokens_computed", "forward_passes", "micro_batches")

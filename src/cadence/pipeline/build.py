@@ -92,6 +92,9 @@ def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
         mini_batches=t.mini_batches,
         max_new_tokens=cfg.rollout.max_new_tokens,
         temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
+        shared_prompt=cfg.learner.shared_prompt,
+        shared_prompt_impl=cfg.learner.shared_prompt_impl,
+        reuse_old_logprobs=cfg.learner.reuse_old_logprobs,
     )
     loss = LossParams(a.clip_low, a.clip_high, a.kl_coef, a.kl_estimator)
     return params, loss

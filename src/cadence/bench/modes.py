@@ -1,4 +1,4 @@
-"""`cadence bench`: the same workload in several pipeline modes, side by side, in one process run.
+"""`cadence bench --suite modes`: the same workload in several pipeline modes, side by side.
 
 Modes are interleaved across repeats (mode A, B, C, then A, B, C again) so that machine drift hits
 all of them alike, and each figure is the median over repeats. Worker start-up is not timed; the

@@ -1,0 +1,14 @@
+"""`cadence bench`: measurements run side by side in one process, reported as ratios.
+
+Each suite interleaves its variants across repeats (A, B, C, then A, B, C again) so that machine
+drift hits all of them alike, and reports the median. Suites:
+- `modes` (bench/modes.py): the same RL workload in several pipeline modes (TPSPD, busy times).
+- `shared-prompt` (bench/shared_prompt.py): one training iteration with each micro-batch layout.
+"""
+
+from cadence.bench.modes import MODES, bench, markdown_table, parse_modes
+from cadence.bench.shared_prompt import bench_shared_prompt
+
+SUITES = ("modes", "shared-prompt")
+
+__all__ = ["MODES", "SUITES", "bench", "bench_shared_prompt", "markdown_table", "parse_modes"]

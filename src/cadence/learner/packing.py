@@ -1,0 +1,261 @@
+"""Micro-batch layouts: how a list of groups becomes model inputs, and how log-probs come back.
+
+A group is one prompt P with G responses. Three layouts feed the same responses to the model:
+
+- `unpacked`: one row per response, `[P | Ri]`, right-padded. Every response repeats its prompt:
+  G(P+R) tokens per group. The reference every other layout is tested against.
+- `dense`: one row per group, `[P | R1 | ... | RG]`, with a 4-D attention mask in which prompt
+  tokens attend causally among themselves, each token of Ri attends to all of P and causally
+  within Ri (never to Rj), and Ri's position ids continue from len(P). P + G·R tokens per group,
+  but the mask (and the attention work) grows with the square of the row's length.
+- `prefix`: the same semantics without the square. The prompts run once as a left-padded batch
+  (with grad), keeping their keys and values; those are repeated for each response (the repeat's
+  backward sums the G gradients back into the prompt), and the responses run as one batch that
+  attends to its prompt's keys and values and causally to itself. P + G·R tokens per group.
+
+Each layout returns `(B, T, V)` logits in which row b, column t predicts response b's token t,
+for the responses in group order (group 0's samples, then group 1's ...). The learner turns those
+into log-probs the same way whatever the layout, so the layouts can be swapped (and are tested
+to agree within float tolerance). Nothing here knows about losses, optimizers or configs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+# (prompt_ids, [response_ids, ...]) per group: the only thing a layout needs to know
+GroupTokens = tuple[Sequence[int], Sequence[Sequence[int]]]
+
+
+class Layout(Protocol):
+    tokens_computed: int  # real (non-padding) tokens one forward pass runs through the model
+
+    def to(self, device: torch.device) -> Layout: ...
+
+    def logits(self, model: torch.nn.Module) -> Tensor:
+        """(B, T, V): row b, column t holds the logits that predict response b's token t."""
+        ...
+
+
+class _Movable:
+    def to(self, device: torch.device):
+        """A copy with every tensor field on `device`."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        moved = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in values.items()}
+        return type(self)(**moved)
+
+
+def _response_width(groups: Sequence[GroupTokens]) -> int:
+    return max([len(r) for _, rs in groups for r in rs] + [1])
+
+
+@dataclass
+class Unpacked(_Movable):
+    input_ids: Tensor  # (B, L) [prompt | response], right-padded
+    attention_mask: Tensor  # (B, L)
+    pred_index: Tensor  # (B, T) position in the row whose logits predict response token t
+    tokens_computed: int
+
+    @classmethod
+    def build(cls, groups: Sequence[GroupTokens], pad_id: int) -> Unpacked:
+        rows = [(p, r) for p, rs in groups for r in rs]
+        width = max(len(p) + len(r) for p, r in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, L)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)  # (B, L)
+        for b, (p, r) in enumerate(rows):
+            ids[b, : len(p) + len(r)] = torch.tensor([*p, *r], dtype=torch.long)
+            attn[b, : len(p) + len(r)] = 1
+        starts = torch.tensor([len(p) for p, _ in rows])  # (B,)
+        steps = torch.arange(_response_width(groups))  # (T,)
+        pred = (starts[:, None] - 1 + steps[None, :]).clamp(max=width - 1)  # (B, T)
+        return cls(ids, attn, pred, int(attn.sum()))
+
+    def logits(self, model: torch.nn.Module) -> Tensor:
+        logits = model(input_ids=self.input_ids, attention_mask=self.attention_mask).logits
+        index = self.pred_index[:, :, None].expand(-1, -1, logits.shape[-1])  # (B, T, V)
+        return logits.gather(1, index)  # (B, T, V)
+
+
+def shared_prompt_mask(prompt_len: int, response_lens: Sequence[int], width: int) -> Tensor:
+    """(width, width) bool mask of one `[P | R1 | ... | RG]` row; True = may attend.
+
+    Query q attends key k iff k <= q and k is a prompt token or in q's own response. Positions
+    past the row's tokens (padding) attend only to themselves, so no softmax row is empty.
+    """
+    segment = [0] * prompt_len + [j + 1 for j, n in enumerate(response_lens) for _ in range(n)]
+    length = len(segment)
+    if length > width:
+        raise ValueError(f"row of {length} tokens does not fit width {width}")
+    seg = torch.tensor(segment + [-1] * (width - length))  # (L,) -1 marks padding
+    pos = torch.arange(width)  # (L,)
+    causal = pos[None, :] <= pos[:, None]  # (L, L) [q, k]
+    visible = (seg[None, :] == 0) | (seg[None, :] == seg[:, None])  # (L, L)
+    real = (seg[:, None] >= 0) & (seg[None, :] >= 0)  # (L, L)
+    return (causal & visible & real) | torch.eye(width, dtype=torch.bool)
+
+
+def shared_prompt_positions(prompt_len: int, response_lens: Sequence[int]) -> list[int]:
+    """Position ids of a `[P | R1 | ... | RG]` row: each response continues from len(P)."""
+    out = list(range(prompt_len))
+    for n in response_lens:
+        out.extend(range(prompt_len, prompt_len + n))
+    return out
+
+
+@dataclass
+class Dense(_Movable):
+    input_ids: Tensor  # (N, L) one [P | R1 | ... | RG] row per group, right-padded
+    position_ids: Tensor  # (N, L)
+    attention_mask: Tensor  # (N, 1, L, L) additive float mask: 0 = attend, dtype min = not
+    pred_row: Tensor  # (B,) group row of each response
+    pred_col: Tensor  # (B, T) column whose logits predict response token t
+    tokens_computed: int
+
+    @classmethod
+    def build(
+        cls, groups: Sequence[GroupTokens], pad_id: int, dtype: torch.dtype = torch.float32
+    ) -> Dense:
+        width = max(len(p) + sum(len(r) for r in rs) for p, rs in groups)
+        steps = _response_width(groups)
+        n = len(groups)
+        ids = torch.full((n, width), pad_id, dtype=torch.long)  # (N, L)
+        pos = torch.zeros((n, width), dtype=torch.long)  # (N, L)
+        allowed = torch.zeros((n, 1, width, width), dtype=torch.bool)  # (N, 1, L, L)
+        rows, cols = [], []
+        for g, (p, rs) in enumerate(groups):
+            lens = [len(r) for r in rs]
+            tokens = [*p, *(t for r in rs for t in r)]
+            ids[g, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            pos[g, : len(tokens)] = torch.tensor(shared_prompt_positions(len(p), lens))
+            allowed[g, 0] = shared_prompt_mask(len(p), lens, width)
+            offset = len(p)
+            for r in rs:
+                # token 0 is predicted by the prompt's last position, token t by the one before it
+                col = [len(p) - 1] + [offset + t - 1 for t in range(1, steps)]
+                cols.append([min(c, width - 1) for c in col])
+                rows.append(g)
+                offset += len(r)
+        # An additive mask, not a bool one: eager attention adds the mask to the scores and would
+        # read a bool mask as 0/1 offsets (wrong); every attention implementation reads this.
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(
+            ~allowed, torch.finfo(dtype).min
+        )
+        real = sum(len(p) + sum(len(r) for r in rs) for p, rs in groups)
+        return cls(ids, pos, mask, torch.tensor(rows), torch.tensor(cols), real)
+
+    def logits(self, model: torch.nn.Module) -> Tensor:
+        logits = model(
+            input_ids=self.input_ids,
+            attention_mask=self.attention_mask,
+            position_ids=self.position_ids,
+        ).logits  # (N, L, V)
+        return logits[self.pred_row[:, None], self.pred_col]  # (B, T, V)
+
+
+@dataclass
+class Prefix(_Movable):
+    prompt_ids: Tensor  # (N, W) left-padded, so every prompt's last token is in column W-1
+    prompt_mask: Tensor  # (N, W)
+    prompt_positions: Tensor  # (N, W)
+    response_ids: Tensor  # (B, T) right-padded
+    response_mask: Tensor  # (B, W + T) its prompt's mask, then its own tokens
+    response_positions: Tensor  # (B, T) continuing from len(P)
+    group_index: Tensor  # (B,) the group (prompt row) of each response
+    tokens_computed: int
+
+    @classmethod
+    def build(cls, groups: Sequence[GroupTokens], pad_id: int) -> Prefix:
+        width = max(len(p) for p, _ in groups)
+        steps = _response_width(groups)
+        n = len(groups)
+        prompt_ids = torch.full((n, width), pad_id, dtype=torch.long)  # (N, W)
+        prompt_mask = torch.zeros((n, width), dtype=torch.long)  # (N, W)
+        responses = [(g, r) for g, (_, rs) in enumerate(groups) for r in rs]
+        response_ids = torch.full((len(responses), steps), pad_id, dtype=torch.long)  # (B, T)
+        own_mask = torch.zeros((len(responses), steps), dtype=torch.long)  # (B, T)
+        for g, (p, _) in enumerate(groups):
+            prompt_ids[g, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            prompt_mask[g, width - len(p) :] = 1
+        for b, (_, r) in enumerate(responses):
+            response_ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+            own_mask[b, : len(r)] = 1
+        group_index = torch.tensor([g for g, _ in responses])  # (B,)
+        prompt_lens = prompt_mask.sum(-1)  # (N,)
+        real = int(prompt_lens.sum() + own_mask.sum())
+        return cls(
+            prompt_ids,
+            prompt_mask,
+            (prompt_mask.cumsum(-1) - 1).clamp(min=0),  # (N, W)
+            response_ids,
+            torch.cat([prompt_mask[group_index], own_mask], dim=1),  # (B, W + T)
+            prompt_lens[group_index, None] + torch.arange(steps)[None, :],  # (B, T)
+            group_index,
+            real,
+        )
+
+    def logits(self, model: torch.nn.Module) -> Tensor:
+        prompt = model(
+            input_ids=self.prompt_ids,
+            attention_mask=self.prompt_mask,
+            position_ids=self.prompt_positions,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = prompt.past_key_values
+        cache.batch_select_indices(self.group_index)  # repeat each prompt's K/V for its responses
+        first = prompt.logits[self.group_index, -1:]  # (B, 1, V) predicts response token 0
+        rest = model(
+            input_ids=self.response_ids,
+            attention_mask=self.response_mask,
+            position_ids=self.response_positions,
+            past_key_values=cache,
+            use_cache=True,
+        ).logits  # (B, T, V) position t predicts token t+1
+        return torch.cat([first, rest[:, :-1]], dim=1)  # (B, T, V)
+
+
+LAYOUTS: dict[str, Callable[[Sequence[GroupTokens], int], Layout]] = {
+    "unpacked": Unpacked.build,
+    "dense": Dense.build,
+    "prefix": Prefix.build,
+}
+
+
+def check_layout(model: torch.nn.Module, name: str, pad_id: int) -> str | None:
+    """Why layout `name` gives wrong log-probs with `model` (None when it agrees with `unpacked`).
+
+    Runs a tiny ragged batch (two groups, prompts of 3 and 5 tokens, responses of 1-4 tokens) both
+    ways under no_grad. A model whose forward rejects the layout's inputs, or mis-reads its mask,
+    is caught here once instead of training on wrong log-probs.
+    """
+    vocab = model.get_input_embeddings().num_embeddings
+    gen = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    groups = [(ids(3), [ids(2), ids(4)]), (ids(5), [ids(1), ids(3)])]
+    lens = torch.tensor([len(r) for _, rs in groups for r in rs])  # (B,)
+    valid = torch.arange(int(lens.max()))[None, :] < lens[:, None]  # (B, T)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            want = Unpacked.build(groups, pad_id).to(device).logits(model).float()
+            got = LAYOUTS[name](groups, pad_id).to(device).logits(model).float()
+    except Exception as e:  # any failure means this model cannot take the layout
+        return f"its forward failed: {type(e).__name__}: {e}"
+    finally:
+        model.train(was_training)
+    diff = (got.log_softmax(-1) - want.log_softmax(-1)).abs().amax(-1).cpu()[valid].max().item()
+    dtype = next(model.parameters()).dtype
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    if not diff <= tolerance:
+        return f"its log-probs differ from the unpacked forward by {diff:.2e} (> {tolerance:g})"
+    return None
