@@ -61,7 +61,14 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always).")
-    max_num_seqs: int = Field(256, ge=1, description="Most sequences one engine batch decodes.")
+    max_num_seqs: int = Field(
+        256, ge=1, description="Most sequences an engine decodes at once (its slots)."
+    )
+    engine: Literal["continuous", "static"] = Field(
+        "continuous",
+        description="continuous: a finished sequence's slot is refilled at once and each group "
+        "leaves as soon as it is complete; static: batches that end with their slowest sequence.",
+    )
 
 
 class RewardConfig(_Section):
@@ -139,7 +146,7 @@ class PipelineConfig(_Section):
         0, ge=0, description="torch threads of the learner when separate (0: cores - workers)."
     )
     prompts_per_task: int = Field(
-        4, ge=1, description="Prompts a worker generates as one engine batch (one task)."
+        4, ge=1, description="Prompts sent to a worker as one task (the unit of assignment)."
     )
     tasks_in_flight: int = Field(
         2, ge=1, description="Tasks queued at each worker at once (bounded concurrency)."

@@ -9,8 +9,10 @@ the batch composition, the order, or the process that generates them.
 from __future__ import annotations
 
 import hashlib
+import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -38,6 +40,53 @@ class Engine(Protocol):
     def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
         """One list of completions per request, in request order, `len(seeds)` each."""
         ...
+
+
+@runtime_checkable
+class StreamingEngine(Protocol):
+    """Work added at any time; each `step()` returns the requests that finished, by key."""
+
+    occupancy: list[tuple[float, int]]  # (time.perf_counter(), sequences decoding), appended
+
+    @property
+    def busy(self) -> bool: ...
+
+    def add(self, key: Hashable, request: Request, params: SamplingParams) -> None: ...
+
+    def step(self) -> list[tuple[Hashable, list[Completion]]]: ...
+
+
+class BatchStepper:
+    """A batch-only Engine seen as a StreamingEngine: one step generates everything added."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.pending: list[tuple[Hashable, Request]] = []
+        self.params: SamplingParams | None = None
+        self.occupancy: list[tuple[float, int]] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending)
+
+    def add(self, key: Hashable, request: Request, params: SamplingParams) -> None:
+        if self.pending and params != self.params:
+            raise ValueError("one SamplingParams per step")
+        self.params = params
+        self.pending.append((key, request))
+
+    def step(self) -> list[tuple[Hashable, list[Completion]]]:
+        pending, self.pending = self.pending, []
+        if not pending:
+            return []
+        self.occupancy.append((time.perf_counter(), sum(len(r.seeds) for _, r in pending)))
+        outputs = self.engine.generate([r for _, r in pending], self.params)
+        self.occupancy.append((time.perf_counter(), 0))
+        return [(key, out) for (key, _), out in zip(pending, outputs, strict=True)]
+
+
+def as_streaming(engine: Engine) -> StreamingEngine:
+    return engine if isinstance(engine, StreamingEngine) else BatchStepper(engine)
 
 
 def derive_seed(run_seed: int, iteration: int, prompt_index: int, sample_index: int) -> int:

@@ -7,7 +7,7 @@ from cadence.metrics.sinks import (
     MetricsSink,
     TensorBoardSink,
 )
-from cadence.metrics.trace import Span, Tracer
+from cadence.metrics.trace import Sample, Span, Tracer
 
 
 def tpspd(num_tokens: float, wall_s: float, num_devices: int = 1) -> float:
@@ -20,6 +20,7 @@ __all__ = [
     "JsonlSink",
     "MemorySink",
     "MetricsSink",
+    "Sample",
     "Span",
     "TensorBoardSink",
     "Tracer",

@@ -18,7 +18,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from cadence.metrics.trace import Span
+from cadence.metrics.trace import Sample, Span
 
 __all__ = ["chrome_trace", "draw_timeline", "order_tracks", "write_chrome_trace"]
 
@@ -74,20 +74,32 @@ def _complete_event(span: Span, tid: int) -> dict:
     }
 
 
-def chrome_trace(spans: list[Span]) -> dict:
-    """Chrome trace-event JSON: one thread per track (tid in track order), one X event per span."""
+def _counter_event(sample: Sample) -> dict:
+    return {
+        "name": f"{sample.track} {sample.name}",
+        "ph": "C",
+        "ts": sample.t * _US_PER_S,
+        "pid": _PID,
+        "args": {sample.name: sample.value},
+    }
+
+
+def chrome_trace(spans: list[Span], samples: list[Sample] = ()) -> dict:
+    """Chrome trace-event JSON: one thread per track (tid in track order), one X event per span,
+    one C (counter) event per sample."""
     tids = {track: tid for tid, track in enumerate(order_tracks(s.track for s in spans))}
     events = [event for track, tid in tids.items() for event in _metadata_events(track, tid)]
     events += [_complete_event(span, tids[span.track]) for span in spans]
+    events += [_counter_event(s) for s in samples]
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(spans: list[Span], path: str | Path) -> Path:
-    """Write `chrome_trace(spans)` as compact JSON; returns the path."""
+def write_chrome_trace(spans: list[Span], path: str | Path, samples: list[Sample] = ()) -> Path:
+    """Write `chrome_trace(spans, samples)` as compact JSON; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
-        json.dump(chrome_trace(spans), f, separators=(",", ":"))
+        json.dump(chrome_trace(spans, samples), f, separators=(",", ":"))
     return path
 
 
@@ -119,6 +131,22 @@ def _draw_spans(ax: Axes, spans: list[Span], tracks: list[str]) -> None:
     ax.set_ylim(len(tracks) - 0.5, -0.5)  # row 0 (the learner) on top
 
 
+def _draw_samples(ax: Axes, samples: list[Sample], tracks: list[str], capacity: float) -> None:
+    """Each track's counter as a black step line inside its row: bottom empty, top `capacity`."""
+    rows = {track: row for row, track in enumerate(tracks)}
+    labelled = False
+    for track in tracks:
+        points = sorted((s.t, s.value) for s in samples if s.track == track)
+        if not points:
+            continue
+        y = [
+            rows[track] + _BAR_HEIGHT / 2 - _BAR_HEIGHT * min(v / capacity, 1.0) for _, v in points
+        ]
+        label = None if labelled else f"{samples[0].name} (row height = {capacity:g})"
+        ax.step([t for t, _ in points], y, where="post", color="black", linewidth=0.8, label=label)
+        labelled = True
+
+
 def _draw_marks(ax: Axes, marks: list[tuple[float, str]]) -> None:
     # Only the first mark with a given non-empty label reaches the legend; a label per
     # iteration boundary would swamp it.
@@ -134,11 +162,15 @@ def draw_timeline(
     path: str | Path,
     title: str = "cadence timeline",
     marks: list[tuple[float, str]] | None = None,
+    samples: list[Sample] = (),
+    capacity: float = 1.0,
 ) -> Path:
     """Gantt chart PNG: one row per track, one bar per span coloured by span name.
 
     `marks` are (seconds, label) dashed vertical lines, e.g. iteration starts; give a label to
-    the first only. An empty `spans` still writes a PNG that says "no spans".
+    the first only. `samples` (one counter, e.g. occupied engine slots) are drawn as a step line
+    inside their track's row, full height meaning `capacity`. An empty `spans` still writes a PNG
+    that says "no spans".
     """
     tracks = order_tracks(s.track for s in spans)
     fig = Figure(figsize=(12, 1 + 0.5 * max(len(tracks), 1)), dpi=120, layout="constrained")
@@ -148,6 +180,7 @@ def draw_timeline(
     ax.set_xlabel("seconds")
     if spans:
         _draw_spans(ax, spans, tracks)
+        _draw_samples(ax, [s for s in samples if s.track in tracks], tracks, capacity)
     else:
         ax.text(0.5, 0.5, "no spans", ha="center", va="center", transform=ax.transAxes)
         ax.set_yticks([])

@@ -1,6 +1,7 @@
 """Spans of work on named tracks (a worker, the learner), for busy/idle figures and the timeline.
 
-A span is (name, track, start, end) in seconds since the tracer's origin. Recording is thread-safe;
+A span is (name, track, start, end) in seconds since the tracer's origin; a sample is a counter's
+value on a track from time t on (a worker's occupied engine slots). Recording is thread-safe;
 nothing here draws or writes files.
 """
 
@@ -25,11 +26,25 @@ class Span:
         return self.end - self.start
 
 
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    track: str
+    t: float
+    value: float
+
+
 class Tracer:
     def __init__(self) -> None:
         self.origin = time.perf_counter()
         self.spans: list[Span] = []
+        self.samples: list[Sample] = []
         self._lock = threading.Lock()
+
+    def add_samples(self, name: str, track: str, points: list[tuple[float, float]]) -> None:
+        """Counter values from `time.perf_counter()` stamps (any process on this machine)."""
+        with self._lock:
+            self.samples.extend(Sample(name, track, t - self.origin, v) for t, v in points)
 
     def now(self) -> float:
         return time.perf_counter() - self.origin

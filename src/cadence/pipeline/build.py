@@ -13,7 +13,7 @@ import torch
 from cadence.algo import LossParams
 from cadence.config import Config
 from cadence.data import load_task
-from cadence.engine import HFEngine, SamplingParams
+from cadence.engine import Engine, SamplingParams, make_engine
 from cadence.learner import Learner, LearnerParams
 from cadence.metrics import Tracer
 from cadence.models import load_model, load_tokenizer
@@ -34,7 +34,7 @@ class Run:
     tokenizer: object
     learner: Learner
     source: GroupSource
-    eval_engine: HFEngine
+    eval_engine: Engine
     reward: RewardFn
     sampling: SamplingParams
     stream: PromptStream
@@ -121,6 +121,7 @@ def build_source(cfg: Config, model, tokenizer, worker: RolloutWorker, tracer: T
         run_seed=cfg.train.seed,
         threads=p.threads_per_worker,
         max_num_seqs=cfg.rollout.max_num_seqs,
+        engine=cfg.rollout.engine,
     )
     pool = WorkerPool(spec, SharedWeights(model), p.num_workers, timeout_s=p.worker_timeout_s)
     return WorkerSource(
@@ -146,7 +147,7 @@ def build_run(cfg: Config) -> Run:
     tracer = Tracer()
     params, loss = learner_params(cfg)
     learner = Learner(model, params, loss, tokenizer.pad_token_id, ref_model=ref, tracer=tracer)
-    engine = HFEngine(model, tokenizer, max_num_seqs=cfg.rollout.max_num_seqs)
+    engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
     reward = load_reward(cfg.reward.function)
     sampling = sampling_params(cfg, tokenizer)
     worker = RolloutWorker(

@@ -157,14 +157,21 @@ def train(
 
 def write_timeline(run: Run, out: Path, last_iterations: int = 3) -> None:
     """All spans to `trace.json` (Perfetto); the last few iterations drawn to `timeline.png`."""
-    spans = list(run.tracer.spans)
-    write_chrome_trace(spans, out / "trace.json")
+    spans, samples = list(run.tracer.spans), list(run.tracer.samples)
+    write_chrome_trace(spans, out / "trace.json", samples)
     starts = sorted(s.start for s in spans if s.name == "iteration")
     since = starts[-last_iterations] if len(starts) >= last_iterations else 0.0
     shown = [s for s in spans if s.start >= since and s.name != "iteration"]
     marks = [(t, "iteration start") for t in starts if t >= since]
     title = f"cadence {run.cfg.pipeline.mode} / {run.cfg.pipeline.placement}"
-    draw_timeline(shown, out / "timeline.png", title=title, marks=marks)
+    draw_timeline(
+        shown,
+        out / "timeline.png",
+        title=title,
+        marks=marks,
+        samples=[s for s in samples if s.t >= since],
+        capacity=run.cfg.rollout.max_num_seqs,
+    )
 
 
 def _summary(cfg, records, accuracy_before: float, accuracy_after: float, loop_s: float) -> dict:

@@ -66,6 +66,7 @@ class ColocatedSource:
         self.times = IterationTimes(start=self.tracer.now())
         with self.tracer.span("generate", "worker-0"):
             self._pending = self.worker.rollout(prompts, iteration, version)
+        self.tracer.add_samples("slots", "worker-0", self.worker.take_occupancy())
         self.times.first_group = self.times.last_group = self.tracer.now() - self.times.start
 
     def groups(self) -> Iterator[Group]:
@@ -135,13 +136,16 @@ class WorkerSource:
                 for wid in range(self.pool.num_workers):
                     if pending:
                         self.pool.submit(wid, *pending.pop(), iteration)
-            for _ in range(len(tasks)):
+            done = 0
+            while done < len(tasks):
                 result = self.pool.next_result()
                 if self._stop.is_set():
                     return
                 self._record(result)
-                if pending:
-                    self.pool.submit(result.worker, *pending.pop(), iteration)
+                if result.task_done:
+                    done += 1
+                    if pending:
+                        self.pool.submit(result.worker, *pending.pop(), iteration)
                 for g in result.groups:
                     self._put(g)
             self._put(_DONE)
@@ -149,10 +153,9 @@ class WorkerSource:
             self._put(_Failure(e))
 
     def _record(self, result) -> None:
-        origin = self.tracer.origin
-        self.tracer.add(
-            Span("generate", f"worker-{result.worker}", result.start - origin, result.end - origin)
-        )
+        origin, track = self.tracer.origin, f"worker-{result.worker}"
+        self.tracer.add(Span("generate", track, result.start - origin, result.end - origin))
+        self.tracer.add_samples("slots", track, result.occupancy)
         now = self.tracer.now()
         if math.isnan(self.times.first_group):
             self.times.first_group = now - self.times.start

@@ -3,15 +3,38 @@
 It owns an engine and the reward function. Colocated, it runs in the learner's thread on the
 learner's own model; the same class is what worker processes run. Scoring happens here, off the
 learner's critical path once workers are separate.
+
+Two ways in: `rollout` generates a list of prompts and returns when all are done; `submit` and
+`poll` stream, for a worker process that keeps its engine's slots full across tasks and hands each
+group out the moment it is complete. The loaded weights must not change while `busy`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
+from dataclasses import dataclass
 
-from cadence.engine import Engine, Request, SamplingParams, derive_seed
+from cadence.engine import (
+    Engine,
+    Request,
+    SamplingParams,
+    StreamingEngine,
+    as_streaming,
+    derive_seed,
+)
 from cadence.rewards import RewardFn, safe_reward
-from cadence.types import Group, Prompt
+from cadence.types import Completion, Group, Prompt
+
+
+@dataclass
+class _InFlight:
+    task: Hashable
+    prompt: Prompt
+    prompt_ids: list[int]
+    iteration: int
+    version: int
+    submitted: float
 
 
 class RolloutWorker:
@@ -24,6 +47,7 @@ class RolloutWorker:
         group_size: int,
         run_seed: int,
     ) -> None:
+        self._in_flight: dict[tuple[Hashable, int], _InFlight] = {}
         self.engine = engine
         self.tokenizer = tokenizer
         self.reward = reward
@@ -31,28 +55,66 @@ class RolloutWorker:
         self.group_size = group_size
         self.run_seed = run_seed
 
+    @property
+    def engine(self) -> StreamingEngine:
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: Engine) -> None:
+        if self.busy:
+            raise RuntimeError("cannot swap the engine of a busy worker")
+        self._engine = as_streaming(engine)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._in_flight)
+
     def encode(self, prompt: Prompt) -> list[int]:
         return self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
 
+    def submit(self, task: Hashable, prompts: list[Prompt], iteration: int, version: int) -> None:
+        """Queue `prompts` (one task) for generation with the weights of `version`."""
+        now = time.perf_counter()
+        for pos, prompt in enumerate(prompts):
+            ids = self.encode(prompt)
+            seeds = [
+                derive_seed(self.run_seed, iteration, prompt.index, j)
+                for j in range(self.group_size)
+            ]
+            self._in_flight[(task, pos)] = _InFlight(task, prompt, ids, iteration, version, now)
+            self.engine.add((task, pos), Request(ids, seeds), self.sampling)
+
+    def poll(self) -> list[tuple[Hashable, Group]]:
+        """One engine step; the (task, group) of every prompt that finished in it, scored."""
+        out = []
+        for key, completions in self.engine.step():
+            job = self._in_flight.pop(key)
+            out.append((job.task, self._score(job, completions)))
+        return out
+
+    def take_occupancy(self) -> list[tuple[float, int]]:
+        """(time.perf_counter(), sequences decoding) samples since the last call."""
+        samples, self.engine.occupancy = self.engine.occupancy, []
+        return samples
+
+    def task_done(self, task: Hashable) -> bool:
+        return not any(k[0] == task for k in self._in_flight)
+
     def rollout(self, prompts: list[Prompt], iteration: int, version: int) -> list[Group]:
-        """Generate and score `group_size` responses for each prompt, as one engine batch."""
-        start = time.perf_counter()
-        prompt_ids = [self.encode(p) for p in prompts]
-        requests = [
-            Request(
-                ids,
-                [derive_seed(self.run_seed, iteration, p.index, j) for j in range(self.group_size)],
-            )
-            for p, ids in zip(prompts, prompt_ids, strict=True)
-        ]
-        outputs = self.engine.generate(requests, self.sampling)
-        groups = []
-        for prompt, ids, completions in zip(prompts, prompt_ids, outputs, strict=True):
-            for c in completions:
-                result = safe_reward(self.reward, prompt.text, c.text, prompt.answer)
-                c.reward, c.reward_error = result.value, result.error
-            groups.append(Group(prompt, ids, completions, version, iteration))
-        elapsed = time.perf_counter() - start
-        for g in groups:
-            g.gen_s = elapsed / len(groups)
-        return groups
+        """Generate and score `group_size` responses for each prompt; groups in prompt order."""
+        if self.busy:
+            raise RuntimeError("rollout() needs an idle worker (streamed work is in flight)")
+        self.submit(None, prompts, iteration, version)
+        done: dict[int, Group] = {}
+        while self.busy:
+            for _, group in self.poll():
+                done[group.prompt.index] = group
+        return [done[p.index] for p in prompts]
+
+    def _score(self, job: _InFlight, completions: list[Completion]) -> Group:
+        for c in completions:
+            result = safe_reward(self.reward, job.prompt.text, c.text, job.prompt.answer)
+            c.reward, c.reward_error = result.value, result.error
+        group = Group(job.prompt, job.prompt_ids, completions, job.version, job.iteration)
+        group.gen_s = time.perf_counter() - job.submitted
+        return group

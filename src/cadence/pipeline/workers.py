@@ -7,12 +7,18 @@ Every result, acknowledgement or error goes to one shared result queue, carrying
 A worker stamps each group with the version it actually has loaded, so a prompt sent before the
 sync finished is caught by the learner's version check, not trusted.
 
+A worker streams: tasks join its engine while others decode (continuous batching keeps the slots
+full across tasks), and each group is sent the moment it is complete, its result saying whether
+it was its task's last. Weights change only between requests: a `sync` that arrives while the
+engine is busy waits, with every message behind it, until the engine has drained.
+
 The pool never lets a failure hang: every wait has a timeout and checks that workers are alive; a
 worker's exception comes back with its traceback; `close()` stops, then terminates, then kills.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import queue
@@ -49,19 +55,24 @@ class WorkerSpec:
     run_seed: int
     threads: int
     max_num_seqs: int
+    engine: str = "continuous"
 
 
 @dataclass
 class TaskResult:
+    """Groups of one task finished in one engine step (`task_done`: the task's last ones)."""
+
     worker: int
     task_id: int
     groups: list[Group]
     start: float  # time.perf_counter() in the worker (CLOCK_MONOTONIC: comparable across processes)
-    end: float
+    end: float  # [start, end): busy time since the worker's previous result, without overlap
+    task_done: bool = True
+    occupancy: list[tuple[float, int]] = field(default_factory=list)  # (time, active slots)
 
 
 def _build_worker(spec: WorkerSpec):
-    from cadence.engine import HFEngine
+    from cadence.engine import make_engine
     from cadence.models import load_model, load_tokenizer
     from cadence.pipeline.build import DTYPES
     from cadence.pipeline.worker import RolloutWorker
@@ -69,7 +80,7 @@ def _build_worker(spec: WorkerSpec):
 
     tokenizer = load_tokenizer(spec.model_path)
     model = load_model(spec.model_path, dtype=DTYPES[spec.dtype])
-    engine = HFEngine(model, tokenizer, max_num_seqs=spec.max_num_seqs)
+    engine = make_engine(spec.engine, model, tokenizer, max_num_seqs=spec.max_num_seqs)
     reward = load_reward(spec.reward)
     return model, RolloutWorker(
         engine, tokenizer, reward, spec.sampling, spec.group_size, spec.run_seed
@@ -81,31 +92,78 @@ def worker_main(wid: int, spec: WorkerSpec, tensors: dict, inbox, outbox) -> Non
     try:
         torch.set_num_threads(spec.threads)
         model, worker = _build_worker(spec)
-        version = -1
-        parent = os.getppid()
-        outbox.put(("ready", wid, None))
-        while True:
-            try:
-                kind, payload = inbox.get(timeout=1.0)
-            except queue.Empty:
-                if os.getppid() != parent:  # the learner died without stopping us
-                    return
-                continue
-            if kind == "stop":
-                return
-            if kind == "sync":
-                load_into(model, tensors)
-                version = payload
-                outbox.put(("ack", wid, version))
-            elif kind == "rollout":
-                task_id, prompts, iteration = payload
-                start = time.perf_counter()
-                groups = worker.rollout(prompts, iteration, version)
-                outbox.put(
-                    ("groups", wid, TaskResult(wid, task_id, groups, start, time.perf_counter()))
-                )
+        _WorkerLoop(wid, model, worker, tensors, inbox, outbox).run()
     except BaseException:
         outbox.put(("error", wid, traceback.format_exc()))
+
+
+class _WorkerLoop:
+    def __init__(self, wid: int, model, worker, tensors: dict, inbox, outbox) -> None:
+        self.wid, self.model, self.worker = wid, model, worker
+        self.tensors, self.inbox, self.outbox = tensors, inbox, outbox
+        self.version = -1
+        self.backlog: collections.deque = collections.deque()  # messages not yet acted on
+        self.busy_since = 0.0
+        self.occupancy: list[tuple[float, int]] = []
+
+    def run(self) -> None:
+        parent = os.getppid()
+        self.outbox.put(("ready", self.wid, None))
+        while True:
+            self._receive(block=not self.worker.busy and not self.backlog)
+            if os.getppid() != parent:  # the learner died without stopping us
+                return
+            if not self._act():
+                return
+            if self.worker.busy:
+                self._step()
+
+    def _receive(self, block: bool) -> None:
+        try:
+            self.backlog.append(self.inbox.get(timeout=1.0) if block else self.inbox.get_nowait())
+            while True:
+                self.backlog.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+
+    def _act(self) -> bool:
+        """Act on messages in order; a sync waits (with all behind it) until the engine drains."""
+        while self.backlog:
+            kind, payload = self.backlog[0]
+            if kind == "stop":
+                return False
+            if kind == "sync":
+                if self.worker.busy:
+                    return True
+                load_into(self.model, self.tensors)
+                self.version = payload
+                self.outbox.put(("ack", self.wid, self.version))
+            elif kind == "rollout":
+                task_id, prompts, iteration = payload
+                if not self.worker.busy:
+                    self.busy_since = time.perf_counter()
+                self.worker.submit(task_id, prompts, iteration, self.version)
+            self.backlog.popleft()
+        return True
+
+    def _step(self) -> None:
+        by_task: dict[int, list[Group]] = {}
+        for task_id, group in self.worker.poll():
+            by_task.setdefault(task_id, []).append(group)
+        self.occupancy.extend(self.worker.take_occupancy())
+        for task_id, groups in by_task.items():
+            now = time.perf_counter()
+            result = TaskResult(
+                self.wid,
+                task_id,
+                groups,
+                self.busy_since,
+                now,
+                task_done=self.worker.task_done(task_id),
+                occupancy=self.occupancy,
+            )
+            self.outbox.put(("groups", self.wid, result))
+            self.busy_since, self.occupancy = now, []
 
 
 @dataclass
@@ -164,7 +222,8 @@ class WorkerPool:
         kind, wid, payload = self._get(timeout_s or self.timeout_s)
         if kind != "groups":
             raise WorkerError(f"worker {wid} sent '{kind}' while tasks were running")
-        self.procs[wid].in_flight.pop(payload.task_id, None)
+        if payload.task_done:
+            self.procs[wid].in_flight.pop(payload.task_id, None)
         return payload
 
     def _await(self, kind: str, pending: set[int], value: Any = None) -> None:

@@ -1,0 +1,376 @@
+"""Continuous batching: a finished sequence's slot is refilled at once, groups leave as they finish.
+
+The engine keeps up to `max_num_seqs` sequences in preallocated slots: row s of one K/V tensor per
+layer, shape (S, H, L, D). Each `step()`:
+1. admits waiting samples into free slots. A prompt is prefilled once (with any other new prompts,
+   left-padded) and its keys and values are copied into the slots of its G samples; a request
+   whose samples do not all fit keeps its prefix until they do, so it is never prefilled twice;
+2. samples one token for every active slot from that slot's next-token logits;
+3. retires finished samples (EOS, stop string, length) and frees their slots, handing out a
+   request's group the moment its last sample finishes;
+4. runs one forward over the remaining active slots, each at its own position, through the
+   model's own forward (a 4-D additive mask over the slot's filled length, explicit position ids,
+   and a Cache whose `update` writes each row at its own position).
+
+Active slots are kept as the prefix [0, n) of the slot tensors (a retired slot is filled by moving
+the last active one into it), so a step reads a view, never a gather. Sampling is per sample as in
+engine/base.py (seed and decoding step), so a sample's tokens do not depend on its slot, on when it
+was admitted, or on its batch companions. The weights must not change while the engine is busy.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from cadence.engine.base import Request, SamplingParams, sample_tokens, step_uniforms
+from cadence.types import Completion
+
+
+class UnsupportedModel(RuntimeError):
+    """The model's cache is not one plain full-attention layer per layer (e.g. sliding windows)."""
+
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer's K/V for every slot; `update` writes row i at position `pos[i]`."""
+
+    is_sliding = False
+
+    def __init__(self, owner: SlotCache) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise AssertionError("slot tensors are allocated by SlotCache.allocate")
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n, pos, width = self.owner.rows, self.owner.pos, self.owner.width
+        rows = torch.arange(n, device=pos.device)
+        self.keys[rows, :, pos] = key_states[:, :, 0]  # (n, H, D)
+        self.values[rows, :, pos] = value_states[:, :, 0]
+        return self.keys[:n, :, :width], self.values[:n, :, :width]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.width, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.width
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2] if self.keys is not None else -1
+
+
+class SlotCache(Cache):
+    """Preallocated per-slot K/V for all layers; `begin_step` says which rows decode where."""
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__(layers=[_SlotLayer(self) for _ in range(num_layers)])
+        self.rows, self.width = 0, 0
+        self.pos = torch.zeros(0, dtype=torch.long)
+
+    def allocate(self, slots: int, length: int, like: list[tuple[torch.Tensor, torch.Tensor]]):
+        """(Re)allocate to (slots, H, length, D) per layer, keeping what is already there."""
+        for layer, (k, v) in zip(self.layers, like, strict=True):
+            old = (layer.keys, layer.values)
+            layer.keys = k.new_zeros((slots, k.shape[0], length, k.shape[-1]))
+            layer.values = v.new_zeros((slots, v.shape[0], length, v.shape[-1]))
+            if old[0] is not None:
+                keep = min(old[0].shape[2], length)
+                layer.keys[:, :, :keep] = old[0][:, :, :keep]
+                layer.values[:, :, :keep] = old[1][:, :, :keep]
+            layer.is_initialized = True
+
+    @property
+    def length(self) -> int:
+        keys = self.layers[0].keys
+        return 0 if keys is None else keys.shape[2]
+
+    def write_prefix(self, slot: int, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for layer, (k, v) in zip(self.layers, prefix, strict=True):  # k: (H, P, D)
+            layer.keys[slot, :, : k.shape[1]] = k
+            layer.values[slot, :, : v.shape[1]] = v
+
+    def move(self, src: int, dst: int) -> None:
+        for layer in self.layers:
+            layer.keys[dst] = layer.keys[src]
+            layer.values[dst] = layer.values[src]
+
+    def begin_step(self, rows: int, pos: torch.Tensor, width: int) -> None:
+        self.rows, self.pos, self.width = rows, pos, width
+
+
+@dataclass
+class _Job:
+    """A request inside the engine: its samples' completions fill in as they finish."""
+
+    key: Hashable
+    request: Request
+    completions: list[Completion | None]
+    admitted: int = 0  # samples given a slot so far
+    remaining: int = 0  # samples not yet finished
+    prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (H, P, D)
+    first_logits: torch.Tensor | None = None  # (V,) next-token logits after the prompt
+
+
+@dataclass
+class _Slot:
+    job: _Job
+    sample: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class ContinuousEngine:
+    """Slot-based continuous batching over any Hugging Face causal LM with full attention.
+
+    Streaming use: `add(key, request, params)` any time, then `step()` until `busy` is False;
+    each step returns the (key, completions) of requests that finished. `generate` (the Engine
+    Protocol) does that for a list of requests and returns them in order.
+    """
+
+    def __init__(self, model, tokenizer, max_num_seqs: int = 256) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
+        self.pad_id = tokenizer.pad_token_id
+        self.params: SamplingParams | None = None
+        self.waiting: deque[_Job] = deque()
+        self.slots: list[_Slot] = []  # active slots, in slot order
+        self.cache: SlotCache | None = None
+        self.occupancy: list[tuple[float, int]] = []  # (time.perf_counter(), active slots) per step
+        self._logits = self._seeds = self._steps = self._pos = self._last = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.slots)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.slots)
+
+    def add(self, key: Hashable, request: Request, params: SamplingParams) -> None:
+        if self.busy and params != self.params:
+            raise ValueError("a ContinuousEngine decodes with one SamplingParams at a time")
+        self.params = params
+        job = _Job(key, request, [None] * len(request.seeds), remaining=len(request.seeds))
+        if job.remaining == 0:
+            raise ValueError("a request needs at least one seed")
+        self.waiting.append(job)
+
+    def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
+        if self.busy:
+            raise RuntimeError("generate() needs an idle engine (streaming work is in flight)")
+        for i, r in enumerate(requests):
+            self.add(i, r, params)
+        out: dict[Hashable, list[Completion]] = {}
+        while self.busy:
+            out.update(self.step())
+        return [out[i] for i in range(len(requests))]
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Hashable, list[Completion]]]:
+        """Admit, sample one token per active slot, retire, decode: see the module docstring."""
+        self._admit()
+        if not self.slots:
+            return []
+        self.occupancy.append((time.perf_counter(), len(self.slots)))
+        finished = self._sample()
+        done = self._retire(finished)
+        if self.slots:
+            self._forward()
+        else:
+            self.occupancy.append((time.perf_counter(), 0))
+        return done
+
+    # --- admission -------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        free = self.max_num_seqs - len(self.slots)
+        plan: list[tuple[_Job, int]] = []
+        for job in self.waiting:
+            if free == 0:
+                break
+            take = min(free, len(job.completions) - job.admitted)
+            plan.append((job, take))
+            free -= take
+        if not plan:
+            return
+        self._prefill([job for job, _ in plan if job.prefix is None])
+        for job, take in plan:
+            for _ in range(take):
+                self._place(job, job.admitted)
+                job.admitted += 1
+            if job.admitted == len(job.completions):
+                self.waiting.popleft()  # plan follows the queue's order
+                job.prefix = job.first_logits = None
+
+    def _prefill(self, jobs: list[_Job]) -> None:
+        if not jobs:
+            return
+        device = self._device()
+        lens = [len(j.request.prompt_ids) for j in jobs]
+        width = max(lens)
+        ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)  # (P, W)
+        mask = torch.zeros((len(jobs), width), dtype=torch.long)  # (P, W)
+        for i, j in enumerate(jobs):
+            ids[i, width - lens[i] :] = torch.tensor(j.request.prompt_ids)
+            mask[i, width - lens[i] :] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp_(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        layers = out.past_key_values.layers
+        if any(type(layer) is not DynamicLayer for layer in layers):
+            raise UnsupportedModel(
+                f"continuous batching needs plain full-attention caches, got "
+                f"{sorted({type(layer).__name__ for layer in layers})}"
+            )
+        for i, j in enumerate(jobs):  # keys were rotated by their own positions: copy as they are
+            start = width - lens[i]
+            j.prefix = [
+                (la.keys[i, :, start:].clone(), la.values[i, :, start:].clone()) for la in layers
+            ]
+            j.first_logits = out.logits[i, -1].clone()
+        self._ensure_capacity(max(lens) + self.params.max_new_tokens, jobs[0])
+
+    def _ensure_capacity(self, length: int, like: _Job) -> None:
+        if self.cache is None:
+            self.cache = SlotCache(len(like.prefix))
+            s, device = self.max_num_seqs, self._device()
+            self._logits = like.first_logits.new_zeros((s, like.first_logits.shape[0]))  # (S, V)
+            self._seeds = torch.zeros(s, dtype=torch.long, device=device)
+            self._steps = torch.zeros(s, dtype=torch.long, device=device)
+            self._pos = torch.zeros(s, dtype=torch.long, device=device)
+            self._last = torch.zeros(s, dtype=torch.long, device=device)
+        if length > self.cache.length:
+            self.cache.allocate(self.max_num_seqs, max(length, 2 * self.cache.length), like.prefix)
+
+    def _place(self, job: _Job, sample: int) -> None:
+        s = len(self.slots)
+        self.cache.write_prefix(s, job.prefix)
+        self._logits[s] = job.first_logits
+        self._seeds[s] = job.request.seeds[sample]
+        self._steps[s] = 0
+        self._pos[s] = len(job.request.prompt_ids)
+        self.slots.append(_Slot(job, sample))
+
+    # --- decoding --------------------------------------------------------------------------
+
+    def _sample(self) -> list[tuple[int, str]]:
+        n, p = len(self.slots), self.params
+        uniforms = step_uniforms(self._seeds[:n], self._steps[:n])  # (n,)
+        ids, lps = sample_tokens(self._logits[:n], uniforms, p.temperature, p.top_p)  # (n,), (n,)
+        self._last[:n] = ids
+        self._steps[:n] += 1
+        finished = []
+        for s, (tok, lp) in enumerate(zip(ids.tolist(), lps.tolist(), strict=True)):
+            slot = self.slots[s]
+            slot.tokens.append(tok)
+            slot.logprobs.append(lp)
+            if tok in p.stop_token_ids:
+                finished.append((s, "eos"))
+            elif p.stop and self._hits_stop(slot.tokens, p.stop):
+                finished.append((s, "stop"))
+            elif len(slot.tokens) >= p.max_new_tokens:
+                finished.append((s, "length"))
+        return finished
+
+    def _retire(self, finished: list[tuple[int, str]]) -> list[tuple[Hashable, list[Completion]]]:
+        done = []
+        for s, reason in sorted(finished, reverse=True):  # from the end: moves stay valid
+            slot = self.slots[s]
+            text = self.tokenizer.decode(slot.tokens, skip_special_tokens=True)
+            slot.job.completions[slot.sample] = Completion(slot.tokens, slot.logprobs, text, reason)
+            slot.job.remaining -= 1
+            if slot.job.remaining == 0:
+                done.append((slot.job.key, slot.job.completions))
+            last = len(self.slots) - 1
+            if s != last:
+                self.cache.move(last, s)
+                for t in (self._logits, self._seeds, self._steps, self._pos, self._last):
+                    t[s] = t[last]
+                self.slots[s] = self.slots[last]
+            self.slots.pop()
+        return done[::-1]
+
+    def _forward(self) -> None:
+        n = len(self.slots)
+        pos = self._pos[:n]  # (n,) where each slot's newest token goes
+        width = int(pos.max()) + 1
+        keys = torch.arange(width, device=pos.device)  # (W,)
+        dtype = self._logits.dtype
+        mask = torch.zeros((n, 1, 1, width), dtype=dtype, device=pos.device)  # (n, 1, 1, W)
+        mask.masked_fill_((keys[None, :] > pos[:, None])[:, None, None, :], torch.finfo(dtype).min)
+        self.cache.begin_step(n, pos, width)
+        out = self.model(
+            input_ids=self._last[:n, None],
+            attention_mask=mask,
+            position_ids=pos[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self._logits[:n] = out.logits[:, -1]  # (n, V)
+        self._pos[:n] += 1
+
+    def _hits_stop(self, ids: list[int], stop: tuple[str, ...]) -> bool:
+        tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=True)
+        return any(s in tail for s in stop)
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def check_continuous(model, tokenizer) -> str | None:
+    """Why continuous batching cannot serve this model (None: it can).
+
+    Decodes two short prompts with sampling both ways, the static engine being the reference, and
+    compares tokens and log-probs. Catches models whose cache or attention this engine does not
+    reproduce (sliding windows, custom caches) before they generate anything wrong.
+    """
+    from cadence.engine.hf import HFEngine
+
+    ids = tokenizer("1 + 2 = 3", add_special_tokens=False)["input_ids"] or [0]
+    requests = [Request(ids, [1, 2]), Request(ids[:1] * 3, [3])]
+    params = SamplingParams(max_new_tokens=4)
+    try:
+        got = ContinuousEngine(model, tokenizer, max_num_seqs=2).generate(requests, params)
+    except (UnsupportedModel, RuntimeError, ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    want = HFEngine(model, tokenizer).generate(requests, params)
+    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g, w, strict=True):
+            if a.token_ids != b.token_ids:
+                return f"sampled {a.token_ids}, the reference engine {b.token_ids}"
+            diff = max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0)
+            if diff > tol:
+                return f"log-probs differ from the reference engine by {diff:.1e}"
+    return None
+
+
+def make_engine(kind: str, model, tokenizer, max_num_seqs: int):
+    """'continuous' (falls back to 'static', with a warning, where the check fails) or 'static'."""
+    from cadence.engine.hf import HFEngine
+
+    if kind == "continuous":
+        reason = check_continuous(model, tokenizer)
+        if reason is None:
+            return ContinuousEngine(model, tokenizer, max_num_seqs=max_num_seqs)
+        warnings.warn(
+            f"continuous batching does not reproduce this model ({reason}); "
+            "using static batches (rollout.engine = 'static')",
+            stacklevel=2,
+        )
+    elif kind != "static":
+        raise ValueError(f"unknown engine {kind!r}; use 'continuous' or 'static'")
+    return HFEngine(model, tokenizer, max_num_seqs=max_num_seqs)
