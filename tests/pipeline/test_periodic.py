@@ -1,5 +1,6 @@
 """Periodic asynchrony: worker processes, producer thread, streaming consumer, proven on-policy."""
 
+import json
 import multiprocessing
 import os
 
@@ -107,6 +108,13 @@ def test_learner_trains_before_the_last_group_is_generated(model_dir, tmp_path):
         last_gen_end = max(s.end for s in inside if s.name == "generate")
         assert first_train < last_gen_end
     assert all(r["overlap_s"] > 0 for r in records[1:])
+    # slot occupancy per worker, from the engines, in the trace: filled, then empty at the end
+    slots = [x for x in run.tracer.samples if x.name == "slots"]
+    assert {x.track for x in slots} == {"worker-0", "worker-1"}
+    assert max(x.value for x in slots) > 0 and min(x.value for x in slots) == 0
+    assert max(x.value for x in slots) <= run.cfg.rollout.max_num_seqs
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert any(e["ph"] == "C" and e["name"] == "worker-1 slots" for e in events)
     for key in [
         "t_weight_sync",
         "t_first_group",
