@@ -78,7 +78,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from cadence.engine import HFEngine
+    from cadence.engine import make_engine
     from cadence.models import load_model, load_tokenizer
     from cadence.pipeline.build import make_task, sampling_params, set_threads
     from cadence.pipeline.evaluate import evaluate
@@ -88,7 +88,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = _config(args)
     set_threads(cfg.train.threads)
     tokenizer = load_tokenizer(args.model_dir)
-    engine = HFEngine(load_model(args.model_dir), tokenizer, cfg.rollout.max_num_seqs)
+    model = load_model(args.model_dir)
+    engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
     prompts = heldout_prompts(make_task(cfg), cfg.data.prompt_template, cfg.data.task)
     result = evaluate(
         engine,
@@ -102,11 +103,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from cadence.bench import bench, bench_shared_prompt, parse_modes
+    from cadence.bench import bench, bench_engine, bench_shared_prompt, parse_modes
+    from cadence.pipeline.build import set_threads
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1; got {args.repeats}")
     load_config(args.config, args.set)  # fail early on a bad config, before any run starts
+    if args.suite == "engine":
+        set_threads(load_config(args.config, args.set).train.threads)
+        rows = bench_engine(Path(args.out), args.repeats, model_dir=args.model)
+        print((Path(args.out) / "bench.md").read_text())
+        return 0 if rows else 1
     if args.suite == "shared-prompt":
         rows = bench_shared_prompt(args.config, list(args.set), args.repeats, Path(args.out))
         print((Path(args.out) / "bench.md").read_text())
@@ -188,9 +195,15 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--suite",
         default="modes",
-        choices=["modes", "shared-prompt"],
+        choices=["modes", "shared-prompt", "engine"],
         help="modes: the RL workload in each pipeline mode; shared-prompt: one training "
-        "iteration with the prompt shared or not",
+        "iteration with the prompt shared or not; engine: static vs continuous batching vs "
+        "model.generate on long-tailed and uniform response lengths",
+    )
+    sp.add_argument(
+        "--model",
+        default=None,
+        help="model directory for suite 'engine' (default: a fresh random-init 'tiny' model)",
     )
     sp.add_argument(
         "--modes",

@@ -179,3 +179,22 @@ def test_bench_shared_prompt_suite_reports_tokens_and_times(model_dir, tmp_path)
             # G(P + R) / (P + G R) with P = 256, R = 64, G = 8, exactly
             assert r["tokens_ratio"] == pytest.approx(8 * (256 + 64) / (256 + 8 * 64), rel=1e-12)
     assert "| long-prompt | prefix |" in (tmp_path / "bench.md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_engine_suite_compares_the_engines_on_the_same_work(model_dir, tmp_path):
+    from cadence.bench import bench_engine
+
+    rows = bench_engine(
+        tmp_path, repeats=1, model_dir=str(model_dir), num_prompts=3, group_size=2, max_num_seqs=4
+    )
+    assert [(r["workload"], r["engine"]) for r in rows] == [
+        (w, e) for w in ("long-tail", "uniform") for e in ("static", "generate", "continuous")
+    ]
+    by = {(r["workload"], r["engine"]): r for r in rows}
+    for w in ("long-tail", "uniform"):  # the same seeded samples, so the same tokens
+        assert by[w, "static"]["new_tokens"] == by[w, "continuous"]["new_tokens"]
+        assert by[w, "static"]["vs_static"] == 1.0
+    assert by["uniform", "generate"]["new_tokens"] == 3 * 2 * 64
+    assert all(r["new_tokens_per_s"] > 0 and r["first_group_s"] > 0 for r in rows)
+    assert "| long-tail | continuous |" in (tmp_path / "bench.md").read_text()

@@ -4,11 +4,22 @@ Each suite interleaves its variants across repeats (A, B, C, then A, B, C again)
 drift hits all of them alike, and reports the median. Suites:
 - `modes` (bench/modes.py): the same RL workload in several pipeline modes (TPSPD, busy times).
 - `shared-prompt` (bench/shared_prompt.py): one training iteration with each micro-batch layout.
+- `engine` (bench/engine.py): static batching, `model.generate` and continuous batching on a
+  long-tailed and a uniform response-length workload.
 """
 
+from cadence.bench.engine import bench_engine
 from cadence.bench.modes import MODES, bench, markdown_table, parse_modes
 from cadence.bench.shared_prompt import bench_shared_prompt
 
-SUITES = ("modes", "shared-prompt")
+SUITES = ("modes", "shared-prompt", "engine")
 
-__all__ = ["MODES", "SUITES", "bench", "bench_shared_prompt", "markdown_table", "parse_modes"]
+__all__ = [
+    "MODES",
+    "SUITES",
+    "bench",
+    "bench_engine",
+    "bench_shared_prompt",
+    "markdown_table",
+    "parse_modes",
+]
