@@ -96,10 +96,11 @@ class SlotCache(Cache):
             layer.keys[slot, :, : k.shape[1]] = k
             layer.values[slot, :, : v.shape[1]] = v
 
-    def move(self, src: int, dst: int) -> None:
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Slot `src`'s first `length` positions to slot `dst` (the rest is never read)."""
         for layer in self.layers:
-            layer.keys[dst] = layer.keys[src]
-            layer.values[dst] = layer.values[src]
+            layer.keys[dst, :, :length] = layer.keys[src, :, :length]
+            layer.values[dst, :, :length] = layer.values[src, :, :length]
 
     def begin_step(self, rows: int, pos: torch.Tensor, width: int) -> None:
         self.rows, self.pos, self.width = rows, pos, width
@@ -296,7 +297,7 @@ class ContinuousEngine:
                 done.append((slot.job.key, slot.job.completions))
             last = len(self.slots) - 1
             if s != last:
-                self.cache.move(last, s)
+                self.cache.move(last, s, int(self._pos[last]))
                 for t in (self._logits, self._seeds, self._steps, self._pos, self._last):
                     t[s] = t[last]
                 self.slots[s] = self.slots[last]
