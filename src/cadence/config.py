@@ -130,10 +130,17 @@ class LearnerConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    mode: Literal["sync", "periodic"] = Field(
+    mode: Literal["sync", "periodic", "offpolicy"] = Field(
         "sync",
         description="sync: train once the whole batch is generated; periodic: train on groups as "
-        "they finish, weights synced once per iteration (on-policy, same update as sync).",
+        "they finish, weights synced once per iteration (on-policy, same update as sync); "
+        "offpolicy: generation runs up to max_staleness policy versions ahead of the learner.",
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="offpolicy: most versions a trained group may lag the learner (admission "
+        "control: no prompt starts that could exceed it). 1 = one-step off-policy; 0 = periodic.",
     )
     placement: Literal["colocated", "separate"] = Field(
         "colocated",
@@ -160,11 +167,13 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _periodic_needs_workers(self) -> PipelineConfig:
-        if self.mode == "periodic" and self.placement != "separate":
+        if self.mode in ("periodic", "offpolicy") and self.placement != "separate":
             raise ValueError(
-                "pipeline.mode = 'periodic' needs pipeline.placement = 'separate' "
+                f"pipeline.mode = '{self.mode}' needs pipeline.placement = 'separate' "
                 "(colocated generation cannot overlap with training)"
             )
+        if self.mode == "offpolicy" and self.max_staleness > 0 and self.queue_size:
+            raise ValueError("pipeline.queue_size must be 0 with pipeline.mode = 'offpolicy'")
         return self
 
 

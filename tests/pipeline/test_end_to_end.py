@@ -80,12 +80,11 @@ def test_groups_of_another_version_are_refused(model_dir):
     cfg = load_config(None, _overrides(model_dir))
     run = build_run(cfg)
     run.source.worker.engine = ScriptedEngine(lambda ids, seed: [5, 6])
-    prompts = run.stream.next_batch(2)
-    run.source.start_iteration(prompts, iteration=0, version=3)  # a stale producer
+    run.source.start_iteration(iteration=0, version=3)  # a producer from the future
     with pytest.raises(StaleGroupError, match="policy_version 3"):
         list(on_policy(run.source.groups(), version=0, seen=[]))
-    run.source.start_iteration(prompts, iteration=0, version=0)
-    assert len(list(on_policy(run.source.groups(), version=0, seen=[]))) == 2
+    run.source.start_iteration(iteration=1, version=0)
+    assert len(list(on_policy(run.source.groups(), version=0, seen=[]))) == 4
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,10 @@ class Run:
     heldout: list[Prompt]
     tracer: Tracer
 
+    @property
+    def max_staleness(self) -> int:
+        return max_staleness(self.cfg)
+
 
 def set_threads(threads: int) -> None:
     torch.set_num_threads(threads or os.cpu_count() or 1)
@@ -108,10 +112,16 @@ def learner_threads(cfg: Config) -> int:
     return p.learner_threads or max(1, cores - p.num_workers * p.threads_per_worker)
 
 
-def build_source(cfg: Config, model, tokenizer, worker: RolloutWorker, tracer: Tracer):
+def build_source(
+    cfg: Config, model, worker: RolloutWorker, tracer: Tracer, stream: PromptStream
+) -> GroupSource:
     p = cfg.pipeline
+
+    def next_prompts() -> list[Prompt]:
+        return stream.next_batch(cfg.train.prompts_per_iteration)
+
     if p.placement == "colocated":
-        return ColocatedSource(worker, tracer)
+        return ColocatedSource(worker, tracer, next_prompts)
     spec = WorkerSpec(
         model_path=cfg.model.path,
         dtype=cfg.model.dtype,
@@ -128,11 +138,19 @@ def build_source(cfg: Config, model, tokenizer, worker: RolloutWorker, tracer: T
         pool,
         model,
         tracer,
-        stream=p.mode == "periodic",
+        next_prompts,
+        stream=p.mode != "sync",
         prompts_per_task=p.prompts_per_task,
         tasks_in_flight=p.tasks_in_flight,
+        max_staleness=max_staleness(cfg),
         queue_size=p.queue_size,
+        iterations=cfg.train.iterations,
     )
+
+
+def max_staleness(cfg: Config) -> int:
+    """Versions a trained group may lag the learner: 0 except in off-policy mode."""
+    return cfg.pipeline.max_staleness if cfg.pipeline.mode == "offpolicy" else 0
 
 
 def build_run(cfg: Config) -> Run:
@@ -154,15 +172,16 @@ def build_run(cfg: Config) -> Run:
         engine, tokenizer, reward, sampling, cfg.rollout.group_size, cfg.train.seed
     )
     task = make_task(cfg)
+    stream = PromptStream(task, cfg.data.prompt_template, cfg.data.task)
     return Run(
         cfg=cfg,
         tokenizer=tokenizer,
         learner=learner,
-        source=build_source(cfg, model, tokenizer, worker, tracer),
+        source=build_source(cfg, model, worker, tracer, stream),
         eval_engine=engine,
         reward=reward,
         sampling=sampling,
-        stream=PromptStream(task, cfg.data.prompt_template, cfg.data.task),
+        stream=stream,
         heldout=heldout_prompts(task, cfg.data.prompt_template, cfg.data.task),
         tracer=tracer,
     )

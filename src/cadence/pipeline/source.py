@@ -1,17 +1,21 @@
 """Where the learner's groups come from: the seam between generation and training.
 
-A `GroupSource` is told to start an iteration (with the policy version whose weights must generate
-it) and then yields that iteration's groups. The colocated source generates everything in the
-learner's thread first, so `sync` is the only mode it can offer; sources with worker processes
-stream groups as they finish. The learner consumes any of them the same way.
+A `GroupSource` is told to start an iteration (with the learner's policy version) and then yields
+that iteration's groups; it takes each iteration's prompts from `next_prompts` itself, since with
+off-policy asynchrony it begins iterations before the learner reaches them. The colocated source
+generates everything in the learner's thread first, so `sync` is the only mode it can offer;
+sources with worker processes stream groups as they finish. The learner consumes any of them the
+same way.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import queue
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,7 +28,7 @@ from cadence.types import Group, Prompt
 class GroupSource(Protocol):
     times: IterationTimes  # what the current iteration measured
 
-    def start_iteration(self, prompts: list[Prompt], iteration: int, version: int) -> None: ...
+    def start_iteration(self, iteration: int, version: int) -> None: ...
 
     def groups(self) -> Iterator[Group]:
         """The started iteration's groups, each complete, in the order they are ready."""
@@ -56,14 +60,18 @@ class IterationTimes:
 class ColocatedSource:
     """Generation in the learner's thread, with the learner's own (current) weights."""
 
-    def __init__(self, worker: RolloutWorker, tracer: Tracer) -> None:
+    def __init__(
+        self, worker: RolloutWorker, tracer: Tracer, next_prompts: Callable[[], list[Prompt]]
+    ) -> None:
         self.worker = worker
         self.tracer = tracer
+        self.next_prompts = next_prompts
         self.times = IterationTimes()
         self._pending: list[Group] = []
 
-    def start_iteration(self, prompts: list[Prompt], iteration: int, version: int) -> None:
+    def start_iteration(self, iteration: int, version: int) -> None:
         self.times = IterationTimes(start=self.tracer.now())
+        prompts = self.next_prompts()
         with self.tracer.span("generate", "worker-0"):
             self._pending = self.worker.rollout(prompts, iteration, version)
         self.tracer.add_samples("slots", "worker-0", self.worker.take_occupancy())
@@ -78,13 +86,24 @@ class ColocatedSource:
 
 
 class WorkerSource:
-    """Worker processes fed by a producer thread; `stream` is the sync/periodic knob.
+    """Worker processes fed by one persistent producer thread; `stream` and `max_staleness` are
+    the sync / periodic / offpolicy knobs.
 
-    start_iteration (learner thread): the barrier (publish version k; every worker loads it and
-    acknowledges), then the producer thread starts sending the iteration's tasks, at most
-    `tasks_in_flight` per worker, and puts each finished group on a bounded queue. `groups()`
-    yields them as they arrive (stream=True, periodic) or only once all are in (stream=False,
-    sync). Any producer or worker failure is re-raised in the learner's thread.
+    Versions and order. The learner publishes version v at the start of iteration v
+    (`start_iteration`): it writes the shared weights (once every worker has loaded the previous
+    version, so no worker ever reads a half-written copy) and lets the producer know. The
+    producer keeps one FIFO per run of work items: tasks of the iterations it has begun and, in
+    between, a `sync v` item that it sends to every worker once all tasks queued before it have
+    been handed out. A worker acts on its messages in order and loads weights only between
+    requests, so every task is generated with exactly the version synced before it.
+
+    Admission. The producer begins iteration k (takes its prompts and queues its tasks behind the
+    newest sync) only once version k - max_staleness is published, so nothing it starts can reach
+    the learner staler than that. max_staleness = 0 is periodic; 1 is one-step off-policy
+    (iteration k is generated with version k - 1 while the learner trains iteration k - 1).
+    With max_staleness = 0 the learner also waits in `start_iteration` until every worker has
+    loaded the version (the barrier); `stream=False` (sync) hands out an iteration's groups only
+    once all are in. Any producer or worker failure is re-raised in the learner's thread.
     """
 
     def __init__(
@@ -92,120 +111,229 @@ class WorkerSource:
         pool: WorkerPool,
         model,
         tracer: Tracer,
+        next_prompts: Callable[[], list[Prompt]],
         *,
         stream: bool,
         prompts_per_task: int,
         tasks_in_flight: int,
+        max_staleness: int = 0,
         queue_size: int = 0,
+        iterations: int | None = None,
     ) -> None:
+        if max_staleness > 0 and queue_size:
+            raise ValueError("pipeline.queue_size must be 0 (unbounded) with max_staleness > 0")
         self.pool = pool
         self.model = model
         self.tracer = tracer
+        self.next_prompts = next_prompts
         self.stream = stream
         self.prompts_per_task = prompts_per_task
         self.tasks_in_flight = tasks_in_flight
+        self.max_staleness = max_staleness
         self.queue_size = queue_size
+        self.iterations = iterations  # None: begin iterations for as long as admission allows
         self.times = IterationTimes()
-        self._queue: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._published = -1  # newest version the learner has released to the producer
+        self._new_versions: list[int] = []  # released, not yet queued as sync items
+        self._acked = [-1] * pool.num_workers  # newest version each worker has loaded
+        self._queues: dict[int, queue.Queue] = {}
+        self._sizes: dict[int, int] = {}  # groups per iteration
+        self._current = -1
+        self._task_iteration: dict[int, int] = {}  # task id -> its iteration
+        self._failure: _Failure | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start_iteration(self, prompts: list[Prompt], iteration: int, version: int) -> None:
-        self._join()
+    # --- learner thread ------------------------------------------------------------------
+
+    def start_iteration(self, iteration: int, version: int) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._produce, name="cadence-producer", daemon=True
+            )
+            self._thread.start()
         self.times = IterationTimes(start=self.tracer.now())
         with self.tracer.span("weight_sync", "learner"):
             self.barrier(version)
         self.times.weight_sync_s = self.tracer.now() - self.times.start
-        self._queue = queue.Queue(maxsize=self.queue_size or len(prompts))
-        self._thread = threading.Thread(
-            target=self._produce, args=(prompts, iteration), name="cadence-producer", daemon=True
-        )
-        self._thread.start()
+        with self._cond:
+            self._published = max(self._published, version)
+            self._current = iteration
+            self._cond.notify_all()
 
     def barrier(self, version: int) -> None:
-        self.pool.sync(self.model, version)
+        """Make `version` reach the workers; with max_staleness = 0, wait until all have it."""
+        if version <= self._published:
+            return
+        self._wait(lambda: min(self._acked) >= self._published, "load the previous weights")
+        self.pool.weights.publish(self.model, version)
+        with self._cond:
+            self._new_versions.append(version)
+            self._cond.notify_all()
+        if self.max_staleness == 0:
+            self._wait(lambda: min(self._acked) >= version, f"load version {version}")
 
-    def _produce(self, prompts: list[Prompt], iteration: int) -> None:
-        try:
-            tasks = [
-                prompts[i : i + self.prompts_per_task]
-                for i in range(0, len(prompts), self.prompts_per_task)
-            ]
-            pending = list(enumerate(tasks))[::-1]  # popped from the end: task 0 first
-            for _ in range(self.tasks_in_flight):
-                for wid in range(self.pool.num_workers):
-                    if pending:
-                        self.pool.submit(wid, *pending.pop(), iteration)
-            done = 0
-            while done < len(tasks):
-                result = self.pool.next_result()
-                if self._stop.is_set():
-                    return
-                self._record(result)
-                if result.task_done:
-                    done += 1
-                    if pending:
-                        self.pool.submit(result.worker, *pending.pop(), iteration)
-                for g in result.groups:
-                    self._put(g)
-            self._put(_DONE)
-        except BaseException as e:  # surfaces in the learner's thread via groups()
-            self._put(_Failure(e))
-
-    def _record(self, result) -> None:
-        origin, track = self.tracer.origin, f"worker-{result.worker}"
-        self.tracer.add(Span("generate", track, result.start - origin, result.end - origin))
-        self.tracer.add_samples("slots", track, result.occupancy)
-        now = self.tracer.now()
-        if math.isnan(self.times.first_group):
-            self.times.first_group = now - self.times.start
-        self.times.last_group = now - self.times.start
-
-    def _put(self, item) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.pool.timeout_s
+        with self._cond:
+            while not ready():
+                if self._failure is not None:
+                    raise self._failure.error
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"workers did not {what} within {self.pool.timeout_s:.0f}s")
+                self._cond.wait(timeout=0.5)
 
     def groups(self) -> Iterator[Group]:
-        items = self._drain() if not self.stream else None
+        """The current iteration's groups: as they arrive (stream) or once all are in."""
+        q = self._queue(self._current)
+        items = self._drain(q) if not self.stream else None
         while True:
-            item = items.pop(0) if items is not None else self._next()
+            item = items.pop(0) if items is not None else self._next(q)
             if item is _DONE:
+                with self._cond:
+                    del self._queues[self._current]
                 return
             if isinstance(item, _Failure):
                 raise item.error
             yield item
 
-    def _next(self):
+    def _queue(self, iteration: int) -> queue.Queue:
+        with self._cond:
+            if iteration not in self._queues:
+                self._queues[iteration] = queue.Queue(maxsize=self.queue_size)
+            return self._queues[iteration]
+
+    def _next(self, q: queue.Queue):
         start = self.tracer.now()
-        self.times.queue_depths.append(self._queue.qsize())
+        self.times.queue_depths.append(q.qsize())
         while True:
             try:
-                item = self._queue.get(timeout=1.0)
+                item = q.get(timeout=1.0)
                 break
             except queue.Empty:
+                if self._failure is not None:
+                    item = self._failure
+                    break
                 if self._thread is None or not self._thread.is_alive():
                     item = _Failure(RuntimeError("producer thread ended without finishing"))
                     break
         self.times.learner_wait_s += self.tracer.now() - start
         return item
 
-    def _drain(self) -> list:
+    def _drain(self, q: queue.Queue) -> list:
         items = []
         while True:
-            items.append(self._next())
+            items.append(self._next(q))
             if items[-1] is _DONE or isinstance(items[-1], _Failure):
                 return items
 
-    def _join(self) -> None:
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self.pool.close()
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
 
-    def close(self) -> None:
-        self._stop.set()
-        self.pool.close()
-        self._join()
+    # --- producer thread -----------------------------------------------------------------
+
+    def _produce(self) -> None:
+        try:
+            self._produce_loop()
+        except BaseException as e:  # surfaces in the learner's thread
+            self._failure = _Failure(e)
+            with self._cond:
+                self._cond.notify_all()
+                queues = list(self._queues.values())
+            for q in queues:
+                self._put(q, self._failure)
+
+    def _produce_loop(self) -> None:
+        fifo: collections.deque = collections.deque()  # ("sync", v) | ("task", k, id, prompts)
+        free = [self.tasks_in_flight] * self.pool.num_workers
+        remaining: dict[int, int] = {}  # iteration -> tasks not finished
+        begun, task_id, last_word = 0, 0, time.monotonic()
+        while not self._stop.is_set():
+            with self._cond:
+                fifo.extend(("sync", v) for v in self._new_versions)
+                self._new_versions = []
+                admit = self._published
+            while admit >= max(0, begun - self.max_staleness) and (
+                self.iterations is None or begun < self.iterations
+            ):
+                tasks = self._begin(begun)
+                remaining[begun] = len(tasks)
+                for prompts in tasks:
+                    fifo.append(("task", begun, task_id, prompts))
+                    task_id += 1
+                begun += 1
+            self._dispatch(fifo, free)
+            message = self.pool.poll(0.05)
+            if message is None:
+                if any(p.in_flight for p in self.pool.procs) and (
+                    time.monotonic() - last_word > self.pool.timeout_s
+                ):
+                    raise TimeoutError(f"no word from the workers for {self.pool.timeout_s:.0f}s")
+                continue
+            last_word = time.monotonic()
+            kind, wid, payload = message
+            if kind == "ack":
+                with self._cond:
+                    self._acked[wid] = payload
+                    self._cond.notify_all()
+                continue
+            self._record(payload)
+            if payload.task_done:
+                free[wid] += 1
+            for g in payload.groups:
+                self._put(self._queue(g.iteration), g)
+            if payload.task_done:
+                k = self._task_iteration.pop(payload.task_id)
+                remaining[k] -= 1
+                if remaining[k] == 0:
+                    self._put(self._queue(k), _DONE)
+
+    def _begin(self, iteration: int) -> list[list[Prompt]]:
+        prompts = self.next_prompts()
+        self._queue(iteration)
+        return [
+            prompts[i : i + self.prompts_per_task]
+            for i in range(0, len(prompts), self.prompts_per_task)
+        ]
+
+    def _dispatch(self, fifo: collections.deque, free: list[int]) -> None:
+        """Hand out the FIFO's head while workers have room; a sync goes to every worker."""
+        while fifo:
+            item = fifo[0]
+            if item[0] == "sync":
+                for wid in range(self.pool.num_workers):
+                    self.pool.send_sync_to(wid, item[1])
+            else:
+                wid = max(range(len(free)), key=lambda w: free[w])
+                if free[wid] == 0:
+                    return
+                _, k, task_id, prompts = item
+                self.pool.submit(wid, task_id, prompts, k)
+                self._task_iteration[task_id] = k
+                free[wid] -= 1
+            fifo.popleft()
+
+    def _record(self, result) -> None:
+        origin, track = self.tracer.origin, f"worker-{result.worker}"
+        self.tracer.add(Span("generate", track, result.start - origin, result.end - origin))
+        self.tracer.add_samples("slots", track, result.occupancy)
+        now = self.tracer.now()
+        if result.groups and all(g.iteration == self._current for g in result.groups):
+            if math.isnan(self.times.first_group):
+                self.times.first_group = now - self.times.start
+            self.times.last_group = now - self.times.start
+
+    def _put(self, q: queue.Queue, item) -> None:
+        while not self._stop.is_set():
+            try:
+                q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue

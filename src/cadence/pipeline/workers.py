@@ -217,6 +217,22 @@ class WorkerPool:
         self.procs[wid].in_flight[task_id] = prompts
         self.procs[wid].inbox.put(("rollout", (task_id, prompts, iteration)))
 
+    def send_sync_to(self, wid: int, version: int) -> None:
+        self.procs[wid].inbox.put(("sync", version))
+
+    def poll(self, timeout_s: float) -> tuple[str, int, Any] | None:
+        """The next ('groups', wid, TaskResult) or ('ack', wid, version), or None after
+        `timeout_s`; raises if a worker failed or died."""
+        try:
+            kind, wid, payload = self._get(timeout_s)
+        except TimeoutError:
+            return None
+        if kind == "groups" and payload.task_done:
+            self.procs[wid].in_flight.pop(payload.task_id, None)
+        elif kind not in ("groups", "ack"):
+            raise WorkerError(f"worker {wid} sent '{kind}' while tasks were running")
+        return kind, wid, payload
+
     def next_result(self, timeout_s: float | None = None) -> TaskResult:
         """The next finished task from any worker; raises if one failed or died."""
         kind, wid, payload = self._get(timeout_s or self.timeout_s)
@@ -239,7 +255,7 @@ class WorkerPool:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                kind, wid, payload = self.results.get(timeout=0.5)
+                kind, wid, payload = self.results.get(timeout=min(0.5, timeout_s))
             except queue.Empty:
                 self._check_alive()
                 if time.monotonic() > deadline:
