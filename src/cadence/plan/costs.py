@@ -62,7 +62,8 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class Throughput:
-    """Costs on one device (or one engine of `engine_devices` devices): seconds."""
+    """Seconds: decoding, prefill, scoring and weight loads per inference engine (one device,
+    or `engine_devices` with tensor parallelism); training per training device."""
 
     decode_step_s: float  # per decode step, whatever the batch (weights read, overhead)
     decode_per_seq_s: float  # per decode step per active sequence (compute, sampling)
