@@ -85,6 +85,7 @@ class SimResult:
     wall_s: float  # per iteration, steady state
     tpspd: float
     tokens_per_iteration: float  # trained: prompt + response of every sample
+    response_tokens_mean: float  # per response, in the measured iterations
     inference_busy: float  # fraction of the inference devices' time spent generating/loading
     training_busy: float  # fraction of the training devices' time spent training/publishing
     slot_utilization: float  # mean active sequences / slots, over the inference devices' time
@@ -263,6 +264,7 @@ class _Sim:
             wall_s=span / steady,
             tpspd=trained / span / tpspd_devices,
             tokens_per_iteration=trained / steady,
+            response_tokens_mean=float(np.mean([self.lengths[k] for k in window])),
             inference_busy=gen / span,
             training_busy=train / span,
             slot_utilization=slot_time / (len(self.engines) * self.slots * span),
