@@ -33,7 +33,7 @@ def test_plan_on_given_hardware_writes_json_and_png(tmp_path, capsys):
         "offpolicy-2",
     }
     rec = cluster["recommended"]
-    assert rec["tpspd"] == max(r["tpspd"] for r in cluster["results"])
+    assert rec["tpspd"] >= max(r["tpspd"] for r in cluster["results"]) * (1 - 1e-3)
     for key in ("wall_s", "inference_busy", "training_busy", "inference_idle", "staleness"):
         assert key in rec
     assert (tmp_path / "plan.png").read_bytes().startswith(PNG_MAGIC)

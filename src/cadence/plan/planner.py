@@ -6,7 +6,7 @@ splits in `plan.splits` or those a search picks: every split when there are few,
 spread evenly and then a hill climb with halving steps around the best. Every simulation of a
 cluster size sees the same response lengths (one seeded draw), so differences between modes and
 splits come from the pipeline, not from sampling noise. The recommendation is the (mode, split)
-with the highest TPSPD among all simulated.
+with the highest TPSPD among all simulated (a tie within 0.1% goes to the less stale mode).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from cadence.plan.sim import Shape, SimResult, Workload, simulate
 from cadence.plan.spec import PlanSpec, parse_mode
 
 EXHAUSTIVE_SPLITS = 12  # simulate every split up to this many candidates
+TIE = 1e-3  # TPSPDs closer than this (relative) are a tie: below the simulation's resolution
 
 
 @dataclass
@@ -198,8 +199,18 @@ def plan_cluster(
     for r in results:
         if r.shape.label not in best or r.tpspd > best[r.shape.label].tpspd:
             best[r.shape.label] = r
-    recommended = max(results, key=lambda r: r.tpspd)
-    return ClusterPlan(devices, results, best, recommended)
+    return ClusterPlan(devices, results, best, recommend(results))
+
+
+def recommend(results: list[SimResult]) -> SimResult:
+    """The highest TPSPD; a tie (within TIE of it) goes to the less stale, then fewer engines."""
+    top = max(r.tpspd for r in results)
+    tied = [r for r in results if r.tpspd >= top * (1 - TIE)]
+    return min(tied, key=lambda r: (_mean_staleness(r), r.shape.num_inference, -r.tpspd))
+
+
+def _mean_staleness(r: SimResult) -> float:
+    return sum(k * v for k, v in r.staleness.items()) / sum(r.staleness.values())
 
 
 def _candidates(spec: PlanSpec, devices: int, engine_devices: int) -> list[int]:

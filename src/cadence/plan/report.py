@@ -40,20 +40,14 @@ def cluster_table(result: PlanResult, cluster: ClusterPlan) -> Table:
     table = Table(
         title=f"cadence plan: {cluster.devices} x {result.profile.name}, "
         f"{result.spec.workload.prompts_per_iteration} prompts x "
-        f"{result.spec.workload.group_size}, responses {result.lengths.describe()}"
+        f"{result.spec.workload.group_size}, responses {result.lengths.describe()}",
+        caption=f"x base: TPSPD over {base.shape.label}'s; * recommended; busy: fraction of "
+        "wall time; slot use: active sequences / engine slots",
     )
-    for name, justify in [
-        ("mode", "left"),
-        ("inference + training", "right"),
-        ("wall s/iter", "right"),
-        ("TPSPD", "right"),
-        (f"x {base.shape.label}", "right"),
-        ("inference busy", "right"),
-        ("training busy", "right"),
-        ("slot use", "right"),
-        ("staleness mean / max", "right"),
-    ]:
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for name in ["mode", "inference + training", "s / iter", "TPSPD", "x base"]:
+        table.add_column(name, justify="left" if name == "mode" else "right", no_wrap=True)
+    for name in ["inference busy", "training busy", "slot use", "staleness mean / max"]:
+        table.add_column(name, justify="right")
     for r in rows:
         mark = " *" if r is cluster.recommended else ""
         table.add_row(
