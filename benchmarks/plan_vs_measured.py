@@ -109,6 +109,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def modes_to_run(config: str, base: list[str]) -> dict[str, list[str]]:
+    """Mode label -> its config overrides; offpolicy-1 only where the config accepts it."""
+    modes = {
+        label: [f"pipeline.mode='{m}'", f"pipeline.placement='{p}'"]
+        for label, (m, p) in MODES.items()
+    }
+    extra = offpolicy_overrides(config, base)
+    if extra is not None:
+        modes["offpolicy-1"] = extra
+    return modes
+
+
+def row(label: str, predicted, samples: list[dict]) -> dict:
+    return {
+        "mode": label,
+        "predicted": {
+            "wall_s": predicted.wall_s,
+            "gen_busy_s": predicted.gen_busy_s,
+            "train_busy_s": predicted.train_busy_s,
+            "num_tokens": predicted.tokens_per_iteration,
+            "response_tokens_mean": predicted.response_tokens_mean,
+        },
+        "measured": {k: statistics.median(s[k] for s in samples) for k in samples[0]},
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/default.toml")
@@ -118,40 +144,16 @@ def main() -> None:
     ap.add_argument("--out", default="runs/plan-vs-measured")
     args = ap.parse_args()
     out = Path(args.out)
-    base = [f"train.iterations={args.iterations}"]
     model = args.model or load_config(args.config).model.path
-    base.append(f"model.path='{model}'")
-    modes = {
-        label: [f"pipeline.mode='{m}'", f"pipeline.placement='{p}'"]
-        for label, (m, p) in MODES.items()
-    }
-    extra = offpolicy_overrides(args.config, base)
-    if extra is not None:
-        modes["offpolicy-1"] = extra
+    base = [f"train.iterations={args.iterations}", f"model.path='{model}'"]
+    modes = modes_to_run(args.config, base)
     predicted = predict(args.config, base, model, list(modes), out)
     samples: dict[str, list[dict]] = {label: [] for label in modes}
-    for rep in range(args.repeats):
+    for rep in range(args.repeats):  # interleaved: drift hits every mode alike
         for label, overrides in modes.items():
             print(f"repeat {rep + 1}/{args.repeats}: running {label} ...", flush=True)
             samples[label].append(run_real(args.config, [*base, *overrides], out / label))
-    rows = []
-    for label in modes:
-        p = predicted[label]
-        rows.append(
-            {
-                "mode": label,
-                "predicted": {
-                    "wall_s": p.wall_s,
-                    "gen_busy_s": p.gen_busy_s,
-                    "train_busy_s": p.train_busy_s,
-                    "num_tokens": p.tokens_per_iteration,
-                    "response_tokens_mean": p.response_tokens_mean,
-                },
-                "measured": {
-                    k: statistics.median(s[k] for s in samples[label]) for k in samples[label][0]
-                },
-            }
-        )
+    rows = [row(label, predicted[label], samples[label]) for label in modes]
     (out / "plan_vs_measured.json").write_text(json.dumps(rows, indent=2) + "\n")
     (out / "plan_vs_measured.md").write_text(table(rows) + "\n")
     print(table(rows))

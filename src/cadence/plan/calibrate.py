@@ -100,29 +100,26 @@ def calibrate(
         with _threads(threads):
             train[threads] = _measure_train(cfg, model_dir, tokenizer.pad_token_id, groups, quick)
     publish_s, load_s = _measure_sync(model)
-    worker, colocated = decode[cfg.pipeline.threads_per_worker], decode[colocated_threads]
-    separate = _throughput(worker, train[learner_threads], learner_threads, score_s)
-    separate = replace(separate, publish_s=publish_s, load_s=load_s)
-    colocated_t = _throughput(colocated, train[colocated_threads], devices, score_s)
-    lengths = [len(c.token_ids) for g in groups for c in g.completions]
+    worker = _throughput(
+        decode[cfg.pipeline.threads_per_worker], train[learner_threads], learner_threads, score_s
+    )
     profile = Profile(
         name=f"this machine ({os.cpu_count()} cores)",
-        separate=separate,
-        colocated=colocated_t,  # the engine shares the learner's model: nothing to sync
+        separate=replace(worker, publish_s=publish_s, load_s=load_s),
+        # colocated, the engine shares the learner's model: nothing to sync
+        colocated=_throughput(
+            decode[colocated_threads], train[colocated_threads], devices, score_s
+        ),
         source=f"calibrated on {model_dir} with the real engine and learner",
         tpspd_devices=1,
         extra={
             "decode": {str(k): v.__dict__ for k, v in decode.items()},
             "train": {str(k): v.__dict__ for k, v in train.items()},
-            "threads": {
-                "learner": learner_threads,
-                "colocated": colocated_threads,
-                "worker": cfg.pipeline.threads_per_worker,
-            },
+            "threads": {"learner": learner_threads, "colocated": colocated_threads},
         },
     )
-    mean_prompt = float(np.mean([len(ids) for ids in prompt_ids]))
-    return Calibration(profile, lengths, mean_prompt)
+    lengths = [len(c.token_ids) for g in groups for c in g.completions]
+    return Calibration(profile, lengths, float(np.mean([len(ids) for ids in prompt_ids])))
 
 
 def _throughput(decode: _Decode, train: _Train, train_devices: int, score_s: float) -> Throughput:

@@ -182,7 +182,9 @@ def plan_cluster(
             results.append(simulate(shape, work, profile.colocated, mine, profile.tpspd_devices))
             continue
         if not candidates:
-            notes.append(f"{devices} devices: too few to split between inference and training")
+            note = f"{devices} devices: too few to split between inference and training"
+            if note not in notes:
+                notes.append(note)
             continue
 
         mine = _lengths_for(lengths, n, measured, most)
