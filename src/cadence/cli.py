@@ -130,6 +130,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if rows else 1
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from cadence.plan import load_spec, plan
+    from cadence.plan.report import draw_plan, print_plan, write_json
+
+    out = Path(args.out)
+    base = None
+    if args.calibrate is not None:  # this machine, measured; the workload of --config
+        from cadence.plan.calibrate import calibrate_to
+
+        cfg = load_config(args.config)
+        base = calibrate_to(cfg, args.calibrate or cfg.model.path, out, log=print)
+    spec = load_spec(args.spec, args.set, base=base)
+    result = plan(spec, log=print)
+    console = Console()
+    print_plan(result, console if console.is_terminal else Console(width=120))
+    print(
+        f"wrote {write_json(result, out / 'plan.json')} and {draw_plan(result, out / 'plan.png')}"
+    )
+    return 0
+
+
 def print_summary(summary: dict, out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -218,6 +241,29 @@ def parser() -> argparse.ArgumentParser:
     )
     with_config(sp, required=False)
     sp.set_defaults(fn=cmd_bench)
+
+    sp = sub.add_parser("plan", help="predict each mode's speed on a cluster; recommend a split")
+    sp.add_argument(
+        "spec",
+        nargs="?",
+        default=None,
+        help="plan TOML (default: the 7B example in docs/planner.md)",
+    )
+    sp.add_argument(
+        "--calibrate",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="MODEL_DIR",
+        help="measure this machine with the real engine and learner on MODEL_DIR (default: "
+        "the --config model) and plan the --config workload on it",
+    )
+    sp.add_argument(
+        "--config", default="configs/default.toml", help="training config (with --calibrate)"
+    )
+    sp.add_argument("--out", default="runs/plan", help="output directory (plan.json, plan.png)")
+    with_config(sp, required=False)
+    sp.set_defaults(fn=cmd_plan)
 
     sp = sub.add_parser("eval", help="held-out accuracy of a model directory")
     sp.add_argument("model_dir")

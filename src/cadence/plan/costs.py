@@ -1,0 +1,204 @@
+"""What each piece of work costs on one device: the planner's throughput model and its formulas.
+
+`Throughput` is the simulation's only view of hardware: seconds per decode step (as a function of
+the batch and the context the KV cache holds), per prefill token, per token the learner computes,
+per optimizer step, per weight sync. It comes either from a calibration run on this machine
+(calibrate.py) or, for other hardware, from peak FLOP rate and memory bandwidth through the
+formulas below (written out with the same symbols in docs/planner.md):
+
+    decode step(b, C) = W / (e_mem BW) + C kv / (e_mem BW) + 2 N b / (e_dec F) + overhead
+    prefill per token = 2 N / (e_pre F)
+    train per token   = (6 N + 6 L h S) (1 + 1/3 if a reference model) / (mfu F)
+    optimizer step    = 16 N / (e_mem BW D_t) + [D_t > 1] 2 W / net_bw
+    weight load       = latency + W / sync_bw;   publish = W / (e_mem BW)
+
+N parameters, L layers, h hidden size, W = N x bytes per parameter, kv = 2 L kv_dim x bytes per
+value (keys and values of one token in every layer), b active sequences, C tokens they hold in
+the cache, S = prompt + mean response tokens, D_t training devices.
+Must not: simulate anything, or import torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: float  # N
+    layers: int  # L
+    hidden: int  # h
+    kv_dim: int | None = None  # width of keys (= values) per layer; hidden unless GQA
+    bytes_per_param: float = 2.0  # bf16 weights, KV cache and gradients
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.layers * (self.kv_dim or self.hidden) * self.bytes_per_param
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator described by its peak rates, and the fractions of them that work reaches."""
+
+    name: str
+    flops: float  # peak dense FLOP/s at the training/inference precision
+    mem_bw: float  # bytes/s
+    memory_bytes: float
+    mem_efficiency: float = 0.8  # fraction of mem_bw a decode step or copy reaches
+    decode_efficiency: float = 0.5  # fraction of flops a decode step's matmuls reach
+    prefill_efficiency: float = 0.5
+    train_mfu: float = 0.4  # model FLOP utilisation of forward + backward
+    network_bw: float = 50e9  # bytes/s per device between nodes (gradient reduction)
+    sync_bw: float = 50e9  # bytes/s from the learner to an inference engine
+    sync_latency_s: float = 0.05
+    step_overhead_s: float = 0.001  # per decode step: scheduling, sampling, launches
+    kv_memory_fraction: float = 0.9  # of memory an engine may fill (weights + KV cache)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Seconds: decoding, prefill, scoring and weight loads per inference engine (one device,
+    or `engine_devices` with tensor parallelism); training per training device."""
+
+    decode_step_s: float  # per decode step, whatever the batch (weights read, overhead)
+    decode_per_seq_s: float  # per decode step per active sequence (compute, sampling)
+    decode_per_ctx_token_s: float  # per decode step per token held in the KV cache
+    prefill_per_token_s: float
+    train_per_token_s: float  # per token the learner computes, on one training device
+    train_microbatch_s: float = 0.0  # fixed cost of one forward/backward call
+    optimizer_update_s: float = 0.0  # optimizer update of the whole model on one device
+    allreduce_s: float = 0.0  # gradient reduction per step when training on > 1 device
+    publish_s: float = 0.0  # learner copies its weights to where engines load them
+    load_s: float = 0.0  # an engine loads a published version
+    score_per_sample_s: float = 0.0  # reward of one response (on the engine's host)
+    kv_cache_bytes: float = math.inf  # memory an engine has for its KV cache
+    kv_bytes_per_token: float = 0.0
+    train_state_bytes: float = 0.0  # weights + grads + optimizer state (colocated engines share)
+
+    def decode_time(self, active: int, context: float, steps: int) -> float:
+        """`steps` decode steps of `active` sequences holding `context` tokens at the start.
+
+        Every step adds one token to every sequence, so step i holds context + active x i.
+        """
+        per_step = self.decode_step_s + self.decode_per_seq_s * active
+        kv = self.decode_per_ctx_token_s * (steps * context + active * steps * (steps - 1) / 2)
+        return steps * per_step + kv
+
+    def train_time(self, tokens: float, devices: int) -> float:
+        """One forward/backward over `tokens` computed tokens split evenly over `devices`."""
+        return tokens * self.train_per_token_s / devices + self.train_microbatch_s
+
+    def optimizer_time(self, devices: int) -> float:
+        return self.optimizer_update_s / devices + (self.allreduce_s if devices > 1 else 0.0)
+
+    def slots(self, max_num_seqs: int, seq_tokens: float, colocated_devices: int = 0) -> int:
+        """Sequences an engine can hold: max_num_seqs, or fewer when the KV cache runs out.
+
+        `colocated_devices` > 0: training state, sharded over that many devices, stays resident.
+        """
+        free = self.kv_cache_bytes
+        if colocated_devices:
+            free -= self.train_state_bytes / colocated_devices
+        if math.isinf(free) or self.kv_bytes_per_token <= 0:
+            return max_num_seqs
+        fit = int(free // (self.kv_bytes_per_token * max(seq_tokens, 1.0)))
+        return max(1, min(max_num_seqs, fit))
+
+    def to_dict(self) -> dict[str, float | None]:
+        return {k: (None if math.isinf(v) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Throughput:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown throughput field(s) {unknown}; allowed: {sorted(names)}")
+        clean = {k: (math.inf if v is None else float(v)) for k, v in data.items()}
+        return cls(**clean)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Costs for separate placement (inference and training on their own devices) and colocated.
+
+    `tpspd_devices`: the device count TPSPD divides by, when it is not the cluster's (a CPU
+    machine counts as one device however its cores are split).
+    """
+
+    name: str
+    separate: Throughput
+    colocated: Throughput
+    source: str = ""
+    tpspd_devices: int | None = None
+    extra: dict = field(default_factory=dict)  # calibration measurements, for the record
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "source": self.source,
+            "tpspd_devices": self.tpspd_devices,
+            "separate": self.separate.to_dict(),
+            "colocated": self.colocated.to_dict(),
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Profile:
+        return cls(
+            name=str(data.get("name", "profile")),
+            separate=Throughput.from_dict(data["separate"]),
+            colocated=Throughput.from_dict(data.get("colocated", data["separate"])),
+            source=str(data.get("source", "")),
+            tpspd_devices=data.get("tpspd_devices"),
+            extra=dict(data.get("extra", {})),
+        )
+
+
+def train_flops_per_token(model: ModelShape, seq_tokens: float, reference_model: bool) -> float:
+    """Forward + backward (3 x forward) FLOPs per token, plus a no-grad reference forward."""
+    # attention: 4 h FLOPs per token of context per layer, and the mean context is S / 2
+    forward = 2 * model.params + 2 * model.layers * model.hidden * seq_tokens
+    return forward * (3 + (1 if reference_model else 0))
+
+
+def from_hardware(
+    model: ModelShape,
+    device: DeviceSpec,
+    *,
+    seq_tokens: float,
+    reference_model: bool,
+    engine_devices: int = 1,
+) -> Profile:
+    """Throughput of `device` for `model` from its peak rates (the formulas in the docstring)."""
+    f, bw = device.flops, device.mem_bw * device.mem_efficiency
+    w = model.weight_bytes
+    tp = engine_devices  # an engine spanning tp devices: tp x the rates, 1/tp of the weights each
+    kv_free = device.memory_bytes * device.kv_memory_fraction * tp - w
+    base = Throughput(
+        decode_step_s=w / (tp * bw) + device.step_overhead_s,
+        decode_per_seq_s=2 * model.params / (tp * device.decode_efficiency * f),
+        decode_per_ctx_token_s=model.kv_bytes_per_token / (tp * bw),
+        prefill_per_token_s=2 * model.params / (tp * device.prefill_efficiency * f),
+        train_per_token_s=train_flops_per_token(model, seq_tokens, reference_model)
+        / (device.train_mfu * f),
+        optimizer_update_s=16 * model.params / bw,
+        allreduce_s=2 * w / device.network_bw,
+        publish_s=w / bw,
+        load_s=device.sync_latency_s + w / device.sync_bw,
+        kv_cache_bytes=max(kv_free, 0.0),
+        kv_bytes_per_token=model.kv_bytes_per_token,
+        train_state_bytes=16 * model.params,
+    )
+    colocated = replace(base, publish_s=0.0, load_s=w / bw)  # reshard in place: one local copy
+    return Profile(
+        name=device.name,
+        separate=base,
+        colocated=colocated,
+        source=f"from peak rates: {device.flops / 1e12:g} TFLOP/s, "
+        f"{device.mem_bw / 1e12:g} TB/s, {device.memory_bytes / 1e9:g} GB",
+    )

@@ -1,0 +1,216 @@
+"""What `cadence plan` is asked: a TOML spec validated by pydantic, with dotted `--set` overrides.
+
+The defaults are the worked example of docs/planner.md: a 7B model (Qwen2.5-7B's shape) on H100s,
+512 prompts x 16 samples per iteration, lognormal long-tailed responses capped at 8192 tokens.
+An unknown key or a bad value raises `ConfigError` naming the key (the CLI exits with code 2).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from cadence.config import ConfigError, apply_overrides
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(_Section):
+    params: float = Field(7.6e9, gt=0, description="Parameters (N).")
+    layers: int = Field(28, ge=1, description="Transformer layers (L).")
+    hidden: int = Field(3584, ge=1, description="Hidden size (h).")
+    kv_dim: int | None = Field(
+        512, ge=1, description="Key (= value) width per layer; hidden unless grouped-query."
+    )
+    bytes_per_param: float = Field(2.0, gt=0, description="Bytes per weight and KV value.")
+
+
+class ResponseSpec(_Section):
+    kind: Literal["fixed", "uniform", "lognormal", "empirical"] = Field(
+        "lognormal", description="Response-length distribution."
+    )
+    tokens: int = Field(512, ge=1, description="fixed: every response's length.")
+    low: int = Field(1, ge=1, description="uniform: shortest response.")
+    high: int = Field(1024, ge=1, description="uniform: longest response.")
+    mean: float = Field(1500.0, gt=0, description="lognormal: mean length before the cap.")
+    sigma: float = Field(1.0, ge=0, description="lognormal: standard deviation of log length.")
+    path: str | None = Field(
+        None, description="empirical: metrics.jsonl, a run directory, or per-sample lengths."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ResponseSpec:
+        if self.kind == "uniform" and self.low > self.high:
+            raise ValueError(f"low ({self.low}) must be <= high ({self.high})")
+        if self.kind == "empirical" and not self.path:
+            raise ValueError("kind = 'empirical' needs workload.response.path")
+        return self
+
+
+class WorkloadSpec(_Section):
+    prompts_per_iteration: int = Field(512, ge=1, description="Groups per iteration.")
+    group_size: int = Field(16, ge=1, description="Responses per prompt (G).")
+    prompt_tokens: int = Field(256, ge=1, description="Prompt length in tokens (P).")
+    max_new_tokens: int = Field(8192, ge=1, description="Longest response: lengths are capped.")
+    micro_batch_groups: int = Field(32, ge=1, description="Groups per forward/backward.")
+    shared_prompt: bool = Field(True, description="Learner computes each prompt once per group.")
+    reference_model: bool = Field(True, description="A frozen reference forward (KL term).")
+    response: ResponseSpec = Field(default_factory=ResponseSpec)
+
+
+class HardwareSpec(_Section):
+    profile: str | None = Field(
+        None,
+        description="Throughput profile JSON (from --calibrate, or written by hand); "
+        "when set, the peak rates below are not used.",
+    )
+    name: str = Field("H100-SXM-80GB", description="Label in the outputs.")
+    flops: float = Field(989e12, gt=0, description="Peak dense bf16 FLOP/s per device.")
+    mem_bw: float = Field(3.35e12, gt=0, description="Memory bandwidth per device, bytes/s.")
+    memory_gb: float = Field(80.0, gt=0, description="Device memory, GB (1e9 bytes).")
+    mem_efficiency: float = Field(0.8, gt=0, le=1, description="Reached fraction of mem_bw.")
+    decode_efficiency: float = Field(0.5, gt=0, le=1, description="Decode matmul FLOP fraction.")
+    prefill_efficiency: float = Field(0.5, gt=0, le=1, description="Prefill FLOP fraction.")
+    train_mfu: float = Field(0.4, gt=0, le=1, description="Training model FLOP utilisation.")
+    network_bw: float = Field(50e9, gt=0, description="Bytes/s per device for gradients.")
+    sync_bw: float = Field(50e9, gt=0, description="Bytes/s from learner to an engine.")
+    sync_latency_s: float = Field(0.05, ge=0, description="Fixed cost of one weight load.")
+    step_overhead_s: float = Field(0.001, ge=0, description="Per decode step (scheduling).")
+    kv_memory_fraction: float = Field(
+        0.9, gt=0, le=1, description="Fraction of memory an engine fills (weights + KV cache)."
+    )
+
+
+class ClusterSpec(_Section):
+    devices: list[int] = Field(
+        default_factory=lambda: [16, 64], description="Cluster sizes to plan (devices each)."
+    )
+    engine_devices: int = Field(1, ge=1, description="Devices per inference engine (TP).")
+    colocated_engine_devices: int = Field(
+        0,
+        ge=0,
+        description="Devices per engine when colocated (0: engine_devices; a CPU "
+        "machine's colocated engine is one process on all its cores).",
+    )
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences an engine holds.")
+    batching: Literal["continuous", "static"] = Field(
+        "continuous", description="continuous (vLLM-like) or static (the local worker backend)."
+    )
+    prompts_per_task: int = Field(4, ge=1, description="static: prompts per engine batch.")
+
+    @field_validator("devices")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or any(d < 1 for d in v):
+            raise ValueError(f"devices must be a non-empty list of positive counts; got {v}")
+        return v
+
+
+_MODE = re.compile(r"^(sync-colocated|sync|periodic|offpolicy-([1-9][0-9]*))$")
+
+
+class PlanSettings(_Section):
+    modes: list[str] = Field(
+        default_factory=lambda: [
+            "sync-colocated",
+            "sync",
+            "periodic",
+            "offpolicy-1",
+            "offpolicy-2",
+        ],
+        description="Modes to simulate: sync-colocated, sync, periodic, offpolicy-N (N >= 1).",
+    )
+    iterations: int = Field(
+        5, ge=1, description="Iterations measured per mode and split, after the pipeline fills."
+    )
+    seed: int = Field(0, description="Seed of the response-length draws.")
+    splits: list[int] = Field(
+        default_factory=list,
+        description="Inference device counts to simulate (empty: search every cluster size).",
+    )
+
+    @field_validator("modes")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        bad = [m for m in v if not _MODE.match(m)]
+        if bad or not v:
+            raise ValueError(
+                f"unknown mode(s) {bad}; allowed: sync-colocated, sync, periodic, offpolicy-N"
+            )
+        return v
+
+
+class PlanSpec(_Section):
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
+    hardware: HardwareSpec = Field(default_factory=HardwareSpec)
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    plan: PlanSettings = Field(default_factory=PlanSettings)
+
+    @model_validator(mode="after")
+    def _fits(self) -> PlanSpec:
+        r, w = self.workload.response, self.workload
+        if r.kind == "fixed" and r.tokens > w.max_new_tokens:
+            raise ValueError(
+                f"workload.response.tokens ({r.tokens}) exceeds workload.max_new_tokens "
+                f"({w.max_new_tokens})"
+            )
+        return self
+
+
+def _format_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(root)"
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"plan key '{key}': {msg}")
+    return "\n".join(lines)
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` laid on `base`, section by section (a new dict; neither input changes)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_spec(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    base: dict[str, Any] | None = None,
+) -> PlanSpec:
+    """`base` (e.g. derived from a training config), then the TOML file, then the overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"plan file '{p}' does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"plan file '{p}' is not valid TOML: {e}") from e
+    data = merge(base or {}, data)
+    apply_overrides(data, overrides or [])
+    try:
+        return PlanSpec.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+
+
+def parse_mode(name: str) -> tuple[str, str, int]:
+    """A mode name as (mode, placement, N): 'offpolicy-2' -> ('offpolicy', 'separate', 2)."""
+    m = _MODE.match(name)
+    if m is None:
+        raise ConfigError(f"plan key 'plan.modes': unknown mode {name!r}")
+    if name == "sync-colocated":
+        return "sync", "colocated", 0
+    if m.group(2):
+        return "offpolicy", "separate", int(m.group(2))
+    return name, "separate", 0
