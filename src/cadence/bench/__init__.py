@@ -4,11 +4,24 @@ Each suite interleaves its variants across repeats (A, B, C, then A, B, C again)
 drift hits all of them alike, and reports the median. Suites:
 - `modes` (bench/modes.py): the same RL workload in several pipeline modes (TPSPD, busy times).
 - `shared-prompt` (bench/shared_prompt.py): one training iteration with each micro-batch layout.
+- `trl` (bench/trl_peer.py): cadence and TRL's GRPOTrainer on the same workload.
+- `ablation` (bench/ablation.py): pipeline x shared prompt x old-logprob reuse, plus TRL.
 """
 
+from cadence.bench.ablation import bench_ablation
 from cadence.bench.modes import MODES, bench, markdown_table, parse_modes
 from cadence.bench.shared_prompt import bench_shared_prompt
+from cadence.bench.trl_peer import bench_trl
 
-SUITES = ("modes", "shared-prompt")
+SUITES = ("modes", "shared-prompt", "trl", "ablation")
 
-__all__ = ["MODES", "SUITES", "bench", "bench_shared_prompt", "markdown_table", "parse_modes"]
+__all__ = [
+    "MODES",
+    "SUITES",
+    "bench",
+    "bench_ablation",
+    "bench_shared_prompt",
+    "bench_trl",
+    "markdown_table",
+    "parse_modes",
+]
