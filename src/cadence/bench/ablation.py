@@ -24,6 +24,7 @@ from pathlib import Path
 
 from cadence.bench import trl_peer
 from cadence.bench.common import interleave, machine, median_row, package_version
+from cadence.bench.runs import FIGURES, run_cadence, workload_config
 from cadence.config import Config, ConfigError, load_config
 
 # pipeline name -> overrides
@@ -134,7 +135,7 @@ def choose_cells(
 
 def _cell_config(config: str | Path | None, overrides: list[str], name: str) -> Config:
     extra = [] if name == TRL else cell_overrides(name)
-    return trl_peer.workload_config(config, [*overrides, *extra])
+    return workload_config(config, [*overrides, *extra])
 
 
 def _describe(name: str, cfg: Config) -> dict:
@@ -167,11 +168,11 @@ def bench_ablation(
     out.mkdir(parents=True, exist_ok=True)
 
     def run_cell(name: str, rep: int) -> dict:
-        run = trl_peer.run_trl if name == TRL else trl_peer.run_cadence
+        run = trl_peer.run_trl if name == TRL else run_cadence
         return run(configs[name], out / "runs" / f"{name.replace('/', '-')}-{rep}")
 
     samples = interleave(names, repeats, run_cell)
-    rows = [_describe(n, configs[n]) | median_row(samples[n], trl_peer.FIGURES) for n in names]
+    rows = [_describe(n, configs[n]) | median_row(samples[n], FIGURES) for n in names]
     grpo_config = next((r.pop("grpo_config") for r in rows if r["name"] == TRL), None)
     add_ratios(rows)
     first = configs[names[0]]
