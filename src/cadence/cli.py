@@ -103,11 +103,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from cadence.bench import bench, bench_engine, bench_shared_prompt, parse_modes
+    from cadence.bench import (
+        bench,
+        bench_ablation,
+        bench_engine,
+        bench_shared_prompt,
+        bench_trl,
+        parse_modes,
+    )
     from cadence.pipeline.build import set_threads
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1; got {args.repeats}")
+    if args.iterations < 0:
+        raise ConfigError(f"--iterations must be >= 0 (0: the config's); got {args.iterations}")
+    if args.cells is not None and args.suite != "ablation":
+        raise ConfigError(f"--cells applies to --suite ablation, not '{args.suite}'")
     load_config(args.config, args.set)  # fail early on a bad config, before any run starts
     if args.suite == "engine":
         set_threads(load_config(args.config, args.set).train.threads)
@@ -118,13 +129,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rows = bench_shared_prompt(args.config, list(args.set), args.repeats, Path(args.out))
         print((Path(args.out) / "bench.md").read_text())
         return 0 if rows else 1
+    overrides = list(args.set) + (
+        [f"train.iterations={args.iterations}"] if args.iterations else []
+    )
+    if args.suite in ("trl", "ablation"):
+        if args.suite == "trl":
+            bench_trl(args.config, overrides, args.repeats, Path(args.out))
+        else:
+            bench_ablation(args.config, overrides, args.repeats, Path(args.out), args.cells)
+        print((Path(args.out) / "bench.md").read_text())
+        return 0
     try:
         names = parse_modes(args.modes)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    overrides = list(args.set) + (
-        [f"train.iterations={args.iterations}"] if args.iterations else []
-    )
     rows = bench(args.config, overrides, names, args.repeats, Path(args.out))
     print((Path(args.out) / "bench.md").read_text())
     return 0 if rows else 1
@@ -214,14 +232,16 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="runs/train", help="run output directory")
     sp.set_defaults(fn=cmd_train)
 
-    sp = sub.add_parser("bench", help="measurements side by side (pipeline modes, layouts)")
+    sp = sub.add_parser("bench", help="measurements side by side (modes, layouts, TRL, ablation)")
     sp.add_argument(
         "--suite",
         default="modes",
-        choices=["modes", "shared-prompt", "engine"],
+        choices=["modes", "shared-prompt", "engine", "trl", "ablation"],
         help="modes: the RL workload in each pipeline mode; shared-prompt: one training "
         "iteration with the prompt shared or not; engine: static vs continuous batching vs "
-        "model.generate on long-tailed and uniform response lengths",
+        "model.generate on long-tailed and uniform response lengths; trl: cadence and TRL's "
+        "GRPOTrainer on the same workload; ablation: pipeline x shared prompt x old-logprob "
+        "reuse, plus TRL",
     )
     sp.add_argument(
         "--model",
@@ -233,11 +253,22 @@ def parser() -> argparse.ArgumentParser:
         default="sync-colocated,sync,periodic",
         help="comma-separated: sync-colocated, sync, periodic (suite 'modes')",
     )
-    sp.add_argument("--out", required=True, help="output directory (bench.json, bench.md)")
+    sp.add_argument(
+        "--out", required=True, help="output directory (bench.json, bench.md; ablation: bench.png)"
+    )
     sp.add_argument("--config", default="configs/default.toml", help="workload config")
     sp.add_argument("--repeats", type=int, default=3, help="repeats per mode (median)")
     sp.add_argument(
-        "--iterations", type=int, default=0, help="iterations per run, suite 'modes' (0: config)"
+        "--iterations",
+        type=int,
+        default=0,
+        help="iterations (optimizer steps) per run, suites modes, trl, ablation (0: config)",
+    )
+    sp.add_argument(
+        "--cells",
+        default=None,
+        help="suite 'ablation': comma-separated cells to run instead of the whole grid, e.g. "
+        "'sync-colocated/share/reuse,periodic/share/reuse,trl'",
     )
     with_config(sp, required=False)
     sp.set_defaults(fn=cmd_bench)

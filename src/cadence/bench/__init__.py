@@ -6,20 +6,26 @@ drift hits all of them alike, and reports the median. Suites:
 - `shared-prompt` (bench/shared_prompt.py): one training iteration with each micro-batch layout.
 - `engine` (bench/engine.py): static batching, `model.generate` and continuous batching on a
   long-tailed and a uniform response-length workload.
+- `trl` (bench/trl_peer.py): cadence and TRL's GRPOTrainer on the same workload.
+- `ablation` (bench/ablation.py): pipeline x shared prompt x old-logprob reuse, plus TRL.
 """
 
+from cadence.bench.ablation import bench_ablation
 from cadence.bench.engine import bench_engine
 from cadence.bench.modes import MODES, bench, markdown_table, parse_modes
 from cadence.bench.shared_prompt import bench_shared_prompt
+from cadence.bench.trl_peer import bench_trl
 
-SUITES = ("modes", "shared-prompt", "engine")
+SUITES = ("modes", "shared-prompt", "engine", "trl", "ablation")
 
 __all__ = [
     "MODES",
     "SUITES",
     "bench",
+    "bench_ablation",
     "bench_engine",
     "bench_shared_prompt",
+    "bench_trl",
     "markdown_table",
     "parse_modes",
 ]

@@ -1,0 +1,109 @@
+"""The TRL peer: same workload for both tools, figures defined alike, bad workloads refused."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cadence.bench import trl_peer
+from cadence.cli import main
+from cadence.config import ConfigError, load_config
+
+
+def workload(model_dir):
+    return [
+        f"model.path='{model_dir}'",
+        "train.prompts_per_iteration=4",
+        "train.micro_batch_groups=2",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=12",
+        "algo.kl_coef=0.05",
+        "train.threads=2",
+        "reward.function='fixtures_rewards:even_length'",
+    ]
+
+
+def cli_args(model_dir, out, *extra):
+    """The bench command on the tiny workload; `extra` comes last, so its --set wins."""
+    args = ["bench", "--repeats", "1", "--iterations", "1", "--out", str(out)]
+    for o in workload(model_dir):
+        args += ["--set", o]
+    return [*args, *extra]
+
+
+@pytest.mark.slow
+def test_both_tools_report_positive_figures_and_the_same_settings(model_dir, tmp_path):
+    assert main(cli_args(model_dir, tmp_path, "--suite", "trl")) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    rows = {r["tool"]: r for r in report["rows"]}
+    assert set(rows) == {"cadence", "trl"}
+    for row in rows.values():
+        for f in ["tpspd", "wall_s", "num_tokens", "gen_busy_s", "train_busy_s"]:
+            assert row[f] > 0, (row["tool"], f)
+        assert row["tpspd"] == pytest.approx(row["num_tokens"] / row["wall_s"], rel=1e-9)
+    # what each tool reports it ran with (cadence's config, TRL's trainer.args and state) agrees
+    settings = report["settings"]
+    for key in trl_peer.SHARED_SETTINGS:
+        assert settings["cadence"][key] == settings["trl"][key], key
+    assert settings["trl"]["optimizer_steps"] == 1 and settings["trl"]["group_size"] == 4
+    # trained tokens counted the same way: TRL's own count agrees with ours, and both tools saw
+    # the same prompts through the same tokenizer
+    assert rows["trl"]["num_tokens"] == rows["trl"]["trl_num_input_tokens_seen"]
+    assert rows["trl"]["prompt_tokens_mean"] == pytest.approx(
+        rows["cadence"]["prompt_tokens_mean"], rel=1e-9
+    )
+    grpo = report["grpo_config"]
+    assert grpo["use_vllm"] is False and grpo["bf16"] is False and grpo["use_cpu"] is True
+    assert grpo["activation_checkpointing"] is False and grpo["report_to"] == "none"
+    assert grpo["beta"] == 0.05 and grpo["num_generations"] == 4
+    md = (tmp_path / "bench.md").read_text()
+    assert "| trl |" in md and "| cadence |" in md and "**no**" not in md
+
+
+def test_trl_arguments_map_the_workload(model_dir, tmp_path):
+    from trl import GRPOConfig
+
+    cfg = load_config(None, [*workload(model_dir), "train.iterations=3", "algo.scale_by_std=false"])
+    args = trl_peer.trl_args(cfg, tmp_path)
+    # 4 prompts x 4 samples per optimizer step, in micro-batches of 2 groups = 8 sequences
+    assert args["per_device_train_batch_size"] == 8 and args["gradient_accumulation_steps"] == 2
+    assert args["max_steps"] == 3 and args["max_completion_length"] == 12
+    assert args["loss_type"] == "dapo" and args["scale_rewards"] == "none"
+    config = GRPOConfig(**args)
+    assert config.generation_batch_size == 16 and config.steps_per_generation == 2
+    assert config.activation_checkpointing is False and config.optim == "adamw_torch"
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("algo.loss='pg'", "algo.loss"),
+        ("algo.advantage='rloo'", "algo.advantage"),
+        ("algo.kl_estimator='k1'", "algo.kl_estimator"),
+        ("train.mini_batches=2", "train.mini_batches"),
+        ("train.micro_batch_groups=3", "not a multiple"),
+        ("rollout.temperature=0", "rollout.temperature"),
+        ("model.dtype='bfloat16'", "model.dtype"),
+    ],
+)
+def test_workloads_trl_cannot_match_are_refused(model_dir, tmp_path, capsys, override, needle):
+    cfg = load_config(None, [*workload(model_dir), override])
+    with pytest.raises(ConfigError, match=needle):
+        trl_peer.check_workload(cfg)
+    assert main(cli_args(model_dir, tmp_path, "--suite", "trl", "--set", override)) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_missing_trl_is_a_clear_error(model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(trl_peer, "available", lambda: False)
+    assert main(cli_args(model_dir, tmp_path, "--suite", "trl")) == 2
+    assert "pip install 'cadence[bench]'" in capsys.readouterr().err
+
+
+def test_importing_cadence_does_not_import_trl():
+    code = (
+        "import sys, cadence, cadence.cli, cadence.bench, cadence.bench.ablation; "
+        "assert 'trl' not in sys.modules and 'datasets' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
