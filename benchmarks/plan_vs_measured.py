@@ -3,7 +3,7 @@
 1. Calibrate (`cadence plan --calibrate`): the real engine and learner on `--model`, with the
    workload of `--config`; the model's own sampled response lengths are the distribution.
 2. Predict each mode's wall time per iteration on this machine's split (the config's workers and
-   learner threads), with the local worker backend's static batching.
+   learner threads), with the engine the config selects (`rollout.engine`, continuous by default).
 3. Run each mode for real (`--iterations`, no held-out evaluation), interleaved across
    `--repeats`, and read `metrics.jsonl`.
 

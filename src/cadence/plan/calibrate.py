@@ -3,9 +3,9 @@
 What is measured, on the model directory and the training config's workload:
 - response lengths and prompt length: the model samples the task's prompts with the config's
   sampling settings (the empirical distribution the plan then uses), and the reward scores them;
-- decoding: `HFEngine` at a few batch sizes with every row forced to the same length (no stop
-  tokens); the time per decode step is fitted as fixed + per sequence x batch, once at the
-  worker's thread count and once at the colocated thread count;
+- decoding: the engine `cadence train` uses (`rollout.engine`) at a few batch sizes with every
+  row forced to the same length (no stop tokens); the time per decode step is fitted as fixed +
+  per sequence x batch, once at the worker's thread count and once at the colocated thread count;
 - training: the `Learner` built as `cadence train` builds it (packing, reference model) on the
   sampled groups, one micro-batch of a few groups and one of `micro_batch_groups`: seconds per
   computed token and per micro-batch, and the optimizer step;
@@ -138,7 +138,7 @@ def _throughput(decode: _Decode, train: _Train, train_devices: int, score_s: flo
 
 def _sample_groups(cfg: Config, model, tokenizer, quick: bool):
     """The task's prompts sampled as `cadence train` samples them; seconds to score one."""
-    from cadence.engine import HFEngine
+    from cadence.engine import make_engine
     from cadence.pipeline.build import make_task, sampling_params
     from cadence.pipeline.prompts import PromptStream
     from cadence.pipeline.worker import RolloutWorker
@@ -146,7 +146,7 @@ def _sample_groups(cfg: Config, model, tokenizer, quick: bool):
 
     n = max(2, cfg.train.micro_batch_groups) if quick else max(32, cfg.train.micro_batch_groups)
     prompts = PromptStream(make_task(cfg), cfg.data.prompt_template, cfg.data.task).next_batch(n)
-    engine = HFEngine(model, tokenizer, max_num_seqs=cfg.rollout.max_num_seqs)
+    engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
     sampling = sampling_params(cfg, tokenizer)
     worker = RolloutWorker(
         engine, tokenizer, ConstantReward(0.0), sampling, cfg.rollout.group_size, cfg.train.seed
@@ -162,10 +162,10 @@ def _sample_groups(cfg: Config, model, tokenizer, quick: bool):
 
 
 def _measure_decode(cfg: Config, model, tokenizer, prompt_ids, quick: bool) -> _Decode:
-    from cadence.engine import HFEngine, Request, SamplingParams
+    from cadence.engine import Request, SamplingParams, make_engine
 
     G, cap = cfg.rollout.group_size, cfg.rollout.max_num_seqs
-    engine = HFEngine(model, tokenizer, max_num_seqs=cap)
+    engine = make_engine(cfg.rollout.engine, model, tokenizer, cap)
     steps = 4 if quick else 24
     rows = sorted({min(G * q, cap) for q in ((1, 2) if quick else (1, 4, 16))})
 
@@ -282,7 +282,7 @@ def spec_from_config(cfg: Config, cal: Calibration, profile_path: str, lengths_p
             "engine_devices": p.threads_per_worker,
             "colocated_engine_devices": devices,
             "max_num_seqs": cfg.rollout.max_num_seqs,
-            "batching": "static",
+            "batching": cfg.rollout.engine,  # the engine `cadence train` runs here
             "prompts_per_task": p.prompts_per_task,
         },
         "plan": {"modes": list(DEFAULT_MODES)},
