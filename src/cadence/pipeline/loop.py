@@ -164,12 +164,12 @@ def train(
             records.append(record)
             for s in sinks:
                 s.write(record)
+        loop_s = time.perf_counter() - t_loop  # not counting closing workers, drawing the timeline
     finally:
         for s in sinks:
             s.close()
         run.source.close()
         write_timeline(run, out)
-    loop_s = time.perf_counter() - t_loop
     accuracy_after = heldout_accuracy(run) if evaluate else float("nan")
     save_pretrained(run.learner.model, run.tokenizer, out / "final")
     summary = _summary(cfg, records, accuracy_before, accuracy_after, loop_s)
