@@ -32,6 +32,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from cadence.engine.base import Request, SamplingParams, sample_tokens, step_uniforms
 from cadence.types import Completion
 
+PREFILL_BATCH = 8  # prompts prefilled together when one is needed (their K/V wait until admitted)
+
 
 class UnsupportedModel(RuntimeError):
     """The model's cache is not one plain full-attention layer per layer (e.g. sliding windows)."""
@@ -106,7 +108,7 @@ class SlotCache(Cache):
         self.rows, self.pos, self.width = rows, pos, width
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     """A request inside the engine: its samples' completions fill in as they finish."""
 
@@ -202,7 +204,10 @@ class ContinuousEngine:
             free -= take
         if not plan:
             return
-        self._prefill([job for job, _ in plan if job.prefix is None])
+        todo = [job for job, _ in plan if job.prefix is None]
+        if todo:  # prefill a few waiting prompts ahead too: one batched forward, not several
+            ahead = [j for j in self.waiting if j.prefix is None and all(j is not t for t in todo)]
+            self._prefill(todo + ahead[: max(0, PREFILL_BATCH - len(todo))])
         for job, take in plan:
             for _ in range(take):
                 self._place(job, job.admitted)
@@ -254,7 +259,7 @@ class ContinuousEngine:
             self._pos = torch.zeros(s, dtype=torch.long, device=device)
             self._last = torch.zeros(s, dtype=torch.long, device=device)
         if length > self.cache.length:
-            self.cache.allocate(self.max_num_seqs, max(length, 2 * self.cache.length), like.prefix)
+            self.cache.allocate(self.max_num_seqs, length + 16, like.prefix)  # rare: longer prompt
 
     def _place(self, job: _Job, sample: int) -> None:
         s = len(self.slots)
