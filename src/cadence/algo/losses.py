@@ -1,9 +1,10 @@
-"""Policy losses, the KL penalty and loss aggregation, as pure functions of tensors.
+"""Policy losses, the online DPO pair loss, the KL penalty and loss aggregation, as pure functions.
 
 A loss returns `(loss, metrics)` where `loss` is the weighted SUM of per-token losses over one
-micro-batch, not a mean. Aggregation is split in two: `token_weights` is known per micro-batch,
-`normaliser` only once the whole global batch is in. The learner sums micro-batch gradients and
-divides by the normaliser at step time, so streaming micro-batches gives the same update as one
+micro-batch, not a mean (online DPO: the sum over its preference pairs, see `online_dpo_loss`).
+Aggregation is split in two: `token_weights` is known per micro-batch, `normaliser` only once
+the whole global batch is in. The learner sums micro-batch gradients and divides by the
+normaliser at step time, so streaming micro-batches gives the same update as one
 big batch. Metrics are weighted sums with the same weights, to be normalised the same way.
 
 Padding is masked by selection (`torch.where`), never by multiplying with zero, so a padded
@@ -66,7 +67,7 @@ class PolicyBatch:
     """One micro-batch of B responses padded to T tokens, as the losses see it."""
 
     logprobs: Tensor  # (B, T) under the policy being trained, with grad
-    old_logprobs: Tensor  # (B, T) under the policy that sampled the tokens
+    old_logprobs: Tensor  # (B, T) the ratio's denominator: the sampling (or, TIS, proximal) policy
     advantages: Tensor  # (B,) one per sequence
     loss_mask: Tensor  # (B, T) 1/True on response tokens, 0/False on prompt and padding
     token_weights: Tensor  # (B, T) from `token_weights(loss_mask, mode)`
