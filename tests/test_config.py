@@ -39,7 +39,7 @@ def test_required_keys_exist():
     "override, key, hint",
     [
         (["train.iterationz=3"], "train.iterationz", "unknown key"),
-        (['algo.loss="dpo"'], "algo.loss", "'ppo_clip' or 'pg'"),
+        (['algo.loss="dpo"'], "algo.loss", "'ppo_clip', 'pg', 'rloo' or 'online_dpo'"),
         (["rollout.group_size=0"], "rollout.group_size", "greater than or equal to 1"),
         (["bogus.key=1"], "bogus", "unknown key"),
         (
@@ -65,3 +65,39 @@ def test_missing_file_and_bad_override_form(tmp_path):
 def test_shared_prompt_is_on_by_default():
     cfg = Config()
     assert cfg.learner.shared_prompt and cfg.learner.shared_prompt_impl == "prefix"
+
+
+def test_loss_keys_have_defaults_and_round_trip():
+    algo = Config().algo
+    assert (algo.tis_cap, algo.dpo_beta, algo.dpo_loss) == (0.0, 0.1, "sigmoid")
+    for fields in (
+        ["algo.loss='online_dpo'", "algo.dpo_beta=0.3", "algo.dpo_loss='ipo'"],
+        ["algo.loss='ppo_clip'", "algo.tis_cap=2.0"],
+        ["algo.loss='rloo'"],
+    ):
+        cfg = load_config(None, fields)
+        assert Config.model_validate(tomllib.loads(to_toml(cfg))) == cfg
+
+
+def test_rloo_loss_brings_its_advantage_and_refuses_another():
+    assert load_config(None, ["algo.loss='rloo'"]).algo.advantage == "rloo"  # left out: filled
+    assert load_config(None, ["algo.loss='rloo'", "algo.advantage='rloo'"]).algo.loss == "rloo"
+    with pytest.raises(ConfigError, match=r"algo\.advantage = 'grpo' would be ignored"):
+        load_config(None, ["algo.loss='rloo'", "algo.advantage='grpo'"])
+
+
+@pytest.mark.parametrize(
+    "override, hint",
+    [
+        (["algo.tis_cap=0.5"], "algo.tis_cap must be 0 (off) or >= 1"),
+        (["algo.tis_cap=-1"], "greater than or equal to 0"),
+        (["algo.dpo_beta=0"], "greater than 0"),
+        (["algo.dpo_loss='hinge'"], "'sigmoid' or 'ipo'"),
+        (["algo.loss='online_dpo'", "algo.kl_coef=0.1"], "takes no algo.kl_coef or algo.tis_cap"),
+        (["algo.loss='online_dpo'", "algo.tis_cap=2"], "takes no algo.kl_coef or algo.tis_cap"),
+    ],
+)
+def test_bad_loss_keys_are_refused_with_the_reason(override, hint):
+    with pytest.raises(ConfigError, match="config key 'algo") as info:
+        load_config(None, override)
+    assert hint in str(info.value)

@@ -81,9 +81,16 @@ class RewardConfig(_Section):
 
 
 class AlgoConfig(_Section):
-    loss: Literal["ppo_clip", "pg"] = Field("ppo_clip", description="Policy loss (registry name).")
+    loss: Literal["ppo_clip", "pg", "rloo", "online_dpo"] = Field(
+        "ppo_clip",
+        description="Loss (registry name): ppo_clip (clipped surrogate), pg (REINFORCE), rloo "
+        "(REINFORCE with leave-one-out advantages), online_dpo (each group's best vs worst "
+        "response, against the frozen reference).",
+    )
     advantage: Literal["grpo", "rloo", "reinforce"] = Field(
-        "grpo", description="Advantage estimator (registry name)."
+        "grpo",
+        description="Advantage estimator (registry name). With loss 'rloo' it must be 'rloo' "
+        "(the default there); online_dpo uses none.",
     )
     scale_by_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
     clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO ratio floor is 1 - clip_low.")
@@ -91,8 +98,49 @@ class AlgoConfig(_Section):
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL(policy || reference).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
     loss_agg: Literal["token-mean", "seq-mean", "seq-sum-norm"] = Field(
-        "token-mean", description="Loss aggregation over the global batch."
+        "token-mean",
+        description="Loss aggregation over the global batch (online_dpo: the mean over pairs).",
     )
+    tis_cap: float = Field(
+        0.0,
+        ge=0.0,
+        description="Truncated importance sampling: weigh each token's policy-gradient term by "
+        "min(pi_old / pi_behaviour, tis_cap), pi_old the policy at the iteration's start and "
+        "pi_behaviour the one that sampled; 0 turns it off, else >= 1.",
+    )
+    dpo_beta: float = Field(
+        0.1, gt=0.0, description="online_dpo: beta of DPO (tau of IPO), the pull to the reference."
+    )
+    dpo_loss: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid", description="online_dpo: sigmoid (DPO) or ipo (squared, IPO) pair loss."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rloo_advantage(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("loss") != "rloo":
+            return data
+        advantage = data.setdefault("advantage", "rloo")
+        if advantage != "rloo":
+            raise ValueError(
+                f"algo.loss = 'rloo' computes leave-one-out advantages itself; "
+                f"algo.advantage = {advantage!r} would be ignored: set it to 'rloo' or leave it out"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AlgoConfig:
+        if self.tis_cap != 0 and self.tis_cap < 1:
+            raise ValueError(
+                f"algo.tis_cap must be 0 (off) or >= 1 (a cap below 1 shrinks the weight of "
+                f"on-policy tokens); got {self.tis_cap}"
+            )
+        if self.loss == "online_dpo" and (self.kl_coef > 0 or self.tis_cap > 0):
+            raise ValueError(
+                "algo.loss = 'online_dpo' takes no algo.kl_coef or algo.tis_cap (dpo_beta pulls "
+                "towards the reference; there is no importance ratio): set both to 0"
+            )
+        return self
 
 
 class TrainConfig(_Section):

@@ -1,4 +1,5 @@
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,12 +11,17 @@ from cadence.algo.losses import (
     PolicyBatch,
     kl_penalty,
     normaliser,
+    online_dpo_loss,
     pg_loss,
     ppo_clip_loss,
+    preference_pairs,
+    rloo_loss,
+    tis_weights,
     token_weights,
 )
 
 LN2 = math.log(2.0)
+LN3 = math.log(3.0)
 
 
 def make_batch(
@@ -246,6 +252,9 @@ def test_zero_normaliser_is_rejected():
         ({"clip_high": -0.1}, "clip_high must be >= 0"),
         ({"kl_coef": -1.0}, "kl_coef must be >= 0"),
         ({"kl_estimator": "k9"}, "allowed: k1, k2, k3"),
+        ({"tis_cap": 0.5}, "tis_cap must be 0"),
+        ({"dpo_beta": 0.0}, "dpo_beta must be > 0"),
+        ({"dpo_loss": "hinge"}, "allowed: sigmoid, ipo"),
     ],
 )
 def test_loss_params_reject_bad_values(kwargs: dict, message: str):
@@ -258,3 +267,179 @@ def test_policy_batch_rejects_mismatched_shapes():
         make_batch(torch.zeros(2, 3), torch.zeros(2, 3))
     with pytest.raises(ValueError, match=r"old_logprobs must have shape \(2, 3\)"):
         make_batch(torch.zeros(2, 3), torch.zeros(2), old_logprobs=torch.zeros(2, 4))
+
+
+# --- truncated importance sampling ------------------------------------------------------------
+
+# pi_old / pi_behaviour = 0.5/0.5, 0.5/0.25, 0.8/0.2 = 1, 2, 4: with tis_cap = 3 the weights are
+# 1, 2, 3 and only the third token is truncated.
+TIS_OLD = torch.tensor([[0.5, 0.5, 0.8]]).log()
+TIS_BEHAVIOUR = torch.tensor([[0.5, 0.25, 0.2]]).log()
+
+
+def test_tis_weights_truncate_the_ratio_of_old_to_behaviour_at_the_cap():
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    old = torch.cat([TIS_OLD, torch.tensor([[1e4]])], dim=1)  # padding: huge, ignored
+    behaviour = torch.cat([TIS_BEHAVIOUR, torch.tensor([[-1e4]])], dim=1)
+    weights, truncated = tis_weights(old, behaviour, mask, cap=3.0)
+    # valid tokens: min(1, 3) = 1, min(2, 3) = 2, min(4, 3) = 3; padding: exp(0) = 1, not cut
+    assert_close(weights, torch.tensor([[1.0, 2.0, 3.0, 1.0]]), atol=1e-6, rtol=0)
+    assert truncated.tolist() == [[False, False, True, False]]
+
+
+def test_ppo_clip_with_tis_weighs_each_token_and_reports_weights():
+    on_policy = make_batch(TIS_OLD, torch.tensor([1.0]))  # logprobs == old: ratio 1
+    batch = replace(on_policy, behaviour_logprobs=TIS_BEHAVIOUR)
+    loss, metrics = ppo_clip_loss(batch, LossParams(tis_cap=3.0))
+    loss.backward()
+    # A = 1, ratio 1: loss_t = -w_t * min(1, 1) = -w_t -> -(1 + 2 + 3) = -6
+    assert_close(loss, torch.tensor(-6.0), atol=1e-5, rtol=0)
+    # d loss_t / d logprob_t = -w_t * A * ratio_t = -w_t
+    assert_close(batch.logprobs.grad, torch.tensor([[-1.0, -2.0, -3.0]]), atol=1e-5, rtol=0)
+    # weighted sums (token-mean weights 1): weights 1 + 2 + 3 = 6, one truncated token
+    assert_close(metrics["tis_weight"], torch.tensor(6.0), atol=1e-5, rtol=0)
+    assert_close(metrics["tis_trunc_frac"], torch.tensor(1.0), atol=0, rtol=0)
+
+
+def test_pg_with_tis_weighs_each_token():
+    batch = replace(make_batch(TIS_OLD, torch.tensor([1.0])), behaviour_logprobs=TIS_BEHAVIOUR)
+    loss, _ = pg_loss(batch, LossParams(tis_cap=3.0))
+    # loss_t = -w_t * A * logprob_t: -(1 * ln 0.5 + 2 * ln 0.5 + 3 * ln 0.8)
+    #        = -(-0.693147 - 1.386294 - 0.669431) = 2.748872
+    assert_close(loss, torch.tensor(2.748872), atol=1e-5, rtol=0)
+
+
+def test_tis_off_leaves_the_loss_alone_and_reports_nothing():
+    batch = replace(make_batch(TIS_OLD, torch.tensor([1.0])), behaviour_logprobs=TIS_BEHAVIOUR)
+    loss, metrics = ppo_clip_loss(batch, LossParams(tis_cap=0.0))
+    assert_close(loss, torch.tensor(-3.0), atol=1e-6, rtol=0)  # -A * ratio on 3 tokens
+    assert "tis_weight" not in metrics and "tis_trunc_frac" not in metrics
+
+
+def test_tis_without_behaviour_logprobs_raises():
+    with pytest.raises(ValueError, match="needs behaviour_logprobs"):
+        ppo_clip_loss(make_batch(TIS_OLD, torch.tensor([1.0])), LossParams(tis_cap=2.0))
+
+
+# --- RLOO -------------------------------------------------------------------------------------
+
+
+def test_rloo_loss_uses_leave_one_out_advantages_from_rewards():
+    # group 0: rewards [1, 0, 0.5]; group 1: [0, 0, 0] (no signal). Two tokens per response.
+    logprobs = torch.tensor(
+        [[-1.0, -1.0], [-0.5, -0.5], [-2.0, 0.0], [-1.0, -3.0], [-0.2, -0.1], [-4.0, -1.0]]
+    )
+    batch = replace(
+        make_batch(logprobs, torch.full((6,), 100.0)),  # advantages are ignored
+        rewards=torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 0.0]),
+        group_ids=torch.tensor([0, 0, 0, 1, 1, 1]),
+    )
+    loss, metrics = rloo_loss(batch, LossParams())
+    loss.backward()
+    # A_i = r_i - mean of the other two: 1 - (0 + 0.5)/2 = 0.75, 0 - (1 + 0.5)/2 = -0.75,
+    # 0.5 - (1 + 0)/2 = 0; group 1: all 0.
+    # loss = -sum_i A_i * sum_t logprob = -(0.75 * -2 + -0.75 * -1 + 0 * -2) = -(-1.5 + 0.75) = 0.75
+    assert_close(loss, torch.tensor(0.75), atol=1e-6, rtol=0)
+    assert_close(metrics["pg_loss"], torch.tensor(0.75), atol=1e-6, rtol=0)
+    # gradient per token = -A_i (token-mean weights 1)
+    expected = torch.tensor([-0.75, 0.75, 0.0, 0.0, 0.0, 0.0])[:, None].expand(6, 2)
+    assert_close(batch.logprobs.grad, expected, atol=1e-6, rtol=0)
+
+
+def test_rloo_loss_refuses_groups_that_are_not_consecutive_blocks():
+    batch = replace(
+        make_batch(torch.zeros(4, 1), torch.zeros(4)),
+        rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]),
+        group_ids=torch.tensor([0, 1, 0, 1]),
+    )
+    with pytest.raises(ValueError, match="consecutive rows"):
+        rloo_loss(batch, LossParams())
+
+
+# --- online DPO -------------------------------------------------------------------------------
+
+
+def test_preference_pairs_take_best_and_worst_and_count_ties():
+    rewards = torch.tensor([0.0, 1.0, 1.0, 0.0, 0.5, 0.5, 0.3, 0.9, 0.1])
+    group_ids = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 2])
+    chosen, rejected, ties = preference_pairs(rewards, group_ids)
+    # group 0: best 1.0 at rows 1 and 2 -> first, row 1; worst 0.0 at rows 0 and 3 -> row 0
+    # group 1: 0.5 == 0.5, a tie: skipped; group 2: best row 7 (0.9), worst row 8 (0.1)
+    assert chosen.tolist() == [1, 7] and rejected.tolist() == [0, 8] and ties == 1
+
+
+def _dpo_batch() -> PolicyBatch:
+    """Three groups; the reference log-probs are 0, so s(y) = sum of the response's log-probs.
+
+    group A, rows 0-2, rewards [0, 1, 0.5]: chosen row 1 (s = 2 ln 3), rejected row 0 (s = 0)
+    group B, rows 3-4, rewards [1, 1]: a tie, skipped
+    group C, rows 5-6, rewards [0.2, 0]: chosen row 5 (s = 0), rejected row 6 (s = 0; its second
+    token is padding holding a huge value)
+    """
+    logprobs = torch.tensor(
+        [[0.0, 0.0], [LN3, LN3], [-5.0, -5.0], [-1.0, -2.0], [-3.0, 0.0], [1.0, -1.0], [0.0, 1e4]]
+    )
+    mask = torch.ones(7, 2)
+    mask[6, 1] = 0.0
+    batch = make_batch(logprobs, torch.zeros(7), loss_mask=mask, ref_logprobs=torch.zeros(7, 2))
+    return replace(
+        batch,
+        rewards=torch.tensor([0.0, 1.0, 0.5, 1.0, 1.0, 0.2, 0.0]),
+        group_ids=torch.tensor([0, 0, 0, 1, 1, 2, 2]),
+    )
+
+
+def test_online_dpo_sigmoid_loss_on_hand_example():
+    batch = _dpo_batch()
+    loss, metrics = online_dpo_loss(batch, LossParams(dpo_beta=0.5, dpo_loss="sigmoid"))
+    loss.backward()
+    # h = s(chosen) - s(rejected): A: 2 ln 3 - 0; C: 0 - 0. beta * h = ln 3 and 0.
+    # -log sigmoid(x) = log(1 + e^-x): A: log(1 + 1/3) = 0.287682; C: log 2 = 0.693147
+    # sum over the 2 pairs = 0.980829 (the learner divides by the global number of pairs)
+    assert_close(loss, torch.tensor(0.980829), atol=1e-6, rtol=0)
+    assert metrics["num_pairs"].item() == 2 and metrics["dpo_ties"].item() == 1
+    # margins beta * h = ln 3 + 0 = 1.098612; accuracy counts margin > 0: pair A only
+    assert_close(metrics["dpo_margin"], torch.tensor(LN3), atol=1e-6, rtol=0)
+    assert metrics["dpo_accuracy"].item() == 1.0
+    # d loss / d h = -beta * sigmoid(-beta h): A: -0.5 * 1/(1 + 3) = -0.125; C: -0.5 * 0.5 = -0.25
+    # chosen tokens get that, rejected tokens its negative, padding and unpaired rows nothing
+    expected = torch.tensor(
+        [[0.125, 0.125], [-0.125, -0.125], [0, 0], [0, 0], [0, 0], [-0.25, -0.25], [0.25, 0.0]]
+    )
+    assert_close(batch.logprobs.grad, expected, atol=1e-6, rtol=0)
+
+
+def test_online_dpo_ipo_loss_on_hand_example():
+    batch = _dpo_batch()
+    loss, _ = online_dpo_loss(batch, LossParams(dpo_beta=0.5, dpo_loss="ipo"))
+    loss.backward()
+    # 1 / (2 beta) = 1. A: (2 ln 3 - 1)^2 = 1.197225^2 = 1.433347; C: (0 - 1)^2 = 1; sum 2.433347
+    assert_close(loss, torch.tensor(2.433347), atol=1e-5, rtol=0)
+    # d/dh (h - 1)^2 = 2 (h - 1): A: 2.394449 on chosen tokens; C: -2 on row 5, +2 on row 6's token
+    assert_close(batch.logprobs.grad[1], torch.tensor([2.394449, 2.394449]), atol=1e-5, rtol=0)
+    assert_close(batch.logprobs.grad[6], torch.tensor([2.0, 0.0]), atol=1e-6, rtol=0)
+
+
+def test_online_dpo_with_only_ties_has_zero_loss_and_gradient():
+    batch = replace(_dpo_batch(), rewards=torch.ones(7))
+    loss, metrics = online_dpo_loss(batch, LossParams())
+    loss.backward()
+    assert loss.item() == 0.0 and metrics["num_pairs"].item() == 0
+    assert metrics["dpo_ties"].item() == 3
+    assert (batch.logprobs.grad == 0).all()
+
+
+def test_online_dpo_kl_metric_is_per_token_over_each_pairs_responses():
+    batch = _dpo_batch()
+    _, metrics = online_dpo_loss(batch, LossParams(kl_estimator="k1"))
+    # k1 = logprobs - ref. A: rows 1 and 0: (2 ln 3 + 0) / 4 tokens = 0.549306
+    # C: rows 5 and 6: (1 - 1 + 0) / 3 tokens = 0; summed over pairs: 0.549306
+    assert_close(metrics["kl"], torch.tensor(2 * LN3 / 4), atol=1e-6, rtol=0)
+
+
+def test_online_dpo_needs_reference_and_refuses_kl_coef():
+    batch = _dpo_batch()
+    with pytest.raises(ValueError, match="takes no kl_coef or tis_cap"):
+        online_dpo_loss(batch, LossParams(kl_coef=0.1))
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        online_dpo_loss(replace(batch, ref_logprobs=None), LossParams())

@@ -24,6 +24,25 @@ def test_loss_names_resolve_to_registered_functions():
     assert get_loss("pg") is algo.pg_loss
 
 
+def test_rloo_and_online_dpo_are_registered_and_only_dpo_is_per_pair():
+    assert get_loss("rloo") is algo.rloo_loss
+    assert get_loss("online_dpo") is algo.online_dpo_loss
+    assert [name for name in LOSSES if algo.is_pair_loss(name)] == ["online_dpo"]
+
+
+@pytest.mark.parametrize(
+    ("loss", "kl_coef", "needed"),
+    [
+        ("ppo_clip", 0.0, False),
+        ("ppo_clip", 0.1, True),
+        ("rloo", 0.0, False),
+        ("online_dpo", 0.0, True),
+    ],
+)
+def test_reference_is_needed_for_kl_or_a_pair_loss(loss: str, kl_coef: float, needed: bool):
+    assert algo.needs_reference(loss, kl_coef) is needed
+
+
 def test_unknown_advantage_error_names_allowed_values():
     with pytest.raises(ValueError) as info:
         get_advantage("gae")
@@ -33,7 +52,7 @@ def test_unknown_advantage_error_names_allowed_values():
 def test_unknown_loss_error_names_allowed_values():
     with pytest.raises(ValueError) as info:
         get_loss("dpo")
-    assert str(info.value) == "unknown algo.loss 'dpo'; allowed: ppo_clip, pg"
+    assert str(info.value) == "unknown algo.loss 'dpo'; allowed: ppo_clip, pg, rloo, online_dpo"
 
 
 def test_inserting_into_losses_registers_a_new_loss(monkeypatch: pytest.MonkeyPatch):

@@ -1,15 +1,16 @@
 import copy
+import math
 
 import pytest
 import torch
 
 from cadence.algo import LossParams
 from cadence.engine import HFEngine, SamplingParams
-from cadence.learner import Learner, LearnerParams
+from cadence.learner import Learner, LearnerParams, frozen_copy
 from cadence.pipeline import RolloutWorker
 from cadence.rewards import TableReward
 from cadence.types import Prompt
-from updates import assert_same_update, capture_grads
+from updates import assert_same_update, capture_grads, max_relative_diff
 
 
 class LengthReward:
@@ -159,3 +160,154 @@ def test_table_reward_drives_constant_groups_to_zero_advantage(model, tokenizer)
             c.reward = TableReward({}, default=0.5)("", c.text, "")
     stats, _ = _train(copy.deepcopy(model), tokenizer, groups)
     assert stats["pg_loss"] == pytest.approx(0.0, abs=1e-7)
+
+
+# --- stale groups, truncated importance sampling, rloo and online DPO --------------------------
+
+
+def _older_behaviour(groups, delta):
+    """Lower the recorded behaviour log-probs by `delta`, as if older weights had sampled them:
+    pi_old / pi_behaviour = exp(delta) on every token."""
+    for g in groups:
+        for c in g.completions:
+            c.logprobs = [lp - delta for lp in c.logprobs]
+
+
+def _rows(groups):
+    return sum(g.group_size for g in groups)
+
+
+def test_stale_rows_take_behaviour_logprobs_fresh_rows_the_policy(model, tokenizer):
+    groups = _groups(model, tokenizer)  # sampled by `model`, tagged version 0
+    for g in groups:
+        for j, c in enumerate(g.completions):
+            c.reward = float(j % 2)  # GRPO advantages +-1 in every group
+    for g in groups[0::2]:
+        g.policy_version = 1  # the learner below is at version 1 with these very weights: fresh
+    _older_behaviour(groups[1::2], 0.5)  # groups 1 and 3 are stale: version 0 < 1
+    _, learner = _learner(model, tokenizer, kl_coef=0.0, micro_batch_groups=4)
+    learner.version = 1
+    rec = _Recorder(learner)
+    stats = learner.train_iteration(iter(groups), len(groups))
+    (batch,) = rec.batches  # one micro-batch, fresh and stale groups interleaved
+    mask = batch.loss_mask.bool()
+    stale = torch.tensor([g.policy_version == 0 for g in groups for _ in g.completions])  # (B,)
+    fresh = ~stale
+    ratio = torch.exp(batch.logprobs.detach() - batch.old_logprobs)  # (B, T)
+    # fresh rows: old = the policy, detached, so the ratio is 1
+    assert (ratio[fresh][mask[fresh]] - 1).abs().max().item() <= 1e-6
+    # stale rows: old = the recorded behaviour log-probs, exactly; the policy is the weights that
+    # sampled them, so the ratio is exp(0.5) = 1.648721 up to engine-vs-learner float noise
+    assert torch.equal(batch.old_logprobs[stale], batch.behaviour_logprobs[stale])
+    assert (ratio[stale][mask[stale]] - math.exp(0.5)).abs().max().item() <= 1e-3
+    n_fresh, n_stale = mask[fresh].sum().item(), mask[stale].sum().item()
+    n = n_fresh + n_stale
+    assert stats["stale_token_frac"] == pytest.approx(n_stale / n)
+    # token-mean ratio: (n_fresh * 1 + n_stale * 1.648721) / n
+    assert stats["ratio"] == pytest.approx((n_fresh + n_stale * math.exp(0.5)) / n, abs=1e-3)
+    # clip range [0.8, 1.2]: a stale token with A > 0 is clipped (1.65 > 1.2); with A < 0 the
+    # pessimistic min keeps the unclipped term; fresh tokens (ratio 1) never clip
+    positive = (batch.advantages > 0)[:, None] & stale[:, None] & mask  # (B, T)
+    assert positive.any()
+    assert stats["clip_frac"] == pytest.approx(positive.sum().item() / n, abs=1e-6)
+
+
+def test_tis_keeps_the_policy_as_old_and_weighs_by_old_over_behaviour(model, tokenizer):
+    groups = _groups(model, tokenizer)  # version 0; the learner below is at version 1
+    _older_behaviour(groups[:2], 0.5)  # weight exp(0.5) = 1.648721 < cap 2: kept
+    _older_behaviour(groups[2:], 1.0)  # weight exp(1) = 2.718282 > cap 2: truncated to 2
+    params = LearnerParams(lr=1e-2, max_new_tokens=10, micro_batch_groups=4)
+    learner = Learner(model, params, LossParams(tis_cap=2.0), tokenizer.pad_token_id)
+    learner.version = 1
+    rec = _Recorder(learner)
+    stats = learner.train_iteration(iter(groups), len(groups))
+    (batch,) = rec.batches
+    mask = batch.loss_mask.bool()
+    ratio = torch.exp(batch.logprobs.detach() - batch.old_logprobs)[mask]
+    assert (ratio - 1).abs().max().item() <= 1e-6  # old = the iteration-start policy everywhere
+    first = _rows(groups[:2])
+    n_kept, n_cut = mask[:first].sum().item(), mask[first:].sum().item()
+    n = n_kept + n_cut
+    assert stats["stale_token_frac"] == 1.0
+    # token-mean weight (n_kept * 1.648721 + n_cut * 2) / n; truncated fraction n_cut / n
+    expected = (n_kept * math.exp(0.5) + n_cut * 2.0) / n
+    assert stats["tis_weight"] == pytest.approx(expected, abs=1e-3)
+    assert stats["tis_trunc_frac"] == pytest.approx(n_cut / n, abs=1e-6)
+
+
+def test_a_micro_batch_of_stale_groups_costs_no_old_policy_pass(model, tokenizer):
+    groups = _groups(model, tokenizer)
+    _, learner = _learner(model, tokenizer, kl_coef=0.0, micro_batch_groups=2, mini_batches=2)
+    learner.version = 1  # every group is stale: old_logprobs are the behaviour log-probs
+    stats = learner.train_iteration(iter(groups), len(groups))
+    assert stats["forward_passes_per_microbatch"] == 1.0  # the policy's pass alone
+
+
+def test_group_from_a_newer_policy_than_the_learner_is_refused(model, tokenizer):
+    groups = _groups(model, tokenizer)
+    groups[1].policy_version = 1
+    _, learner = _learner(model, tokenizer, kl_coef=0.0)
+    with pytest.raises(ValueError, match="newer than the learner's version 0"):
+        learner.train_iteration(iter(groups), len(groups))
+
+
+def test_rloo_loss_updates_like_pg_with_rloo_advantages(model, tokenizer):
+    groups = _groups(model, tokenizer)
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    _, la = _learner(a, tokenizer, kl_coef=0.0, loss="rloo", advantage="grpo")
+    _, lb = _learner(b, tokenizer, kl_coef=0.0, loss="pg", advantage="rloo")
+    ga, gb = capture_grads(la), capture_grads(lb)
+    la.train_iteration(iter(groups), len(groups))
+    lb.train_iteration(iter(groups), len(groups))
+    assert max_relative_diff(ga[0], gb[0]) <= 1e-6
+
+
+def _dpo_groups(model, tokenizer):
+    """Four groups: the first three with a spread of rewards (a pair each), the last a tie."""
+    groups = _groups(model, tokenizer)
+    for i, g in enumerate(groups):
+        for j, c in enumerate(g.completions):
+            c.reward = 1.0 if i == 3 else float((i + j) % 3)
+    return groups
+
+
+def _dpo_learner(model, tokenizer, **kw):
+    params = LearnerParams(lr=1e-2, max_new_tokens=10, loss="online_dpo", **kw)
+    ref = frozen_copy(model)
+    return Learner(model, params, LossParams(dpo_beta=0.1), tokenizer.pad_token_id, ref)
+
+
+def test_online_dpo_trains_the_tiny_model(model, tokenizer):
+    groups = _dpo_groups(model, tokenizer)
+    start = copy.deepcopy(model)
+    learner = _dpo_learner(model, tokenizer, micro_batch_groups=2)
+    stats = learner.train_iteration(iter(groups), len(groups))
+    # before the step the policy is the reference: h = 0 for every pair, each pair's loss is
+    # -log sigmoid(0) = ln 2, and the sum over 3 pairs divided by 3 pairs is ln 2 = 0.693147
+    assert stats["loss"] == pytest.approx(math.log(2.0), abs=1e-6)
+    assert stats["dpo_margin"] == pytest.approx(0.0, abs=1e-6)
+    for _ in range(2):  # these groups are stale now: DPO takes them as they are
+        stats = learner.train_iteration(iter(groups), len(groups))
+        assert math.isfinite(stats["loss"]) and math.isfinite(stats["kl"])
+        assert stats["num_pairs"] == 3 and stats["dpo_ties"] == 1
+        assert stats["forward_passes_per_microbatch"] == 2.0  # policy + reference, no old pass
+    pairs = zip(model.parameters(), start.parameters(), strict=True)
+    moved = max((p - q).abs().max().item() for p, q in pairs)
+    assert moved > 1e-4
+    assert stats["dpo_margin"] != 0.0  # the policy has left the reference
+
+
+def test_online_dpo_update_does_not_depend_on_micro_batch_size(model, tokenizer):
+    groups = _dpo_groups(model, tokenizer)  # one pair per micro-batch, or three in one
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    la, lb = _dpo_learner(a, tokenizer, micro_batch_groups=1), _dpo_learner(b, tokenizer)
+    ga, gb = capture_grads(la), capture_grads(lb)
+    la.train_iteration(iter(list(reversed(groups))), len(groups))
+    lb.train_iteration(iter(groups), len(groups))
+    assert_same_update(a, b, ga[0], gb[0])
+
+
+def test_online_dpo_without_reference_is_refused(model, tokenizer):
+    params = LearnerParams(loss="online_dpo")
+    with pytest.raises(ValueError, match="'online_dpo' needs a reference model"):
+        Learner(model, params, LossParams(), tokenizer.pad_token_id)

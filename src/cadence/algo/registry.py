@@ -1,7 +1,8 @@
-"""Name -> function tables for advantage estimators and policy losses.
+"""Name -> function tables for advantage estimators and losses.
 
 The learner looks its algorithm up here by the config's name and never branches on it; a new
-loss (e.g. online DPO) is added by inserting it into `LOSSES`. Nothing here holds state.
+loss is added by inserting it into `LOSSES` (and into `PAIR_LOSSES` when it is normalised per
+preference pair, like online DPO). Nothing here holds state.
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ from typing import TypeVar
 from torch import Tensor
 
 from cadence.algo.advantages import grpo_advantages, reinforce_advantages, rloo_advantages
-from cadence.algo.losses import LossParams, PolicyBatch, pg_loss, ppo_clip_loss
+from cadence.algo.losses import (
+    LossParams,
+    PolicyBatch,
+    online_dpo_loss,
+    pg_loss,
+    ppo_clip_loss,
+    rloo_loss,
+)
 
 AdvantageFn = Callable[[Tensor, "AdvantageContext"], Tensor]  # rewards (N, G) -> (N, G)
 LossFn = Callable[[PolicyBatch, LossParams], tuple[Tensor, dict[str, Tensor]]]
@@ -48,7 +56,13 @@ ADVANTAGES: dict[str, AdvantageFn] = {
 LOSSES: dict[str, LossFn] = {
     "ppo_clip": ppo_clip_loss,
     "pg": pg_loss,
+    "rloo": rloo_loss,
+    "online_dpo": online_dpo_loss,
 }
+# Losses over preference pairs rather than tokens: the learner divides their sum by the global
+# batch's number of pairs (their `num_pairs` metric), they need the frozen reference, and they
+# read no old_logprobs (no importance ratio).
+PAIR_LOSSES = frozenset({"online_dpo"})
 
 
 def _lookup(table: dict[str, F], kind: str, name: str) -> F:
@@ -65,3 +79,13 @@ def get_advantage(name: str) -> AdvantageFn:
 def get_loss(name: str) -> LossFn:
     """The policy loss registered as `name` (config key `algo.loss`)."""
     return _lookup(LOSSES, "algo.loss", name)
+
+
+def is_pair_loss(name: str) -> bool:
+    """Whether loss `name` is normalised per preference pair (see `PAIR_LOSSES`)."""
+    return name in PAIR_LOSSES
+
+
+def needs_reference(loss: str, kl_coef: float) -> bool:
+    """Whether training needs the frozen reference model: for the KL penalty, or a pair loss."""
+    return kl_coef > 0 or is_pair_loss(loss)

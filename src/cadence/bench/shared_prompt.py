@@ -17,6 +17,7 @@ import copy
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -76,8 +77,7 @@ def synthetic_groups(
 
 
 def _learner(cfg, model, pad_id: int, variant: str):
-    from dataclasses import replace
-
+    from cadence.algo import needs_reference
     from cadence.learner import Learner, frozen_copy
     from cadence.pipeline.build import learner_params
 
@@ -85,7 +85,7 @@ def _learner(cfg, model, pad_id: int, variant: str):
     shared, impl = VARIANTS[variant]
     params = replace(params, shared_prompt=shared, shared_prompt_impl=impl)
     policy = copy.deepcopy(model)
-    ref = frozen_copy(model) if loss.kl_coef > 0 else None
+    ref = frozen_copy(model) if needs_reference(params.loss, loss.kl_coef) else None
     return Learner(policy, params, loss, pad_id, ref_model=ref)
 
 
@@ -95,8 +95,11 @@ def _time_workload(cfg, model, pad_id: int, groups: list[Group], repeats: int) -
     stats: dict[str, dict] = {}
     for rep in range(repeats + 1):  # repeat 0 warms up and is not timed
         for variant, learner in learners.items():
+            # the same groups each repeat, tagged with the learner's version so they count as
+            # fresh: stale groups would take the behaviour log-probs and skip the old-policy pass
+            fresh = [replace(g, policy_version=learner.version) for g in groups]
             start = time.perf_counter()
-            stats[variant] = learner.train_iteration(iter(groups), len(groups))
+            stats[variant] = learner.train_iteration(iter(fresh), len(fresh))
             if rep:
                 times[variant].append(time.perf_counter() - start)
     return {

@@ -14,6 +14,13 @@ its log-probs detached and cost no pass (a frozen old copy, refreshed each itera
 only after a step, i.e. with `mini_batches` > 1, or when `reuse_old_logprobs` is off); and
 `ref_logprobs` from the frozen reference, under no_grad. The loss and the advantage estimator
 come from `algo.registry`; the learner never branches on algorithm names.
+
+Stale data: a group whose `policy_version` is older than the learner's `version` was sampled by
+older weights, so the policy at the iteration's start is not its behaviour policy. For such a row
+`old_logprobs` are the behaviour log-probs the engine recorded at sampling time (chosen per row:
+a micro-batch may mix fresh and stale groups). With `tis_cap` > 0 every row keeps the
+iteration-start log-probs as `old_logprobs` and the loss weighs each token by
+min(pi_old / pi_behaviour, tis_cap) instead (truncated importance sampling, algo/losses.py).
 """
 
 from __future__ import annotations
@@ -27,11 +34,14 @@ from dataclasses import dataclass
 import torch
 
 from cadence.algo import (
+    COUNT_METRICS,
     AdvantageContext,
     LossParams,
     PolicyBatch,
     get_advantage,
     get_loss,
+    is_pair_loss,
+    needs_reference,
     normaliser,
     token_weights,
 )
@@ -67,6 +77,9 @@ class _Responses:
     loss_mask: torch.Tensor  # (B, T) 1.0 on response tokens
     behaviour_logprobs: torch.Tensor  # (B, T) recorded by the engine at sampling time
     advantages: torch.Tensor  # (B,)
+    rewards: torch.Tensor  # (B,)
+    group_ids: torch.Tensor  # (B,) index of each response's group in the micro-batch
+    stale: torch.Tensor  # (B,) True where the group's policy_version is older than the learner's
 
 
 class _Sums:
@@ -74,10 +87,15 @@ class _Sums:
 
     def __init__(self) -> None:
         self.values: dict[str, float] = {}
+        self.loss_metrics: dict[str, None] = {}  # names the loss returned, in order
 
     def add(self, **kv: float) -> None:
         for k, v in kv.items():
             self.values[k] = self.values.get(k, 0.0) + float(v)
+
+    def add_loss_metrics(self, **kv: float) -> None:
+        self.add(**kv)
+        self.loss_metrics.update(dict.fromkeys(kv))
 
     def __getitem__(self, k: str) -> float:
         return self.values.get(k, 0.0)
@@ -113,10 +131,13 @@ class Learner:
         self.tracer = tracer or Tracer()
         self.loss_fn = get_loss(params.loss)
         self.advantage_fn = get_advantage(params.advantage)
-        if loss_params.kl_coef > 0 and ref_model is None:
-            raise ValueError("algo.kl_coef > 0 needs a reference model")
+        self.pair_loss = is_pair_loss(params.loss)
+        if needs_reference(params.loss, loss_params.kl_coef) and ref_model is None:
+            why = "algo.kl_coef > 0" if loss_params.kl_coef > 0 else f"algo.loss = {params.loss!r}"
+            raise ValueError(f"{why} needs a reference model")
         self.layout = self._choose_layout()
-        needs_old = params.mini_batches > 1 or not params.reuse_old_logprobs
+        after_a_step = params.mini_batches > 1 or not params.reuse_old_logprobs
+        needs_old = after_a_step and not self.pair_loss  # pair losses read no old log-probs
         self.old_model = frozen_copy(model) if needs_old else None
         self.frozen_copies_bytes = model_bytes(ref_model) + model_bytes(self.old_model)
         self.optimizer = torch.optim.AdamW(
@@ -173,13 +194,18 @@ class Learner:
         self.version += 1
         self.baseline = sum(rewards) / len(rewards)
         totals = {k: sum(s[k] for s in steps) for k in _TOTALS}
-        return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k not in _TOTALS} | {
-            "num_tokens": totals["num_tokens"],
-            "tokens_computed": totals["tokens_computed"],
-            "forward_passes_per_microbatch": totals["forward_passes"] / totals["micro_batches"],
-            "frozen_copies_mb": self.frozen_copies_bytes / 2**20,
-            "optimizer_steps": float(len(steps)),
-        }
+        summed = {*_TOTALS, *COUNT_METRICS}  # counts add up over the steps, the rest is averaged
+        return (
+            {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k not in summed}
+            | {k: sum(s[k] for s in steps) for k in COUNT_METRICS if k in steps[0]}
+            | {
+                "num_tokens": totals["num_tokens"],
+                "tokens_computed": totals["tokens_computed"],
+                "forward_passes_per_microbatch": totals["forward_passes"] / totals["micro_batches"],
+                "frozen_copies_mb": self.frozen_copies_bytes / 2**20,
+                "optimizer_steps": float(len(steps)),
+            }
+        )
 
     def _forward_backward(self, groups: list[Group], sums: _Sums) -> None:
         with self.tracer.span("forward_backward", "learner"):
@@ -188,14 +214,8 @@ class Learner:
             layout = LAYOUTS[self.layout](tokens, self.pad_id).to(device)
             resp = self._responses(groups, device)
             logprobs, entropy = self._logprobs(self.model, layout, resp, with_entropy=True)
-            passes = 1
-            if self.old_model is None or (
-                self._steps_this_iteration == 0 and self.params.reuse_old_logprobs
-            ):  # no step taken yet this iteration: the old policy is the policy itself
-                old_logprobs = logprobs.detach()
-            else:
-                old_logprobs = self._frozen_logprobs(self.old_model, layout, resp)
-                passes += 1
+            old_logprobs, old_passes = self._old_logprobs(logprobs, layout, resp)
+            passes = 1 + old_passes
             ref_logprobs = None
             if self.ref_model is not None:
                 ref_logprobs = self._frozen_logprobs(self.ref_model, layout, resp)
@@ -207,14 +227,17 @@ class Learner:
                 loss_mask=resp.loss_mask,
                 token_weights=token_weights(resp.loss_mask, self.params.loss_agg),
                 ref_logprobs=ref_logprobs,
+                behaviour_logprobs=resp.behaviour_logprobs,
+                rewards=resp.rewards,
+                group_ids=resp.group_ids,
             )
             loss, metrics = self.loss_fn(batch, self.loss_params)
             loss.backward()
         mask = resp.loss_mask
+        sums.add_loss_metrics(loss=loss.item(), **{k: v.item() for k, v in metrics.items()})
         sums.add(
-            loss=loss.item(),
-            **{k: v.item() for k, v in metrics.items()},
             entropy_sum=float((entropy * mask).sum()),
+            num_stale_tokens=float(mask[resp.stale].sum()),
             num_response_tokens=float(mask.sum()),
             num_seqs=float(mask.shape[0]),
             num_tokens=float(sum(g.num_tokens for g in groups)),
@@ -223,10 +246,43 @@ class Learner:
             micro_batches=1.0,
         )
 
+    def _old_logprobs(
+        self, logprobs: torch.Tensor, layout: Layout, resp: _Responses
+    ) -> tuple[torch.Tensor, int]:
+        """`old_logprobs` per row, and the forward passes they cost (0 or 1).
+
+        Fresh rows: the policy at the iteration's start (the policy itself, detached, before the
+        iteration's first step). Stale rows: the behaviour log-probs, unless TIS is on, which
+        keeps the iteration-start policy as the trust region's anchor and weighs by
+        pi_old / pi_behaviour in the loss. Pair losses read no old log-probs: the behaviour ones
+        (the policy that sampled the tokens) are passed, free.
+        """
+        behaviour = resp.behaviour_logprobs  # (B, T)
+        tis = self.loss_params.tis_cap > 0
+        use_behaviour = torch.zeros_like(resp.stale) if tis else resp.stale  # (B,)
+        if self.pair_loss or bool(use_behaviour.all()):
+            return behaviour, 0
+        if self.old_model is None or (
+            self._steps_this_iteration == 0 and self.params.reuse_old_logprobs
+        ):  # no step taken yet this iteration: the old policy is the policy itself
+            start, passes = logprobs.detach(), 0
+        else:
+            start, passes = self._frozen_logprobs(self.old_model, layout, resp), 1
+        return torch.where(use_behaviour[:, None], behaviour, start), passes  # (B, T)
+
     def _responses(self, groups: list[Group], device: torch.device) -> _Responses:
+        for g in groups:
+            if g.policy_version > self.version:
+                raise ValueError(
+                    f"group {g.prompt.uid} has policy_version {g.policy_version}, newer than the "
+                    f"learner's version {self.version}"
+                )
         rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # (N, G)
         ctx = AdvantageContext(scale_by_std=self.params.scale_by_std, baseline=self.baseline)
         adv = self.advantage_fn(rewards, ctx)  # (N, G)
+        sizes = [g.group_size for g in groups]
+        group_ids = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor(sizes))  # (B,)
+        stale = torch.tensor([g.policy_version < self.version for g in groups])  # (N,)
         completions = [c for g in groups for c in g.completions]
         width = max([len(c.token_ids) for c in completions] + [1])
         tokens = torch.full((len(completions), width), self.pad_id, dtype=torch.long)  # (B, T)
@@ -237,7 +293,8 @@ class Learner:
             tokens[b, :n] = torch.tensor(c.token_ids, dtype=torch.long)
             behaviour[b, :n] = torch.tensor(c.logprobs)
             mask[b, :n] = 1
-        moved = (t.to(device) for t in (tokens, mask, behaviour, adv.flatten()))
+        per_row = (adv.flatten(), rewards.flatten(), group_ids, stale[group_ids])
+        moved = (t.to(device) for t in (tokens, mask, behaviour, *per_row))
         return _Responses(*moved)
 
     @torch.no_grad()
@@ -256,14 +313,19 @@ class Learner:
             entropy = log_z - (p * pred).sum(-1)  # (B, T)
         return logprobs, entropy
 
+    def _normaliser(self, sums: _Sums) -> float:
+        if self.pair_loss:  # the mean over the global batch's pairs; none (all ties): grads are 0
+            return max(sums["num_pairs"], 1.0)
+        return normaliser(
+            self.params.loss_agg,
+            num_tokens=int(sums["num_response_tokens"]),
+            num_seqs=int(sums["num_seqs"]),
+            max_new_tokens=self.params.max_new_tokens,
+        )
+
     def _step(self, sums: _Sums) -> dict[str, float]:
         with self.tracer.span("optimizer_step", "learner"):
-            norm = normaliser(
-                self.params.loss_agg,
-                num_tokens=int(sums["num_response_tokens"]),
-                num_seqs=int(sums["num_seqs"]),
-                max_new_tokens=self.params.max_new_tokens,
-            )
+            norm = self._normaliser(sums)
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.div_(norm)
@@ -274,8 +336,10 @@ class Learner:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self._steps_this_iteration += 1
-        out = {k: sums[k] / norm for k in ("loss", "pg_loss", "kl", "clip_frac", "ratio")}
-        out["entropy"] = sums["entropy_sum"] / max(sums["num_response_tokens"], 1.0)
+        out = {k: sums[k] if k in COUNT_METRICS else sums[k] / norm for k in sums.loss_metrics}
+        num_response_tokens = max(sums["num_response_tokens"], 1.0)
+        out["entropy"] = sums["entropy_sum"] / num_response_tokens
+        out["stale_token_frac"] = sums["num_stale_tokens"] / num_response_tokens
         out["grad_norm"] = float(grad_norm)
         out["num_response_tokens"] = sums["num_response_tokens"]
         return out | {k: sums[k] for k in _TOTALS}

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cadence.algo import LossParams
+from cadence.algo import LossParams, needs_reference
 from cadence.config import Config
 from cadence.data import load_task
 from cadence.engine import Engine, SamplingParams, make_engine
@@ -100,7 +100,15 @@ def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
         shared_prompt_impl=cfg.learner.shared_prompt_impl,
         reuse_old_logprobs=cfg.learner.reuse_old_logprobs,
     )
-    loss = LossParams(a.clip_low, a.clip_high, a.kl_coef, a.kl_estimator)
+    loss = LossParams(
+        clip_low=a.clip_low,
+        clip_high=a.clip_high,
+        kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator,
+        tis_cap=a.tis_cap,
+        dpo_beta=a.dpo_beta,
+        dpo_loss=a.dpo_loss,
+    )
     return params, loss
 
 
@@ -160,7 +168,7 @@ def build_run(cfg: Config) -> Run:
     tokenizer = load_tokenizer(cfg.model.path)
     model = load_model(cfg.model.path, dtype=dtype, device=device)
     ref = None
-    if cfg.algo.kl_coef > 0:  # a frozen copy: no grad buffers, no optimizer state
+    if needs_reference(cfg.algo.loss, cfg.algo.kl_coef):  # frozen: no grads, no optimizer state
         ref = load_model(cfg.model.path, dtype=dtype, device=device).requires_grad_(False)
     tracer = Tracer()
     params, loss = learner_params(cfg)

@@ -1,0 +1,35 @@
+import math
+
+from cadence.algo import LossParams
+from cadence.config import load_config
+from cadence.pipeline import build_run, train
+from cadence.pipeline.build import learner_params
+
+
+def test_learner_params_carry_the_loss_keys():
+    cfg = load_config(None, ["algo.loss='online_dpo'", "algo.dpo_beta=0.3", "algo.dpo_loss='ipo'"])
+    params, loss = learner_params(cfg)
+    assert params.loss == "online_dpo"
+    assert loss == LossParams(dpo_beta=0.3, dpo_loss="ipo")
+    _, loss = learner_params(load_config(None, ["algo.tis_cap=2.5", "algo.clip_high=0.28"]))
+    assert loss == LossParams(clip_high=0.28, tis_cap=2.5)
+
+
+def test_online_dpo_run_builds_a_reference_without_kl_and_trains(model_dir, tmp_path):
+    overrides = [
+        f"model.path='{model_dir}'",
+        "algo.loss='online_dpo'",
+        "train.iterations=1",
+        "train.prompts_per_iteration=2",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=8",
+        "data.num_heldout=2",
+        "metrics.progress=false",
+        "reward.function='fixtures_rewards:even_length'",
+    ]
+    cfg = load_config(None, overrides)
+    assert cfg.algo.kl_coef == 0.0
+    run = build_run(cfg)
+    assert run.learner.ref_model is not None
+    summary = train(run, tmp_path, evaluate=False)
+    assert math.isfinite(summary["kl_last"])
