@@ -1,6 +1,7 @@
 """Periodic asynchrony: worker processes, producer thread, streaming consumer, proven on-policy."""
 
 import json
+import math
 import multiprocessing
 import os
 
@@ -161,3 +162,19 @@ def test_worker_exception_reaches_the_learner_with_its_traceback(model_dir, tmp_
     with pytest.raises(WorkerError, match=r"(?s)worker \d failed:.*Traceback.*refuses to load"):
         build_run(cfg)
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "online_dpo"])
+def test_one_step_offpolicy_run_end_to_end(model_dir, tmp_path, loss):
+    extra = ["pipeline.max_staleness=1", f"algo.loss='{loss}'"]
+    if loss == "online_dpo":
+        extra.append("algo.kl_coef=0.0")
+    _, records, pids = _train(_cfg(model_dir, "offpolicy", *extra), tmp_path)
+    assert [r["staleness_hist"] for r in records] == [[6, 0], [0, 6], [0, 6]]
+    assert [r["staleness_max"] for r in records] == [0, 1, 1]
+    assert all(r["dropped_groups"] == 0 and r["optimizer_steps"] == 1 for r in records)
+    assert [r["stale_token_frac"] for r in records] == [0.0, 1.0, 1.0]
+    assert all(math.isfinite(r["loss"]) for r in records)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["staleness_hist"] == [0, 6]
+    assert not _pids_alive(pids) and not multiprocessing.active_children()

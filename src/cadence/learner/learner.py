@@ -171,7 +171,10 @@ class Learner:
         return "unpacked"
 
     def train_iteration(self, groups: Iterable[Group], num_groups: int) -> dict[str, float]:
-        """Train on `num_groups` groups as they come; step after each mini-batch's last group."""
+        """Train on `num_groups` groups as they come; step after each mini-batch's last group.
+
+        Fewer may come (the pipeline dropped a group staler than allowed): what did is trained
+        and stepped when the iterable ends."""
         per_step = math.ceil(num_groups / self.params.mini_batches)
         self.model.train()
         if self.old_model is not None:  # the old policy is the policy at the iteration's start
@@ -189,6 +192,10 @@ class Learner:
             if end_of_step:
                 steps.append(self._step(sums))
                 sums = _Sums()
+        if buffer:
+            self._forward_backward(buffer, sums)
+        if sums.values:
+            steps.append(self._step(sums))
         if not steps or len(rewards) == 0:
             raise RuntimeError(f"learner got no groups (expected {num_groups})")
         self.version += 1
