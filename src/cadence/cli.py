@@ -250,8 +250,8 @@ def parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--modes",
-        default="sync-colocated,sync,periodic",
-        help="comma-separated: sync-colocated, sync, periodic (suite 'modes')",
+        default="sync-colocated,sync,periodic,offpolicy",
+        help="comma-separated: sync-colocated, sync, periodic, offpolicy (suite 'modes')",
     )
     sp.add_argument(
         "--out", required=True, help="output directory (bench.json, bench.md; ablation: bench.png)"

@@ -16,6 +16,7 @@ MODES: dict[str, tuple[str, str]] = {
     "sync-colocated": ("sync", "colocated"),
     "sync": ("sync", "separate"),
     "periodic": ("periodic", "separate"),
+    "offpolicy": ("offpolicy", "separate"),  # pipeline.max_staleness from the config (default 1)
 }
 FIGURES = ("tpspd", "wall_s", "gen_busy_s", "train_busy_s", "pipeline_efficiency")
 
