@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 bench: $(STAMP)
-	$(VENV)/bin/python benchmarks/engine_vs_generate.py $(if $(wildcard runs/sft/config.json),--model runs/sft)
+	$(CADENCE) bench --suite engine --out runs/bench-engine
 
 clean:
 	rm -rf runs

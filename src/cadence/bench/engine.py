@@ -5,7 +5,7 @@ at once. Static batching (HFEngine) and `model.generate` take the work in batche
 rows, and a batch ends when its slowest row does; continuous batching refills a finished row's
 slot at once. Two workloads:
 - `long-tail`: up to 256 new tokens, stopped by a set of stop ids that a random-init model hits
-  about once in 45 tokens, so lengths are geometric (most short, a few near the cap);
+  about once in 30 tokens, so lengths are geometric (most short, a few near the cap);
 - `uniform`: every response exactly 64 tokens (no stop ids), where batching strategy cannot help
   and only per-step cost shows.
 Figures: new tokens per second and time to the first finished group (the moment a streaming

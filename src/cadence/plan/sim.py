@@ -2,10 +2,10 @@
 
 It follows the pipeline's rules (pipeline/loop.py, source.py, workers.py, docs/planner.md):
 
-- Producer. Iteration k starts (its prompts are queued for the engines) with the newest published
-  policy version v, once the previous iteration's prompts have all been taken by an engine and
-  v >= k - N. N = 0 is the per-iteration barrier of `sync` and `periodic`; `offpolicy` N lets the
-  producer run up to N versions ahead.
+- Producer. Iteration k starts (its prompts are queued, behind any earlier iteration's, for the
+  engines) with the newest published policy version v as soon as v >= k - N. N = 0 is the
+  per-iteration barrier of `sync` and `periodic`; `offpolicy` N lets the producer run up to N
+  versions ahead (in steady state exactly N: one-step off-policy for N = 1).
 - Engines, `continuous` batching: each holds up to `slots` sequences; a finished sequence's slot
   is refilled at once by the next waiting sample (new samples join when the next sequence ends);
   a group is complete when its G samples are. `static` batching (the local worker backend): an
@@ -204,7 +204,6 @@ class Simulation:
         """Start the next iteration if its prompts may go out (see the module docstring)."""
         while (
             self.next_iteration < self.iterations
-            and not self.queue
             and self.published >= max(self.next_iteration - self.staleness_bound, 0)
         ):
             k = self.next_iteration
