@@ -171,6 +171,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_study(args: argparse.Namespace) -> int:
+    from cadence.study import LOSSES, parse_list, study_offpolicy
+
+    try:
+        losses = parse_list(args.losses, LOSSES, "loss(es)")
+        staleness = [int(n) for n in parse_list(args.staleness, None, "staleness")]
+    except ValueError as e:
+        raise ConfigError(f"cadence study: {e}") from None
+    if any(n < 0 for n in staleness):
+        raise ConfigError(f"--staleness values must be >= 0; got {staleness}")
+    overrides = list(args.set) + (
+        [f"train.iterations={args.iterations}"] if args.iterations else []
+    )
+    load_config(args.config, overrides)  # fail early on a bad config, before any run starts
+    rows = study_offpolicy(args.config, overrides, losses, staleness, Path(args.out))
+    print((Path(args.out) / "study.md").read_text())
+    return 0 if rows else 1
+
+
 def print_summary(summary: dict, out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -295,6 +314,16 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="runs/plan", help="output directory (plan.json, plan.png)")
     with_config(sp, required=False)
     sp.set_defaults(fn=cmd_plan)
+
+    sp = sub.add_parser("study", help="experiments over a grid of runs (offpolicy)")
+    sp.add_argument("study", choices=["offpolicy"], help="offpolicy: losses x staleness bound")
+    sp.add_argument("--losses", default="grpo,rloo,online_dpo", help="comma-separated losses")
+    sp.add_argument("--staleness", default="0,1,2,4,8", help="comma-separated N (0: periodic)")
+    sp.add_argument("--out", required=True, help="output directory (study.json, study.png)")
+    sp.add_argument("--config", default="configs/study-offpolicy.toml", help="workload config")
+    sp.add_argument("--iterations", type=int, default=0, help="iterations per run (0: config)")
+    with_config(sp, required=False)
+    sp.set_defaults(fn=cmd_study)
 
     sp = sub.add_parser("eval", help="held-out accuracy of a model directory")
     sp.add_argument("model_dir")

@@ -197,3 +197,31 @@ def test_bench_engine_suite_compares_the_engines_on_the_same_work(model_dir, tmp
     assert by["uniform", "generate"]["new_tokens"] == 3 * 2 * 64
     assert all(r["new_tokens_per_s"] > 0 and r["first_group_s"] > 0 for r in rows)
     assert "| long-tail | continuous |" in (tmp_path / "bench.md").read_text()
+
+
+@pytest.mark.slow
+def test_study_offpolicy_writes_a_row_per_cell_and_resumes(model_dir, tmp_path, capsys):
+    args = ["study", "offpolicy", "--losses", "grpo,online_dpo", "--staleness", "0,1"]
+    args += ["--out", str(tmp_path), "--iterations", "2"]
+    for o in [*_overrides(model_dir), "data.num_heldout=2", "pipeline.num_workers=1"]:
+        args += ["--set", o]
+    assert main(args) == 0
+    rows = json.loads((tmp_path / "study.json").read_text())
+    assert [(r["loss"], r["staleness"]) for r in rows] == [
+        ("grpo", 0),
+        ("grpo", 1),
+        ("online_dpo", 0),
+        ("online_dpo", 1),
+    ]
+    for r in rows:
+        assert 0 <= r["accuracy"] <= 1 and r["kl"] >= 0 and r["iterations"] == 2
+    assert (tmp_path / "study.png").stat().st_size > 0
+    staleness = [
+        json.loads(line)["staleness_max"]
+        for line in (tmp_path / "runs" / "grpo-N1" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert staleness == [0, 1]
+    capsys.readouterr()
+    assert main(args) == 0  # a second call keeps the finished cells
+    assert capsys.readouterr().out.count("done earlier, kept") == 4
+    assert main(["study", "offpolicy", "--losses", "dpo", "--out", str(tmp_path)]) == 2

@@ -283,6 +283,8 @@ def spec_from_config(cfg: Config, cal: Calibration, profile_path: str, lengths_p
             "colocated_engine_devices": devices,
             "max_num_seqs": cfg.rollout.max_num_seqs,
             "batching": cfg.rollout.engine,  # the engine `cadence train` runs here
+            # a worker never holds more than its queued tasks, whatever its slots
+            "samples_in_flight": p.tasks_in_flight * p.prompts_per_task * cfg.rollout.group_size,
             "prompts_per_task": p.prompts_per_task,
         },
         "plan": {"modes": list(DEFAULT_MODES)},

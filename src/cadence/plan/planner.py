@@ -121,6 +121,7 @@ def workload(spec: PlanSpec) -> Workload:
         prompt_tokens=w.prompt_tokens,
         micro_batch_groups=w.micro_batch_groups,
         max_num_seqs=c.max_num_seqs,
+        samples_in_flight=c.samples_in_flight,
         shared_prompt=w.shared_prompt,
         batching=c.batching,
         prompts_per_task=c.prompts_per_task,

@@ -68,6 +68,7 @@ class Workload:
     prompt_tokens: int
     micro_batch_groups: int
     max_num_seqs: int = 256
+    samples_in_flight: int = 0  # separate engines: most samples sent to a worker at once (0: any)
     shared_prompt: bool = True  # the learner computes each group's prompt once
     batching: str = "continuous"
     prompts_per_task: int = 4  # static batching
@@ -168,6 +169,8 @@ class Simulation:
         colocated = shape.placement == "colocated"
         mean_seq = work.prompt_tokens + float(lengths.mean())
         self.slots = cost.slots(work.max_num_seqs, mean_seq, shape.num_devices if colocated else 0)
+        if not colocated and work.samples_in_flight:  # the producer's bound, not the engine's
+            self.slots = min(self.slots, work.samples_in_flight)
         self.now = 0.0
         self._heap: list = []
         self._seq = itertools.count()
@@ -202,9 +205,8 @@ class Simulation:
 
     def produce(self) -> None:
         """Start the next iteration if its prompts may go out (see the module docstring)."""
-        while (
-            self.next_iteration < self.iterations
-            and self.published >= max(self.next_iteration - self.staleness_bound, 0)
+        while self.next_iteration < self.iterations and self.published >= max(
+            self.next_iteration - self.staleness_bound, 0
         ):
             k = self.next_iteration
             self.versions.append(self.published)

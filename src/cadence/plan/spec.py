@@ -99,6 +99,12 @@ class ClusterSpec(_Section):
         "machine's colocated engine is one process on all its cores).",
     )
     max_num_seqs: int = Field(256, ge=1, description="Most sequences an engine holds.")
+    samples_in_flight: int = Field(
+        0,
+        ge=0,
+        description="Separate engines: most samples a worker is sent at once (the local "
+        "backend's tasks_in_flight x prompts_per_task x group_size); 0: no bound.",
+    )
     batching: Literal["continuous", "static"] = Field(
         "continuous", description="continuous (vLLM-like) or static (the local worker backend)."
     )
