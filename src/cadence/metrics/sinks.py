@@ -1,6 +1,7 @@
 """Where per-iteration metrics go: a JSONL file, TensorBoard, memory (tests), the console.
 
-Every sink takes `write(record)` with a flat dict of numbers (plus `iteration`) and `close()`.
+Every sink takes `write(record)` with a flat dict of numbers (plus `iteration`, and lists such
+as `staleness_hist`, which sinks that only plot scalars skip) and `close()`.
 """
 
 from __future__ import annotations
@@ -8,11 +9,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class MetricsSink(Protocol):
-    def write(self, record: dict[str, float]) -> None: ...
+    def write(self, record: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -23,7 +24,7 @@ class JsonlSink:
     def __init__(self, path: str | Path) -> None:
         self._f = Path(path).open("a", encoding="utf-8")  # noqa: SIM115 (held until close)
 
-    def write(self, record: dict[str, float]) -> None:
+    def write(self, record: dict[str, Any]) -> None:
         clean = {
             k: (v if not isinstance(v, float) or math.isfinite(v) else None)
             for k, v in record.items()
@@ -39,7 +40,7 @@ class MemorySink:
     def __init__(self) -> None:
         self.records: list[dict[str, float]] = []
 
-    def write(self, record: dict[str, float]) -> None:
+    def write(self, record: dict[str, Any]) -> None:
         self.records.append(dict(record))
 
     def close(self) -> None:
@@ -52,7 +53,7 @@ class TensorBoardSink:
 
         self._w = SummaryWriter(str(log_dir))
 
-    def write(self, record: dict[str, float]) -> None:
+    def write(self, record: dict[str, Any]) -> None:
         step = int(record["iteration"])
         for k, v in record.items():
             if k != "iteration" and isinstance(v, int | float):
@@ -89,7 +90,7 @@ class ConsoleProgress:
         if enabled:
             self._progress.start()
 
-    def write(self, record: dict[str, float]) -> None:
+    def write(self, record: dict[str, Any]) -> None:
         status = (
             f"reward {record.get('reward_mean', 0):.3f}  acc {record.get('accuracy', 0):.3f}  "
             f"kl {record.get('kl', 0):.4f}  tpspd {record.get('tpspd', 0):,.0f}"

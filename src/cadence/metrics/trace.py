@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -41,7 +41,7 @@ class Tracer:
         self.samples: list[Sample] = []
         self._lock = threading.Lock()
 
-    def add_samples(self, name: str, track: str, points: list[tuple[float, float]]) -> None:
+    def add_samples(self, name: str, track: str, points: Sequence[tuple[float, float]]) -> None:
         """Counter values from `time.perf_counter()` stamps (any process on this machine)."""
         with self._lock:
             self.samples.extend(Sample(name, track, t - self.origin, v) for t, v in points)

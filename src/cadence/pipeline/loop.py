@@ -12,6 +12,7 @@ import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from cadence.config import to_toml
 from cadence.metrics import ConsoleProgress, JsonlSink, MetricsSink, TensorBoardSink, tpspd
@@ -59,7 +60,7 @@ def within_staleness(
 TRAIN_SPANS = ("forward_backward", "optimizer_step")
 
 
-def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[str, float]:
+def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[str, Any]:
     cfg, learner, tracer = run.cfg, run.learner, run.tracer
     start = tracer.now()
     num_groups, max_staleness = cfg.train.prompts_per_iteration, run.max_staleness
@@ -153,7 +154,7 @@ def train(
     accuracy_before = heldout_accuracy(run) if evaluate else float("nan")
     budget = RewardErrorBudget(cfg.reward.max_error_fraction)
     sinks = _sinks(run, out, extra_sinks or [])
-    records: list[dict[str, float]] = []
+    records: list[dict[str, Any]] = []
     t_loop = time.perf_counter()
     try:
         for k in range(cfg.train.iterations):

@@ -47,7 +47,7 @@ class RolloutWorker:
         group_size: int,
         run_seed: int,
     ) -> None:
-        self._in_flight: dict[tuple[Hashable, int], _InFlight] = {}
+        self._in_flight: dict[Hashable, _InFlight] = {}  # by (task, position in task)
         self.engine = engine
         self.tokenizer = tokenizer
         self.reward = reward
@@ -98,7 +98,7 @@ class RolloutWorker:
         return samples
 
     def task_done(self, task: Hashable) -> bool:
-        return not any(k[0] == task for k in self._in_flight)
+        return not any(job.task == task for job in self._in_flight.values())
 
     def rollout(self, prompts: list[Prompt], iteration: int, version: int) -> list[Group]:
         """Generate and score `group_size` responses for each prompt; groups in prompt order."""
