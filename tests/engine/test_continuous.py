@@ -14,6 +14,7 @@ from cadence.engine import (
     derive_seed,
     make_engine,
 )
+from tiny_models import tiny_causal_lm
 
 QUESTIONS = [
     "What is 3 + 4?",
@@ -31,24 +32,6 @@ def _requests(tokenizer, group_sizes=(4, 3, 4, 2), iteration=0):
         )
         for i, (q, g) in enumerate(zip(QUESTIONS, group_sizes, strict=True))
     ]
-
-
-def _random_model(arch: str, vocab: int):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    kw = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    if arch == "llama":
-        return LlamaForCausalLM(LlamaConfig(**kw)).eval()
-    return Qwen2ForCausalLM(Qwen2Config(**kw)).eval()
 
 
 def _tokens(groups):
@@ -81,7 +64,7 @@ def test_samples_do_not_depend_on_slots_order_or_companions(model, tokenizer):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_logprobs_equal_the_full_forward_recomputation(arch, tokenizer):
-    model = _random_model(arch, len(tokenizer))
+    model = tiny_causal_lm(arch, len(tokenizer))
     params = SamplingParams(max_new_tokens=12, temperature=0.8)
     requests = _requests(tokenizer)
     outputs = ContinuousEngine(model, tokenizer, max_num_seqs=5).generate(requests, params)
@@ -157,22 +140,14 @@ def test_stop_strings_and_max_lengths_are_honoured(model, tokenizer):
 
 
 def test_a_model_the_slot_cache_cannot_serve_falls_back_to_static(tokenizer):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    model = tiny_causal_lm(
+        "qwen2",
+        len(tokenizer),
         use_sliding_window=True,
         sliding_window=4,
         max_window_layers=0,
         layer_types=["sliding_attention", "sliding_attention"],
     )
-    model = Qwen2ForCausalLM(config).eval()
     assert check_continuous(model, tokenizer) is not None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -17,6 +17,7 @@ from cadence.learner.packing import (
     shared_prompt_positions,
 )
 from cadence.types import Completion, Group, Prompt
+from tiny_models import tiny_causal_lm
 from updates import assert_same_update, capture_grads, max_relative_diff
 
 VOCAB = 101
@@ -50,22 +51,7 @@ def test_tokens_computed_fall_by_the_expected_ratio():
 
 
 def _tiny(arch: str, attn: str = "sdpa") -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation=attn,
-    )
-    if arch == "llama":
-        return LlamaForCausalLM(LlamaConfig(**kw))
-    return Qwen2ForCausalLM(Qwen2Config(**kw))
+    return tiny_causal_lm(arch, VOCAB, attn=attn, max_positions=128).train()
 
 
 def _ragged_groups(seed: int = 1):
