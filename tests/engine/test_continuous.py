@@ -14,6 +14,7 @@ from cadence.engine import (
     derive_seed,
     make_engine,
 )
+from engine_checks import assert_behaviour_logprobs_match
 from tiny_models import tiny_causal_lm
 
 QUESTIONS = [
@@ -68,15 +69,7 @@ def test_logprobs_equal_the_full_forward_recomputation(arch, tokenizer):
     params = SamplingParams(max_new_tokens=12, temperature=0.8)
     requests = _requests(tokenizer)
     outputs = ContinuousEngine(model, tokenizer, max_num_seqs=5).generate(requests, params)
-    for req, group in zip(requests, outputs, strict=True):
-        for c in group:
-            ids = torch.tensor([req.prompt_ids + c.token_ids])
-            with torch.no_grad():
-                logits = model(ids).logits[0].float() / params.temperature  # (L, V)
-            start = len(req.prompt_ids)
-            logp = torch.log_softmax(logits[start - 1 : -1], -1)  # (T, V)
-            expected = logp.gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
-            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)
+    assert_behaviour_logprobs_match(model, requests, outputs, params.temperature)
     assert check_continuous(model, tokenizer) is None
 
 

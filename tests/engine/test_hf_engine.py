@@ -9,6 +9,7 @@ from cadence.engine import (
     sample_tokens,
     step_uniforms,
 )
+from engine_checks import assert_behaviour_logprobs_match
 
 
 def _requests(tokenizer, questions, group_size, iteration=0):
@@ -29,15 +30,7 @@ def test_behaviour_logprobs_equal_full_forward_logprobs(model, tokenizer):
     engine = HFEngine(model, tokenizer)
     requests = _requests(tokenizer, QUESTIONS, 3)
     outputs = engine.generate(requests, params)
-    for req, group in zip(requests, outputs, strict=True):
-        for c in group:
-            ids = torch.tensor([req.prompt_ids + c.token_ids])
-            with torch.no_grad():
-                logits = model(ids).logits[0].float() / params.temperature  # (L, V)
-            start = len(req.prompt_ids)
-            logp = torch.log_softmax(logits[start - 1 : -1], -1)  # (T, V)
-            expected = logp.gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
-            torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)
+    assert_behaviour_logprobs_match(model, requests, outputs, params.temperature)
 
 
 def test_seeded_samples_do_not_depend_on_batch_composition(model, tokenizer):
