@@ -77,6 +77,9 @@ class ThreadPool:
     def send_sync_to(self, wid, version):
         self.procs[wid].inbox.put(("sync", version))
 
+    def has_in_flight(self):
+        return any(p.in_flight for p in self.procs)
+
     def poll(self, timeout_s):
         try:
             kind, wid, payload = self.results.get(timeout=timeout_s)

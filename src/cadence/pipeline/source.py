@@ -21,7 +21,7 @@ from typing import Protocol
 
 from cadence.metrics.trace import Span, Tracer
 from cadence.pipeline.worker import RolloutWorker
-from cadence.pipeline.workers import WorkerPool
+from cadence.pipeline.workers import Pool
 from cadence.types import Group, Prompt
 
 
@@ -108,7 +108,7 @@ class WorkerSource:
 
     def __init__(
         self,
-        pool: WorkerPool,
+        pool: Pool,
         model,
         tracer: Tracer,
         next_prompts: Callable[[], list[Prompt]],
@@ -272,7 +272,7 @@ class WorkerSource:
             self._dispatch(fifo, free)
             message = self.pool.poll(0.05)
             if message is None:
-                if any(p.in_flight for p in self.pool.procs) and (
+                if self.pool.has_in_flight() and (
                     time.monotonic() - last_word > self.pool.timeout_s
                 ):
                     raise TimeoutError(f"no word from the workers for {self.pool.timeout_s:.0f}s")

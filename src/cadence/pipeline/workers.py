@@ -25,13 +25,13 @@ import queue
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.multiprocessing as mp
 
 from cadence.engine import SamplingParams
-from cadence.pipeline.weights import SharedWeights, load_into
+from cadence.pipeline.weights import SharedWeights, WeightSync, load_into
 from cadence.types import Group, Prompt
 
 
@@ -40,7 +40,38 @@ class WorkerError(RuntimeError):
 
 
 class WorkerDied(RuntimeError):
-    """A worker process exited without being asked to."""
+    """A worker exited without being asked to; `wid` is its slot in the pool."""
+
+    def __init__(self, message: str, wid: int = -1) -> None:
+        super().__init__(message)
+        self.wid = wid
+
+
+class Pool(Protocol):
+    """What `WorkerSource` drives: a fixed number of worker slots on some backend.
+
+    Messages to one worker are acted on in order (see `_WorkerLoop`). `poll` returns the next
+    ('groups', wid, TaskResult) or ('ack', wid, version), or None after the timeout; it raises
+    `WorkerError` when a worker raised and `WorkerDied` (with `wid`) when one is gone.
+    """
+
+    timeout_s: float
+
+    @property
+    def weights(self) -> WeightSync: ...
+
+    @property
+    def num_workers(self) -> int: ...
+
+    def submit(self, wid: int, task_id: int, prompts: list[Prompt], iteration: int) -> None: ...
+
+    def send_sync_to(self, wid: int, version: int) -> None: ...
+
+    def poll(self, timeout_s: float) -> tuple[str, int, Any] | None: ...
+
+    def has_in_flight(self) -> bool: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -220,6 +251,9 @@ class WorkerPool:
     def send_sync_to(self, wid: int, version: int) -> None:
         self.procs[wid].inbox.put(("sync", version))
 
+    def has_in_flight(self) -> bool:
+        return any(proc.in_flight for proc in self.procs)
+
     def poll(self, timeout_s: float) -> tuple[str, int, Any] | None:
         """The next ('groups', wid, TaskResult) or ('ack', wid, version), or None after
         `timeout_s`; raises if a worker failed or died."""
@@ -271,7 +305,8 @@ class WorkerPool:
                 uids = [p.uid for prompts in proc.in_flight.values() for p in prompts]
                 raise WorkerDied(
                     f"worker {wid} (pid {proc.process.pid}) exited with code "
-                    f"{proc.process.exitcode}; prompts in flight: {uids or 'none'}"
+                    f"{proc.process.exitcode}; prompts in flight: {uids or 'none'}",
+                    wid,
                 )
 
     def close(self) -> None:
