@@ -166,8 +166,9 @@ class _WorkerLoop:
             if kind == "sync":
                 if self.worker.busy:
                     return True
-                load_into(self.model, self.tensors)
-                self.version = payload
+                if payload > self.version:  # a version already loaded is acknowledged, not reread
+                    load_into(self.model, self.tensors)
+                    self.version = payload
                 self.outbox.put(("ack", self.wid, self.version))
             elif kind == "rollout":
                 task_id, prompts, iteration = payload
