@@ -23,3 +23,23 @@ def exit_on_third_call(prompt: str, completion: str, answer: str) -> float:
 
 
 _calls = 0
+
+
+def exit_once(prompt: str, completion: str, answer: str) -> float:
+    """`even_length`, except that the first worker process to score its 15th sample exits (code
+    3), mid-iteration, once per run: the file named by $CADENCE_TEST_EXIT_ONCE marks that it
+    happened, so the replacement worker and the others carry on."""
+    import multiprocessing
+    import os
+
+    global _calls
+    if multiprocessing.current_process().name.startswith("cadence-worker"):
+        _calls += 1
+        if _calls == 15:
+            try:
+                os.close(os.open(os.environ["CADENCE_TEST_EXIT_ONCE"], os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                pass
+            else:
+                os._exit(3)
+    return even_length(prompt, completion, answer)

@@ -212,6 +212,13 @@ class PipelineConfig(_Section):
     worker_timeout_s: float = Field(
         300.0, gt=0, description="Longest wait for a worker to start or acknowledge weights."
     )
+    max_worker_restarts: int = Field(
+        3,
+        ge=0,
+        description="A worker process that dies is replaced (it loads the current weights and is "
+        "sent again the prompts it had not returned) up to this many times per worker slot; one "
+        "more death stops the run.",
+    )
 
     @model_validator(mode="after")
     def _periodic_needs_workers(self) -> PipelineConfig:

@@ -5,6 +5,7 @@ The producer and the worker loop are the real ones; the worker processes are thr
 that moment (`weight = version`), with random per-sample delays and one slow worker.
 """
 
+import contextlib
 import queue
 import random
 import threading
@@ -19,90 +20,153 @@ from cadence.pipeline.loop import StaleGroupError, within_staleness
 from cadence.pipeline.source import WorkerSource
 from cadence.pipeline.weights import SharedWeights
 from cadence.pipeline.worker import RolloutWorker
-from cadence.pipeline.workers import WorkerError, _WorkerLoop
+from cadence.pipeline.workers import InFlight, WorkerDied, WorkerError, _WorkerLoop
 from cadence.types import Prompt
 
 GROUP_SIZE = 3
 
 
-class _Proc:
-    def __init__(self) -> None:
-        self.inbox: queue.Queue = queue.Queue()
-        self.in_flight: dict = {}
+class _Killed(BaseException):
+    """Raised inside a worker thread's engine: the thread ends, as a killed process would."""
 
 
 class ThreadPool:
-    """The WorkerPool interface over in-process worker threads (same loop, same messages)."""
+    """The WorkerPool interface over in-process worker threads (same loop, same messages).
 
-    def __init__(self, weights: SharedWeights, slowness: list[float], seed: int = 0) -> None:
+    `die_after[wid] = n`: the first worker in slot `wid` dies after generating n samples."""
+
+    def __init__(
+        self,
+        weights: SharedWeights,
+        slowness: list[float],
+        seed: int = 0,
+        die_after: dict[int, int] | None = None,
+    ) -> None:
         self.weights, self.timeout_s = weights, 30.0
+        self.slowness, self.seed = slowness, seed
+        self.die_after = dict(die_after or {})
         self.results: queue.Queue = queue.Queue()
-        self.procs = [_Proc() for _ in slowness]
-        self.threads = []
-        for wid, slow in enumerate(slowness):
-            model = torch.nn.Linear(1, 1, bias=False)
-            rng = random.Random(seed * 100 + wid)
+        self.pending: list = []
+        self.resent: list[str] = []  # uids sent again to a replacement worker
+        self.inboxes: list[queue.Queue] = []
+        self.in_flight = [InFlight() for _ in slowness]
+        self.threads: list[threading.Thread] = []
+        for wid in range(len(slowness)):
+            self._start(wid)
+        self._await_ready(set(range(len(slowness))))
 
-            def script(ids, seed, model=model, slow=slow, rng=rng):
-                time.sleep(slow * rng.random())  # uneven lengths, one worker slower
-                first = model.weight.item()
-                time.sleep(slow * rng.random())
-                return [int(first), int(model.weight.item())]  # weights read twice per sample
+    def _start(self, wid: int) -> None:
+        model = torch.nn.Linear(1, 1, bias=False)
+        rng = random.Random(self.seed * 100 + wid + 10 * len(self.threads))
+        slow, left = self.slowness[wid], [self.die_after.pop(wid, -1)]
 
-            worker = RolloutWorker(
-                ScriptedEngine(script),
-                tokenizer=lambda text, add_special_tokens: {"input_ids": [len(text)]},
-                reward=lambda prompt, response, answer: 1.0,
-                sampling=SamplingParams(max_new_tokens=4),
-                group_size=GROUP_SIZE,
-                run_seed=0,
-            )
-            loop = _WorkerLoop(
-                wid, model, worker, weights.tensors, self.procs[wid].inbox, self.results
-            )
-            thread = threading.Thread(target=loop.run, daemon=True)
-            thread.start()
+        def script(ids, seed):
+            left[0] -= 1
+            if left[0] == 0:
+                raise _Killed
+            time.sleep(slow * rng.random())  # uneven lengths, one worker slower
+            first = model.weight.item()
+            time.sleep(slow * rng.random())
+            return [int(first), int(model.weight.item())]  # weights read twice per sample
+
+        worker = RolloutWorker(
+            ScriptedEngine(script),
+            tokenizer=lambda text, add_special_tokens: {"input_ids": [len(text)]},
+            reward=lambda prompt, response, answer: 1.0,
+            sampling=SamplingParams(max_new_tokens=4),
+            group_size=GROUP_SIZE,
+            run_seed=0,
+        )
+        inbox: queue.Queue = queue.Queue()
+        loop = _WorkerLoop(wid, model, worker, self.weights.tensors, inbox, self.results)
+
+        def run():
+            with contextlib.suppress(_Killed):
+                loop.run()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        if wid < len(self.threads):
+            self.inboxes[wid], self.threads[wid] = inbox, thread
+        else:
+            self.inboxes.append(inbox)
             self.threads.append(thread)
-        for _ in slowness:
-            assert self.results.get(timeout=10)[0] == "ready"
+
+    def _await_ready(self, wids: set[int]) -> None:
+        while wids:
+            message = self.results.get(timeout=10)
+            if message[0] == "ready" and message[1] in wids:
+                wids.discard(message[1])
+            else:
+                self._note(message)
+                self.pending.append(message)
+
+    def _note(self, message) -> None:
+        kind, wid, payload = message
+        if kind == "error":
+            raise WorkerError(payload)
+        if kind == "groups":
+            self.in_flight[wid].returned(payload)
 
     @property
     def num_workers(self) -> int:
-        return len(self.procs)
+        return len(self.threads)
 
     def submit(self, wid, task_id, prompts, iteration):
-        self.procs[wid].in_flight[task_id] = prompts
-        self.procs[wid].inbox.put(("rollout", (task_id, prompts, iteration)))
+        self.in_flight[wid].add(task_id, prompts, iteration)
+        self.inboxes[wid].put(("rollout", (task_id, prompts, iteration)))
 
     def send_sync_to(self, wid, version):
-        self.procs[wid].inbox.put(("sync", version))
+        self.inboxes[wid].put(("sync", version))
 
     def has_in_flight(self):
-        return any(p.in_flight for p in self.procs)
+        return any(self.in_flight)
 
     def poll(self, timeout_s):
+        if self.pending:
+            return self.pending.pop(0)
         try:
-            kind, wid, payload = self.results.get(timeout=timeout_s)
-        except queue.Empty:
+            message = self.results.get(timeout=timeout_s)
+        except queue.Empty:  # a dead thread's messages are all in the queue by now
+            for wid, thread in enumerate(self.threads):
+                if not thread.is_alive():
+                    raise WorkerDied(f"worker {wid} died", wid) from None
             return None
-        if kind == "error":
-            raise WorkerError(payload)
-        if kind == "groups" and payload.task_done:
-            self.procs[wid].in_flight.pop(payload.task_id, None)
-        return kind, wid, payload
+        self._note(message)
+        return message
+
+    def replace(self, wid):
+        self.pending = [m for m in self.pending if not (m[0] == "ack" and m[1] == wid)]
+        lost, self.in_flight[wid] = self.in_flight[wid].tasks, InFlight()
+        self.resent.extend(p.uid for prompts, _ in lost.values() for p in prompts)
+        self._start(wid)
+        self._await_ready({wid})
+        return lost
 
     def close(self):
-        for p in self.procs:
-            p.inbox.put(("stop", None))
+        for inbox in self.inboxes:
+            inbox.put(("stop", None))
         for t in self.threads:
             t.join(timeout=10)
 
 
 def _run(max_staleness: int, iterations: int, prompts_per_iteration: int = 6, seed: int = 0):
     """A learner at version k trains iteration k; returns [(iteration, group)] as consumed."""
+    return _run_source(max_staleness, iterations, prompts_per_iteration, seed)[0]
+
+
+def _run_source(
+    max_staleness: int,
+    iterations: int,
+    prompts_per_iteration: int = 6,
+    seed: int = 0,
+    die_after: dict[int, int] | None = None,
+    max_worker_restarts: int = 0,
+):
+    """`_run`, also returning the source (for its restart and duplicate counts)."""
     policy = torch.nn.Linear(1, 1, bias=False)
     weights = SharedWeights(policy)
-    pool = ThreadPool(weights, slowness=[0.002, 0.006], seed=seed)
+    pool = ThreadPool(weights, slowness=[0.002, 0.006], seed=seed, die_after=die_after)
     counter = iter(range(10**6))
 
     def next_prompts():
@@ -121,6 +185,7 @@ def _run(max_staleness: int, iterations: int, prompts_per_iteration: int = 6, se
         tasks_in_flight=2,
         max_staleness=max_staleness,
         iterations=iterations,
+        max_worker_restarts=max_worker_restarts,
     )
     consumed = []
     rng = random.Random(seed)
@@ -136,7 +201,7 @@ def _run(max_staleness: int, iterations: int, prompts_per_iteration: int = 6, se
             assert not dropped and len(seen) == prompts_per_iteration
     finally:
         source.close()
-    return consumed
+    return consumed, source
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
@@ -178,3 +243,30 @@ def test_a_group_staler_than_allowed_is_dropped_and_one_from_the_future_refused(
         list(within_staleness(iter([group(6)]), 5, 2, [], []))
     with pytest.raises(StaleGroupError, match="policy_version 4"):  # on-policy: never dropped
         list(within_staleness(iter([group(4)]), 5, 0, [], []))
+
+
+@pytest.mark.parametrize("n", [0, 1])
+def test_a_worker_dying_mid_iteration_is_replaced_and_no_group_is_lost_or_trained_twice(n):
+    iterations, per_iteration = 5, 6
+    # worker 0 dies at its 40th sample, mid-iteration, holding prompts
+    consumed, source = _run_source(
+        n, iterations, per_iteration, die_after={0: 40}, max_worker_restarts=2
+    )
+    assert source.restarts == [1, 0] and source.duplicates == 0
+    assert source.pool.resent  # it died holding prompts, and they were sent again
+    by_iteration = [[g.prompt.uid for k, g in consumed if k == i] for i in range(iterations)]
+    expected = [[f"p{i * per_iteration + j}" for j in range(per_iteration)] for i in range(5)]
+    assert [sorted(u) for u in by_iteration] == [sorted(u) for u in expected]  # each exactly once
+    staleness = [k - g.policy_version for k, g in consumed]
+    assert max(staleness) <= n and min(staleness) >= 0  # on-policy stays on-policy (n = 0)
+    for _, g in consumed:  # the replacement generated with the version it claims
+        assert {t for c in g.completions for t in c.token_ids} == {g.policy_version}
+
+
+def test_a_worker_that_keeps_dying_stops_the_run_with_the_budget_named():
+    with pytest.raises(
+        WorkerDied,
+        match=r"worker 0 died; restarted 0 time\(s\) already "
+        r"\(pipeline.max_worker_restarts = 0\)",
+    ):
+        _run_source(0, 3, die_after={0: 5}, max_worker_restarts=0)

@@ -148,13 +148,42 @@ def test_producer_that_skips_the_barrier_is_caught(model_dir, tmp_path):
     assert not multiprocessing.active_children()
 
 
-def test_worker_death_is_reported_with_its_prompts_and_leaves_no_process(model_dir, tmp_path):
-    cfg = _cfg(model_dir, "periodic", "reward.function='fixtures_rewards:exit_on_third_call'")
+def test_a_worker_that_keeps_dying_stops_the_run_and_leaves_no_process(model_dir, tmp_path):
+    cfg = _cfg(
+        model_dir,
+        "periodic",
+        "reward.function='fixtures_rewards:exit_on_third_call'",
+        "pipeline.max_worker_restarts=1",
+    )
     run = build_run(cfg)
     pids = [p.process.pid for p in run.source.pool.procs]
-    with pytest.raises(WorkerDied, match=r"worker \d \(pid \d+\) exited with code 3"):
+    with pytest.raises(
+        WorkerDied,
+        match=r"worker \d \(pid \d+\) exited with code 3; prompts in flight: .*; restarted 1 "
+        r"time\(s\) already \(pipeline.max_worker_restarts = 1\)",
+    ):
         train(run, tmp_path)
-    assert not _pids_alive(pids) and not multiprocessing.active_children()
+    assert not _pids_alive(pids) and not multiprocessing.active_children()  # replacements too
+
+
+def test_a_worker_killed_mid_iteration_is_replaced_and_the_update_equals_sync(
+    model_dir, tmp_path, monkeypatch
+):
+    # the worker process exits while scoring a group; its replacement loads the current version
+    # and regenerates the prompts it had not returned, with the same seeds: the run makes the
+    # very update of the synchronous run (nothing lost, nothing trained twice, nothing stale)
+    monkeypatch.setenv("CADENCE_TEST_EXIT_ONCE", str(tmp_path / "exited"))
+    sync_grads, per_grads = [], []
+    sync_run, _, _ = _train(_cfg(model_dir, "sync"), tmp_path / "sync", sync_grads)
+    cfg = _cfg(model_dir, "periodic", "reward.function='fixtures_rewards:exit_once'")
+    per_run, records, pids = _train(cfg, tmp_path / "periodic", per_grads)
+    assert (tmp_path / "exited").exists()
+    assert [r["worker_restarts"] for r in records][-1] == 1
+    assert all(r["staleness_max"] == 0 and r["optimizer_steps"] == 1 for r in records)
+    assert_same_update(
+        per_run.learner.model, sync_run.learner.model, per_grads, sync_grads, grad_rtol=5e-5
+    )
+    assert not _pids_alive(pids) and not multiprocessing.active_children()  # replacements too
 
 
 def test_worker_exception_reaches_the_learner_with_its_traceback(model_dir, tmp_path):

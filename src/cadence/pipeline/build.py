@@ -153,6 +153,7 @@ def build_source(
         max_staleness=max_staleness(cfg),
         queue_size=p.queue_size,
         iterations=cfg.train.iterations,
+        max_worker_restarts=p.max_worker_restarts,
     )
 
 

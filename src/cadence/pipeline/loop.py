@@ -93,6 +93,7 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
             "staleness_max": max(staleness),
             "staleness_hist": [staleness.count(s) for s in range(max_staleness + 1)],
             "dropped_groups": len(dropped),
+            "worker_restarts": sum(run.source.restarts),
         }
         | pipeline_figures(run, start, wall)
     )

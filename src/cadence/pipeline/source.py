@@ -11,6 +11,7 @@ same way.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import queue
 import threading
@@ -21,12 +22,13 @@ from typing import Protocol
 
 from cadence.metrics.trace import Span, Tracer
 from cadence.pipeline.worker import RolloutWorker
-from cadence.pipeline.workers import Pool
+from cadence.pipeline.workers import Pool, WorkerDied
 from cadence.types import Group, Prompt
 
 
 class GroupSource(Protocol):
     times: IterationTimes  # what the current iteration measured
+    restarts: list[int]  # worker replacements so far, per worker slot
 
     def start_iteration(self, iteration: int, version: int) -> None: ...
 
@@ -38,6 +40,7 @@ class GroupSource(Protocol):
 
 
 _DONE = object()
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,6 +70,7 @@ class ColocatedSource:
         self.tracer = tracer
         self.next_prompts = next_prompts
         self.times = IterationTimes()
+        self.restarts: list[int] = []
         self._pending: list[Group] = []
 
     def start_iteration(self, iteration: int, version: int) -> None:
@@ -119,6 +123,7 @@ class WorkerSource:
         max_staleness: int = 0,
         queue_size: int = 0,
         iterations: int | None = None,
+        max_worker_restarts: int = 0,
     ) -> None:
         if max_staleness > 0 and queue_size:
             raise ValueError("pipeline.queue_size must be 0 (unbounded) with max_staleness > 0")
@@ -132,6 +137,11 @@ class WorkerSource:
         self.max_staleness = max_staleness
         self.queue_size = queue_size
         self.iterations = iterations  # None: begin iterations for as long as admission allows
+        self.max_worker_restarts = max_worker_restarts  # per worker slot, over the run
+        self.restarts = [0] * pool.num_workers
+        self.duplicates = 0  # groups received twice and dropped (only after a worker is replaced)
+        self._weights_version = -1  # the version the published weights hold
+        self._delivered: dict[int, set[str]] = {}  # iteration -> prompt uids handed to the learner
         self.times = IterationTimes()
         self._cond = threading.Condition()
         self._published = -1  # newest version the learner has released to the producer
@@ -166,23 +176,25 @@ class WorkerSource:
         """Make `version` reach the workers; with max_staleness = 0, wait until all have it."""
         if version <= self._published:
             return
-        self._wait(lambda: min(self._acked) >= self._published, "load the previous weights")
-        self.pool.weights.publish(self.model, version)
-        with self._cond:
+        with self._cond:  # held while writing: a worker replaced meanwhile reads whole weights
+            self._wait(lambda: min(self._acked) >= self._published, "load the previous weights")
+            self.pool.weights.publish(self.model, version)
+            self._weights_version = version
             self._new_versions.append(version)
             self._cond.notify_all()
         if self.max_staleness == 0:
-            self._wait(lambda: min(self._acked) >= version, f"load version {version}")
+            with self._cond:
+                self._wait(lambda: min(self._acked) >= version, f"load version {version}")
 
     def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait (holding `_cond`) until `ready()`; raise the producer's failure or a timeout."""
         deadline = time.monotonic() + self.pool.timeout_s
-        with self._cond:
-            while not ready():
-                if self._failure is not None:
-                    raise self._failure.error
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"workers did not {what} within {self.pool.timeout_s:.0f}s")
-                self._cond.wait(timeout=0.5)
+        while not ready():
+            if self._failure is not None:
+                raise self._failure.error
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers did not {what} within {self.pool.timeout_s:.0f}s")
+            self._cond.wait(timeout=0.5)
 
     def groups(self) -> Iterator[Group]:
         """The current iteration's groups: as they arrive (stream) or once all are in."""
@@ -232,10 +244,10 @@ class WorkerSource:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-        self.pool.close()
-        if self._thread is not None:
+        if self._thread is not None:  # first, so that it cannot mistake stopped workers for dead
             self._thread.join(timeout=10)
             self._thread = None
+        self.pool.close()
 
     # --- producer thread -----------------------------------------------------------------
 
@@ -270,7 +282,14 @@ class WorkerSource:
                     task_id += 1
                 begun += 1
             self._dispatch(fifo, free)
-            message = self.pool.poll(0.05)
+            try:
+                message = self.pool.poll(0.05)
+            except WorkerDied as e:
+                if self._stop.is_set():
+                    return
+                self._replace(e)
+                last_word = time.monotonic()
+                continue
             if message is None:
                 if self.pool.has_in_flight() and (
                     time.monotonic() - last_word > self.pool.timeout_s
@@ -288,12 +307,39 @@ class WorkerSource:
             if payload.task_done:
                 free[wid] += 1
             for g in payload.groups:
+                delivered = self._delivered.setdefault(g.iteration, set())
+                if g.prompt.uid in delivered:  # a replaced worker's, sent twice: train it once
+                    self.duplicates += 1
+                    continue
+                delivered.add(g.prompt.uid)
                 self._put(self._queue(g.iteration), g)
             if payload.task_done:
                 k = self._task_iteration.pop(payload.task_id)
                 remaining[k] -= 1
                 if remaining[k] == 0:
+                    self._delivered.pop(k, None)
                     self._put(self._queue(k), _DONE)
+
+    def _replace(self, died: WorkerDied) -> None:
+        """Start a new worker in a dead one's slot, give it the newest published weights and
+        send it again the prompts the dead one had not returned (same task ids)."""
+        wid = died.wid
+        if self.restarts[wid] >= self.max_worker_restarts:
+            raise WorkerDied(
+                f"{died}; restarted {self.restarts[wid]} time(s) already "
+                f"(pipeline.max_worker_restarts = {self.max_worker_restarts})",
+                wid,
+            ) from died
+        self.restarts[wid] += 1
+        log.warning("%s; restart %d of %d", died, self.restarts[wid], self.max_worker_restarts)
+        with self._cond:  # no version can be published until the new worker acknowledges one
+            self._acked[wid] = -1
+            version = self._weights_version
+        lost = self.pool.replace(wid)
+        if version >= 0:
+            self.pool.send_sync_to(wid, version)
+        for task_id, (prompts, iteration) in sorted(lost.items()):
+            self.pool.submit(wid, task_id, prompts, iteration)
 
     def _begin(self, iteration: int) -> list[list[Prompt]]:
         prompts = self.next_prompts()

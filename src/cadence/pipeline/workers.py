@@ -71,6 +71,11 @@ class Pool(Protocol):
 
     def has_in_flight(self) -> bool: ...
 
+    def replace(self, wid: int) -> dict[int, tuple[list[Prompt], int]]:
+        """Put a fresh worker (no weights loaded yet) in slot `wid`; return the tasks the old one
+        had not finished, by id, as (prompts not yet returned, iteration)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -198,55 +203,77 @@ class _WorkerLoop:
             self.busy_since, self.occupancy = now, []
 
 
+class InFlight:
+    """The prompts a worker has been sent and not yet returned, by task: what a replacement for
+    it must be sent again. A group returned is struck off at once, so none is generated twice."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[int, tuple[list[Prompt], int]] = {}  # task id -> (prompts, iteration)
+
+    def add(self, task_id: int, prompts: list[Prompt], iteration: int) -> None:
+        self.tasks[task_id] = (list(prompts), iteration)
+
+    def returned(self, result: TaskResult) -> None:
+        prompts, iteration = self.tasks.get(result.task_id, ([], 0))
+        done = {g.prompt.uid for g in result.groups}
+        left = [p for p in prompts if p.uid not in done]
+        if result.task_done or not left:
+            self.tasks.pop(result.task_id, None)
+        else:
+            self.tasks[result.task_id] = (left, iteration)
+
+    def uids(self) -> list[str]:
+        return [p.uid for prompts, _ in self.tasks.values() for p in prompts]
+
+    def __bool__(self) -> bool:
+        return bool(self.tasks)
+
+
 @dataclass
 class _Proc:
     process: Any
     inbox: Any
-    in_flight: dict[int, list[Prompt]] = field(default_factory=dict)
+    in_flight: InFlight = field(default_factory=InFlight)
 
 
 class WorkerPool:
+    """`num_workers` spawned worker processes in fixed slots; a dead one can be `replace`d."""
+
     def __init__(
         self, spec: WorkerSpec, weights: SharedWeights, num_workers: int, timeout_s: float = 300.0
     ) -> None:
         self.spec = spec
         self.weights = weights
         self.timeout_s = timeout_s
-        ctx = mp.get_context("spawn")
-        self.results = ctx.Queue()
+        self._ctx = mp.get_context("spawn")
+        self.results = self._ctx.Queue()
+        self._pending: collections.deque = collections.deque()  # received, not yet handed out
         self.procs: list[_Proc] = []
-        for wid in range(num_workers):
-            inbox = ctx.Queue()
-            p = ctx.Process(
-                target=worker_main,
-                name=f"cadence-worker-{wid}",
-                daemon=True,
-                args=(wid, spec, weights.tensors, inbox, self.results),
-            )
-            p.start()
-            self.procs.append(_Proc(p, inbox))
         try:
-            self._await("ready", set(range(num_workers)))
+            for wid in range(num_workers):
+                self.procs.append(self._spawn(wid))
+            self._await_ready(set(range(num_workers)))
         except BaseException:
             self.close()
             raise
+
+    def _spawn(self, wid: int) -> _Proc:
+        inbox = self._ctx.Queue()
+        p = self._ctx.Process(
+            target=worker_main,
+            name=f"cadence-worker-{wid}",
+            daemon=True,
+            args=(wid, self.spec, self.weights.tensors, inbox, self.results),
+        )
+        p.start()
+        return _Proc(p, inbox)
 
     @property
     def num_workers(self) -> int:
         return len(self.procs)
 
-    def sync(self, model: torch.nn.Module, version: int) -> None:
-        """The barrier: publish `version`, then wait until every worker has loaded it."""
-        self.weights.publish(model, version)
-        self.send_sync(version)
-        self._await("ack", set(range(self.num_workers)), version)
-
-    def send_sync(self, version: int) -> None:
-        for proc in self.procs:
-            proc.inbox.put(("sync", version))
-
     def submit(self, wid: int, task_id: int, prompts: list[Prompt], iteration: int) -> None:
-        self.procs[wid].in_flight[task_id] = prompts
+        self.procs[wid].in_flight.add(task_id, prompts, iteration)
         self.procs[wid].inbox.put(("rollout", (task_id, prompts, iteration)))
 
     def send_sync_to(self, wid: int, version: int) -> None:
@@ -262,48 +289,81 @@ class WorkerPool:
             kind, wid, payload = self._get(timeout_s)
         except TimeoutError:
             return None
-        if kind == "groups" and payload.task_done:
-            self.procs[wid].in_flight.pop(payload.task_id, None)
-        elif kind not in ("groups", "ack"):
+        if kind not in ("groups", "ack"):
             raise WorkerError(f"worker {wid} sent '{kind}' while tasks were running")
         return kind, wid, payload
 
-    def next_result(self, timeout_s: float | None = None) -> TaskResult:
-        """The next finished task from any worker; raises if one failed or died."""
-        kind, wid, payload = self._get(timeout_s or self.timeout_s)
-        if kind != "groups":
-            raise WorkerError(f"worker {wid} sent '{kind}' while tasks were running")
-        if payload.task_done:
-            self.procs[wid].in_flight.pop(payload.task_id, None)
-        return payload
+    def replace(self, wid: int) -> dict[int, tuple[list[Prompt], int]]:
+        """Start a fresh worker in slot `wid` (it loads no version until sent a sync); return
+        the tasks the old one still held, by id, with only the prompts it had not returned."""
+        old = self.procs[wid]
+        self._stop_process(old.process)
+        self._drain()  # whatever the old worker sent before it died is in the pipe now
+        self._pending = collections.deque(  # a dead worker's acknowledgements mean nothing
+            m for m in self._pending if not (m[0] == "ack" and m[1] == wid)
+        )
+        self._close_queue(old.inbox)
+        self.procs[wid] = self._spawn(wid)
+        self._await_ready({wid})
+        return old.in_flight.tasks
 
-    def _await(self, kind: str, pending: set[int], value: Any = None) -> None:
+    def _await_ready(self, pending: set[int]) -> None:
+        """Wait for 'ready' from the workers in `pending`; other messages are kept for `poll`."""
         deadline = time.monotonic() + self.timeout_s
         while pending:
-            got, wid, payload = self._get(max(deadline - time.monotonic(), 0.01))
-            if got != kind or (value is not None and payload != value):
-                raise WorkerError(f"worker {wid} sent '{got}' ({payload}) awaiting '{kind}'")
-            pending.discard(wid)
+            try:
+                kind, wid, payload = self._receive(0.5)
+            except queue.Empty:
+                self._check_alive(pending)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"workers {sorted(pending)} did not start within {self.timeout_s:.0f}s"
+                    ) from None
+                continue
+            if kind == "ready" and wid in pending:
+                pending.discard(wid)
+            elif kind == "error" and wid in pending:
+                raise WorkerError(f"worker {wid} failed:\n{payload}")
+            else:
+                self._pending.append((kind, wid, payload))
+
+    def _receive(self, timeout_s: float) -> tuple[str, int, Any]:
+        message = self.results.get(timeout=timeout_s)
+        kind, wid, payload = message
+        if kind == "groups":
+            self.procs[wid].in_flight.returned(payload)
+        return message
+
+    def _drain(self) -> None:
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._pending.append(self._receive(0.05))
 
     def _get(self, timeout_s: float) -> tuple[str, int, Any]:
-        """One message from the result queue, polling worker liveness every half second."""
+        """One message, polling worker liveness every half second."""
         deadline = time.monotonic() + timeout_s
         while True:
-            try:
-                kind, wid, payload = self.results.get(timeout=min(0.5, timeout_s))
-            except queue.Empty:
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no word from the workers for {timeout_s:.0f}s") from None
-                continue
+            if self._pending:
+                kind, wid, payload = self._pending.popleft()
+            else:
+                try:
+                    kind, wid, payload = self._receive(min(0.5, timeout_s))
+                except queue.Empty:
+                    self._check_alive()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"no word from the workers for {timeout_s:.0f}s"
+                        ) from None
+                    continue
             if kind == "error":
                 raise WorkerError(f"worker {wid} failed:\n{payload}")
             return kind, wid, payload
 
-    def _check_alive(self) -> None:
+    def _check_alive(self, wids: set[int] | None = None) -> None:
         for wid, proc in enumerate(self.procs):
-            if not proc.process.is_alive():
-                uids = [p.uid for prompts in proc.in_flight.values() for p in prompts]
+            if (wids is None or wid in wids) and not proc.process.is_alive():
+                self._drain()  # its last results are in flight no more
+                uids = proc.in_flight.uids()
                 raise WorkerDied(
                     f"worker {wid} (pid {proc.process.pid}) exited with code "
                     f"{proc.process.exitcode}; prompts in flight: {uids or 'none'}",
@@ -317,16 +377,23 @@ class WorkerPool:
                 with contextlib.suppress(OSError, ValueError):  # its queue may be broken
                     proc.inbox.put(("stop", None))
         for proc in self.procs:
-            proc.process.join(timeout=5)
-            if proc.process.is_alive():
-                proc.process.terminate()
-                proc.process.join(timeout=5)
-            if proc.process.is_alive():
-                proc.process.kill()
-                proc.process.join()
+            self._stop_process(proc.process)
         for proc in self.procs:
-            proc.inbox.close()
-            proc.inbox.cancel_join_thread()
-        self.results.close()
-        self.results.cancel_join_thread()
+            self._close_queue(proc.inbox)
+        self._close_queue(self.results)
         self.procs = []
+
+    @staticmethod
+    def _stop_process(process, grace_s: float = 5.0) -> None:
+        process.join(timeout=grace_s)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=grace_s)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+    @staticmethod
+    def _close_queue(q) -> None:
+        q.close()
+        q.cancel_join_thread()
