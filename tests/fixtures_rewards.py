@@ -43,3 +43,24 @@ def exit_once(prompt: str, completion: str, answer: str) -> float:
             else:
                 os._exit(3)
     return even_length(prompt, completion, answer)
+
+
+def kill_learner_once(prompt: str, completion: str, answer: str) -> float:
+    """`even_length`, except that the process scoring its $CADENCE_TEST_KILL_AT-th sample sends
+    SIGKILL to the learner (itself when colocated, its parent in a worker): a crash in the middle
+    of an iteration, once, marked by the file $CADENCE_TEST_KILL_MARKER."""
+    import multiprocessing
+    import os
+    import signal
+
+    global _calls
+    _calls += 1
+    if _calls == int(os.environ["CADENCE_TEST_KILL_AT"]):
+        try:
+            os.close(os.open(os.environ["CADENCE_TEST_KILL_MARKER"], os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            pass
+        else:
+            in_worker = multiprocessing.current_process().name.startswith("cadence-worker")
+            os.kill(os.getppid() if in_worker else os.getpid(), signal.SIGKILL)
+    return even_length(prompt, completion, answer)

@@ -68,10 +68,24 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from cadence.pipeline import build_run, train
+    from cadence.pipeline.checkpoint import find_checkpoint
 
-    cfg = _config(args)
-    out = Path(args.out)
-    run = build_run(cfg)
+    if args.resume is None:
+        if args.config is None:
+            raise ConfigError("cadence train needs a CONFIG file (or --resume RUN_DIR)")
+        cfg, out, ckpt = _config(args), Path(args.out or "runs/train"), None
+    else:  # the run's own config (overrides apply on top), into the run's own directory
+        ckpt = find_checkpoint(args.resume)
+        run_dir = ckpt.path.parent.parent
+        cfg = load_config(args.config or run_dir / "config.toml", args.set)
+        out = Path(args.out) if args.out else run_dir
+        if ckpt.iteration >= cfg.train.iterations:
+            raise ConfigError(
+                f"{ckpt.path} is at iteration {ckpt.iteration}: nothing left to run with "
+                f"train.iterations = {cfg.train.iterations} (raise it with --set to go on)"
+            )
+        print(f"resuming from {ckpt.path} (iteration {ckpt.iteration}) into {out}")
+    run = build_run(cfg, resume=ckpt)
     summary = train(run, out)
     print_summary(summary, out)
     return 0
@@ -247,8 +261,24 @@ def parser() -> argparse.ArgumentParser:
     sp.set_defaults(fn=cmd_sft)
 
     sp = sub.add_parser("train", help="RL training")
-    with_config(sp)
-    sp.add_argument("--out", default="runs/train", help="run output directory")
+    sp.add_argument("config", nargs="?", default=None, help="TOML config file")
+    sp.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.iterations=10",
+    )
+    sp.add_argument(
+        "--out", default=None, help="run output directory (default runs/train; with --resume, RUN)"
+    )
+    sp.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN",
+        help="continue the run in directory RUN from its newest checkpoint (or from the "
+        "checkpoint directory RUN), with its own config.toml unless CONFIG is given",
+    )
     sp.set_defaults(fn=cmd_train)
 
     sp = sub.add_parser("bench", help="measurements side by side (modes, layouts, TRL, ablation)")
@@ -336,13 +366,20 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from cadence.data import DataError
+    from cadence.learner import BadStepsError
     from cadence.models import ModelLoadError
+    from cadence.pipeline.checkpoint import CheckpointError
+    from cadence.pipeline.workers import WorkerDied, WorkerError
+    from cadence.rewards import RewardBudgetExceeded
 
     try:
         return args.fn(args)
-    except (ConfigError, ModelLoadError, DataError) as e:
+    except (ConfigError, ModelLoadError, DataError, CheckpointError) as e:
         print(f"cadence: error: {e}", file=sys.stderr)
         return 2
+    except (BadStepsError, WorkerDied, WorkerError, RewardBudgetExceeded) as e:
+        print(f"cadence: run stopped: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("cadence: interrupted", file=sys.stderr)
         return 130

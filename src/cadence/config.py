@@ -157,6 +157,19 @@ class TrainConfig(_Section):
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per iteration.")
     eval_every: int = Field(0, ge=0, description="Held-out eval every N iterations (0: ends).")
     threads: int = Field(0, ge=0, description="torch threads (0: all cores).")
+    checkpoint_every: int = Field(
+        10,
+        ge=0,
+        description="Write a checkpoint (policy, optimizer, RNG, data cursor, version, metrics "
+        "offset) every N iterations and at the end, for `cadence train --resume`; 0: never.",
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
+    max_bad_steps: int = Field(
+        3,
+        ge=0,
+        description="An optimizer step whose loss or gradient is NaN or inf is skipped (weights "
+        "untouched) and counted; one more than this many in a row stops the run.",
+    )
 
 
 class LearnerConfig(_Section):

@@ -311,3 +311,36 @@ def test_online_dpo_without_reference_is_refused(model, tokenizer):
     params = LearnerParams(loss="online_dpo")
     with pytest.raises(ValueError, match="'online_dpo' needs a reference model"):
         Learner(model, params, LossParams(), tokenizer.pad_token_id)
+
+
+def test_a_non_finite_step_is_skipped_and_too_many_in_a_row_stop_training(model, tokenizer):
+    from cadence.learner import BadStepsError
+
+    groups = _groups(model, tokenizer)
+    _, learner = _learner(copy.deepcopy(model), tokenizer, max_bad_steps=1)
+    poison = {"on": True}
+
+    def nan_logits(module, args, output):  # a NaN in the forward: loss and gradients are NaN
+        return output * math.nan if poison["on"] else output
+
+    learner.model.lm_head.register_forward_hook(nan_logits)
+    before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    stats = learner.train_iteration(iter(groups), len(groups))
+    assert stats["skipped_steps"] == 1 and math.isnan(stats["loss"])
+    assert learner.optimizer.state == {}  # Adam's moments untouched, not NaN
+    for n, p in learner.model.named_parameters():
+        assert torch.equal(p, before[n]), n  # the weights are those before the bad step
+    assert all(p.grad is None for p in learner.model.parameters())
+
+    poison["on"] = False  # a good step resets the count
+    stats = learner.train_iteration(iter(groups), len(groups))
+    assert stats["skipped_steps"] == 0 and learner.bad_steps_in_a_row == 0
+    good = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    assert any(not torch.equal(good[n], before[n]) for n in good)
+
+    poison["on"] = True
+    learner.train_iteration(iter(groups), len(groups))  # one in a row: allowed
+    with pytest.raises(BadStepsError, match=r"2 optimizer steps in a row .*max_bad_steps = 1"):
+        learner.train_iteration(iter(groups), len(groups))
+    for n, p in learner.model.named_parameters():
+        assert torch.equal(p, good[n]), n

@@ -26,6 +26,7 @@ min(pi_old / pi_behaviour, tis_cap) instead (truncated importance sampling, algo
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import warnings
 from collections.abc import Iterable
@@ -49,6 +50,8 @@ from cadence.learner.packing import LAYOUTS, Layout, check_layout
 from cadence.metrics.trace import Tracer
 from cadence.types import Group
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class LearnerParams:
@@ -67,6 +70,11 @@ class LearnerParams:
     shared_prompt: bool = True  # compute each group's prompt once for its G responses
     shared_prompt_impl: str = "prefix"  # "prefix" (prompt K/V reused) or "dense" (4-D mask)
     reuse_old_logprobs: bool = True  # before the first step, old_logprobs = policy's, detached
+    max_bad_steps: int = 3  # steps in a row with a non-finite loss or gradient before giving up
+
+
+class BadStepsError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
 @dataclass
@@ -152,6 +160,7 @@ class Learner:
         self.version = 0  # policy version: number of iterations trained
         self.baseline = 0.0  # previous iteration's mean reward (for "reinforce")
         self._steps_this_iteration = 0
+        self.bad_steps_in_a_row = 0
 
     def _choose_layout(self) -> str:
         if not self.params.shared_prompt:
@@ -201,10 +210,11 @@ class Learner:
         self.version += 1
         self.baseline = sum(rewards) / len(rewards)
         totals = {k: sum(s[k] for s in steps) for k in _TOTALS}
-        summed = {*_TOTALS, *COUNT_METRICS}  # counts add up over the steps, the rest is averaged
+        counts = (*COUNT_METRICS, "skipped_steps")  # add up over the steps, the rest is averaged
+        summed = {*_TOTALS, *counts}
         return (
             {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k not in summed}
-            | {k: sum(s[k] for s in steps) for k in COUNT_METRICS if k in steps[0]}
+            | {k: sum(s[k] for s in steps) for k in counts if k in steps[0]}
             | {
                 "num_tokens": totals["num_tokens"],
                 "tokens_computed": totals["tokens_computed"],
@@ -339,17 +349,38 @@ class Learner:
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), self.params.max_grad_norm
             )
-            self.optimizer.step()
-            self.scheduler.step()
+            bad = not (math.isfinite(grad_norm) and math.isfinite(sums["loss"]))
+            if not bad:
+                self.optimizer.step()
+                self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self._steps_this_iteration += 1
+        self._count_bad_step(bad)
         out = {k: sums[k] if k in COUNT_METRICS else sums[k] / norm for k in sums.loss_metrics}
         num_response_tokens = max(sums["num_response_tokens"], 1.0)
         out["entropy"] = sums["entropy_sum"] / num_response_tokens
         out["stale_token_frac"] = sums["num_stale_tokens"] / num_response_tokens
         out["grad_norm"] = float(grad_norm)
+        out["skipped_steps"] = float(bad)
         out["num_response_tokens"] = sums["num_response_tokens"]
         return out | {k: sums[k] for k in _TOTALS}
+
+    def _count_bad_step(self, bad: bool) -> None:
+        """A step whose loss or gradient is NaN or inf is skipped (weights and optimizer state
+        untouched); `max_bad_steps` of them in a row stop training."""
+        self.bad_steps_in_a_row = self.bad_steps_in_a_row + 1 if bad else 0
+        if self.bad_steps_in_a_row > self.params.max_bad_steps:
+            raise BadStepsError(
+                f"{self.bad_steps_in_a_row} optimizer steps in a row had a non-finite loss or "
+                f"gradient and were skipped (train.max_bad_steps = {self.params.max_bad_steps}); "
+                "the weights are those of the last good step"
+            )
+        if bad:
+            log.warning(
+                "optimizer step skipped: non-finite loss or gradient (%d in a row, at most %d)",
+                self.bad_steps_in_a_row,
+                self.params.max_bad_steps,
+            )
 
 
 # figures summed over an iteration's optimizer steps (the others are averaged)

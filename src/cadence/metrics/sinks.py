@@ -66,7 +66,7 @@ class TensorBoardSink:
 class ConsoleProgress:
     """A live rich progress bar over iterations with the headline figures of the last one."""
 
-    def __init__(self, total: int, enabled: bool = True) -> None:
+    def __init__(self, total: int, enabled: bool = True, done: int = 0) -> None:
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -86,7 +86,7 @@ class ConsoleProgress:
             TextColumn("{task.fields[status]}"),
             disable=not enabled,
         )
-        self._task = self._progress.add_task("train", total=total, status="")
+        self._task = self._progress.add_task("train", total=total, completed=done, status="")
         if enabled:
             self._progress.start()
 

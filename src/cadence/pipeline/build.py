@@ -17,6 +17,7 @@ from cadence.engine import Engine, SamplingParams, make_engine
 from cadence.learner import Learner, LearnerParams
 from cadence.metrics import Tracer
 from cadence.models import load_model, load_tokenizer
+from cadence.pipeline.checkpoint import Checkpoint, restore_learner, weights_digest
 from cadence.pipeline.prompts import PromptStream, heldout_prompts
 from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
 from cadence.pipeline.weights import SharedWeights
@@ -40,6 +41,12 @@ class Run:
     stream: PromptStream
     heldout: list[Prompt]
     tracer: Tracer
+    resume: Checkpoint | None = None  # the checkpoint this run continues from
+    reference_digest: str | None = None  # identity of the reference weights (for checkpoints)
+
+    @property
+    def first_iteration(self) -> int:
+        return self.resume.iteration if self.resume else 0
 
     @property
     def max_staleness(self) -> int:
@@ -99,6 +106,7 @@ def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
         shared_prompt=cfg.learner.shared_prompt,
         shared_prompt_impl=cfg.learner.shared_prompt_impl,
         reuse_old_logprobs=cfg.learner.reuse_old_logprobs,
+        max_bad_steps=t.max_bad_steps,
     )
     loss = LossParams(
         clip_low=a.clip_low,
@@ -121,7 +129,12 @@ def learner_threads(cfg: Config) -> int:
 
 
 def build_source(
-    cfg: Config, model, worker: RolloutWorker, tracer: Tracer, stream: PromptStream
+    cfg: Config,
+    model,
+    worker: RolloutWorker,
+    tracer: Tracer,
+    stream: PromptStream,
+    first_iteration: int = 0,
 ) -> GroupSource:
     p = cfg.pipeline
 
@@ -153,6 +166,7 @@ def build_source(
         max_staleness=max_staleness(cfg),
         queue_size=p.queue_size,
         iterations=cfg.train.iterations,
+        first_iteration=first_iteration,
         max_worker_restarts=p.max_worker_restarts,
     )
 
@@ -162,7 +176,8 @@ def max_staleness(cfg: Config) -> int:
     return cfg.pipeline.max_staleness if cfg.pipeline.mode == "offpolicy" else 0
 
 
-def build_run(cfg: Config) -> Run:
+def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
+    """Every component of a run, wired; from `resume` on, if given (see pipeline/checkpoint.py)."""
     set_threads(learner_threads(cfg))
     torch.manual_seed(cfg.train.seed)
     dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
@@ -174,6 +189,9 @@ def build_run(cfg: Config) -> Run:
     tracer = Tracer()
     params, loss = learner_params(cfg)
     learner = Learner(model, params, loss, tokenizer.pad_token_id, ref_model=ref, tracer=tracer)
+    digest = weights_digest(ref) if resume or cfg.train.checkpoint_every else None
+    if resume is not None:
+        restore_learner(learner, resume, digest)
     engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
     reward = load_reward(cfg.reward.function)
     sampling = sampling_params(cfg, tokenizer)
@@ -181,16 +199,20 @@ def build_run(cfg: Config) -> Run:
         engine, tokenizer, reward, sampling, cfg.rollout.group_size, cfg.train.seed
     )
     task = make_task(cfg)
-    stream = PromptStream(task, cfg.data.prompt_template, cfg.data.task)
+    cursor = resume.state["cursor"] if resume else 0
+    stream = PromptStream(task, cfg.data.prompt_template, cfg.data.task, start=cursor)
+    first = resume.iteration if resume else 0
     return Run(
         cfg=cfg,
         tokenizer=tokenizer,
         learner=learner,
-        source=build_source(cfg, model, worker, tracer, stream),
+        source=build_source(cfg, model, worker, tracer, stream, first_iteration=first),
         eval_engine=engine,
         reward=reward,
         sampling=sampling,
         stream=stream,
         heldout=heldout_prompts(task, cfg.data.prompt_template, cfg.data.task),
         tracer=tracer,
+        resume=resume,
+        reference_digest=digest,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,13 @@ from cadence.metrics.timeline import draw_timeline, write_chrome_trace
 from cadence.metrics.trace import overlap_length
 from cadence.models import save_pretrained
 from cadence.pipeline.build import Run
+from cadence.pipeline.checkpoint import (
+    CHECKPOINTS,
+    CheckpointError,
+    list_checkpoints,
+    save_checkpoint,
+    set_rng_state,
+)
 from cadence.pipeline.evaluate import evaluate
 from cadence.rewards import RewardErrorBudget
 from cadence.types import Group
@@ -137,28 +145,39 @@ def _sinks(run: Run, out: Path, extra: list[MetricsSink]) -> list[MetricsSink]:
     sinks: list[MetricsSink] = [JsonlSink(out / "metrics.jsonl"), *extra]
     if run.cfg.metrics.tensorboard:
         sinks.append(TensorBoardSink(out / "tensorboard"))
-    sinks.append(ConsoleProgress(run.cfg.train.iterations, enabled=run.cfg.metrics.progress))
+    total, done = run.cfg.train.iterations, run.first_iteration
+    sinks.append(ConsoleProgress(total, enabled=run.cfg.metrics.progress, done=done))
     return sinks
 
 
 def train(
     run: Run, out: Path, extra_sinks: list[MetricsSink] | None = None, evaluate: bool = True
 ) -> dict:
-    """Run every iteration, write the outputs, return the summary.
+    """Run every iteration (from the checkpoint's on, if `run.resume`), write the outputs, return
+    the summary.
 
     `evaluate=False` skips the held-out accuracy before and after (benchmarks time the loop only).
     """
     cfg = run.cfg
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(to_toml(cfg))
     t_total = time.perf_counter()
-    accuracy_before = heldout_accuracy(run) if evaluate else float("nan")
+    if run.resume is not None:
+        state = run.resume.state
+        records: list[dict[str, Any]] = list(state["records"])
+        accuracy_before = state["accuracy_before"]
+        with (out / "metrics.jsonl").open("r+b") as f:  # lines after the checkpoint go
+            f.truncate(state["metrics_bytes"])
+        set_rng_state(state["rng"])
+    else:
+        start_fresh(out)
+        records = []
+        accuracy_before = heldout_accuracy(run) if evaluate else float("nan")
+    (out / "config.toml").write_text(to_toml(cfg))
     budget = RewardErrorBudget(cfg.reward.max_error_fraction)
     sinks = _sinks(run, out, extra_sinks or [])
-    records: list[dict[str, Any]] = []
     t_loop = time.perf_counter()
     try:
-        for k in range(cfg.train.iterations):
+        for k in range(run.first_iteration, cfg.train.iterations):
             with run.tracer.span("iteration", "run"):
                 record = run_iteration(run, k, budget)
             if cfg.train.eval_every and (k + 1) % cfg.train.eval_every == 0:
@@ -166,6 +185,9 @@ def train(
             records.append(record)
             for s in sinks:
                 s.write(record)
+            every = cfg.train.checkpoint_every
+            if every and ((k + 1) % every == 0 or k + 1 == cfg.train.iterations):
+                checkpoint(run, out, k + 1, records, accuracy_before)
         loop_s = time.perf_counter() - t_loop  # not counting closing workers, drawing the timeline
     finally:
         for s in sinks:
@@ -178,6 +200,38 @@ def train(
     summary["total_wall_s"] = time.perf_counter() - t_total
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def start_fresh(out: Path) -> None:
+    """Clear a finished run's outputs from `out`; refuse to bury an unfinished one's."""
+    if list_checkpoints(out) and not (out / "summary.json").exists():
+        raise CheckpointError(
+            f"{out} holds checkpoints of a run that did not finish: continue it with "
+            f"`cadence train --resume {out}`, or remove {out / CHECKPOINTS} (or pick another "
+            "--out) to start over"
+        )
+    shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
+    for name in ("metrics.jsonl", "summary.json"):
+        (out / name).unlink(missing_ok=True)
+
+
+def checkpoint(run: Run, out: Path, iteration: int, records: list, accuracy_before: float) -> None:
+    """Save the state after `iteration` iterations (see pipeline/checkpoint.py)."""
+    starts = run.stream.batch_starts  # batch i of this process is iteration first_iteration + i
+    i = iteration - run.first_iteration
+    cursor = starts[i] if i < len(starts) else run.stream.cursor
+    extra = {
+        "cursor": cursor,
+        "metrics_bytes": (out / "metrics.jsonl").stat().st_size,
+        "records": records,
+        "accuracy_before": accuracy_before,
+        "reference_path": run.cfg.model.path,
+        "reference_digest": run.reference_digest,
+    }
+    with run.tracer.span("checkpoint", "learner"):
+        save_checkpoint(
+            out, iteration, run.learner, run.tokenizer, extra, run.cfg.train.keep_checkpoints
+        )
 
 
 def write_timeline(run: Run, out: Path, last_iterations: int = 3) -> None:

@@ -15,9 +15,11 @@ class PromptStream:
         self.template = template
         self.name = name
         self.cursor = start
+        self.batch_starts: list[int] = []  # the cursor at each batch's first example
         self._it = task.train_iter(start)
 
     def next_batch(self, n: int) -> list[Prompt]:
+        self.batch_starts.append(self.cursor)
         batch = []
         for index in range(n):
             example = next(self._it)

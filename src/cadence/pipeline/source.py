@@ -123,6 +123,7 @@ class WorkerSource:
         max_staleness: int = 0,
         queue_size: int = 0,
         iterations: int | None = None,
+        first_iteration: int = 0,
         max_worker_restarts: int = 0,
     ) -> None:
         if max_staleness > 0 and queue_size:
@@ -137,6 +138,7 @@ class WorkerSource:
         self.max_staleness = max_staleness
         self.queue_size = queue_size
         self.iterations = iterations  # None: begin iterations for as long as admission allows
+        self.first_iteration = first_iteration  # a resumed run begins where it stopped
         self.max_worker_restarts = max_worker_restarts  # per worker slot, over the run
         self.restarts = [0] * pool.num_workers
         self.duplicates = 0  # groups received twice and dropped (only after a worker is replaced)
@@ -266,7 +268,7 @@ class WorkerSource:
         fifo: collections.deque = collections.deque()  # ("sync", v) | ("task", k, id, prompts)
         free = [self.tasks_in_flight] * self.pool.num_workers
         remaining: dict[int, int] = {}  # iteration -> tasks not finished
-        begun, task_id, last_word = 0, 0, time.monotonic()
+        begun, task_id, last_word = self.first_iteration, 0, time.monotonic()
         while not self._stop.is_set():
             with self._cond:
                 fifo.extend(("sync", v) for v in self._new_versions)

@@ -1,0 +1,132 @@
+"""Exact resume: a run killed with SIGKILL mid-iteration, then resumed, ends where an
+uninterrupted run with the same seed ends, and writes each iteration's metrics once."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cadence.cli import main
+from cadence.models import load_model
+from cadence.pipeline.checkpoint import list_checkpoints
+
+pytestmark = pytest.mark.slow
+
+MODES = {
+    # mode: (overrides, the reward call that lands in iteration 3: 16 samples an iteration)
+    "sync": (["pipeline.mode='sync'", "train.threads=1"], 4 + 3 * 16 + 8),  # + 4 held-out
+    "periodic": (
+        [
+            "pipeline.mode='periodic'",
+            "pipeline.placement='separate'",
+            "pipeline.num_workers=1",
+            "pipeline.learner_threads=1",
+            "pipeline.prompts_per_task=4",  # one task: groups arrive in the same order each run
+        ],
+        3 * 16 + 8,
+    ),
+}
+
+
+def _sets(model_dir, mode):
+    common = [
+        f"model.path='{model_dir}'",
+        "train.iterations=5",
+        "train.prompts_per_iteration=4",
+        "train.micro_batch_groups=2",
+        "train.lr=1e-3",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=1",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=10",
+        "data.num_heldout=4",
+        "algo.kl_coef=0.05",
+        "metrics.progress=false",
+        "reward.function='fixtures_rewards:kill_learner_once'",
+    ]
+    return [a for s in common + MODES[mode][0] for a in ("--set", s)]
+
+
+def _cadence(args, env):
+    return subprocess.Popen(
+        [sys.executable, "-m", "cadence.cli", *args],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _session_alive(sid: int) -> list[int]:
+    """Processes of session `sid` still running (field 6 of /proc/PID/stat: the session id)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def _iterations(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["iteration"] for line in lines]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_run_killed_mid_iteration_resumes_to_the_same_parameters(model_dir, tmp_path, mode):
+    marker = tmp_path / "killed"
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "CADENCE_TEST_KILL_AT": str(MODES[mode][1]),
+        "CADENCE_TEST_KILL_MARKER": str(marker),
+    }
+    sets = ["train", "configs/default.toml", *_sets(model_dir, mode)]
+    full, killed = tmp_path / "full", tmp_path / "killed-run"
+
+    marker.touch()  # the uninterrupted run: nothing is killed
+    proc = _cadence([*sets, "--out", str(full)], env)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()
+    marker.unlink()
+
+    proc = _cadence([*sets, "--out", str(killed)], env)
+    assert proc.wait(timeout=300) == -9, proc.stderr.read().decode()  # SIGKILL, mid-iteration 3
+    assert marker.exists()
+    deadline = time.monotonic() + 10  # its workers notice the learner is gone and exit
+    while _session_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _session_alive(proc.pid)
+    assert _iterations(killed) == [0, 1, 2]  # iteration 2 ran past the checkpoint taken after 1
+    assert [p.name for p in list_checkpoints(killed)] == ["iter-000002"]
+    assert not (killed / "final").exists()
+
+    proc = _cadence(["train", "--resume", str(killed)], env)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()
+    assert _iterations(killed) == [0, 1, 2, 3, 4]  # each exactly once
+    assert [p.name for p in list_checkpoints(killed)] == ["iter-000005"]  # the newest kept
+    assert not list((killed / "checkpoints").glob(".*"))  # no temporary directory left
+
+    a, b = load_model(full / "final"), load_model(killed / "final")
+    fresh = load_model(model_dir)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.allclose(pa, pb, rtol=0, atol=1e-6), name
+    pairs = zip(a.parameters(), fresh.parameters(), strict=True)
+    moved = max((pa - p0).abs().max().item() for pa, p0 in pairs)
+    assert moved > 1e-4  # five real updates, not two untrained models
+
+
+def test_resume_errors_name_the_problem(model_dir, tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path / "nowhere")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["train", "--resume", str(tmp_path / "empty")]) == 2
+    assert "no checkpoint in it" in capsys.readouterr().err
+    assert main(["train"]) == 2
+    assert "needs a CONFIG file" in capsys.readouterr().err
