@@ -64,3 +64,12 @@ def kill_learner_once(prompt: str, completion: str, answer: str) -> float:
             in_worker = multiprocessing.current_process().name.startswith("cadence-worker")
             os.kill(os.getppid() if in_worker else os.getpid(), signal.SIGKILL)
     return even_length(prompt, completion, answer)
+
+
+def flaky(prompt: str, completion: str, answer: str) -> float:
+    """Raises on a third of completions (by length), NaN on another third, else `even_length`."""
+    if len(completion) % 3 == 0:
+        raise ValueError("flaky reward: cannot score this one")
+    if len(completion) % 3 == 1:
+        return float("nan")
+    return even_length(prompt, completion, answer)

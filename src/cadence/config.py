@@ -61,6 +61,15 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always).")
+    max_prompt_tokens: int = Field(
+        0, ge=0, description="Longest prompt, in tokens (0: no limit); see on_long_prompt."
+    )
+    on_long_prompt: Literal["skip", "truncate"] = Field(
+        "skip",
+        description="A prompt over max_prompt_tokens: skip it (the next example takes its place) "
+        "or keep its last max_prompt_tokens tokens; counted as prompts_skipped / "
+        "prompts_truncated in metrics.jsonl.",
+    )
     max_num_seqs: int = Field(
         256, ge=1, description="Most sequences an engine decodes at once (its slots)."
     )

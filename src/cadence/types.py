@@ -21,6 +21,7 @@ class Prompt:
     text: str  # the full prompt string fed to the tokenizer
     answer: str  # reference answer (GSM8K convention: "... #### 42"; the number after #### counts)
     index: int = 0
+    token_ids: tuple[int, ...] | None = None  # set when the text was truncated to fit: use these
 
 
 @dataclass

@@ -18,7 +18,7 @@ from cadence.learner import Learner, LearnerParams
 from cadence.metrics import Tracer
 from cadence.models import load_model, load_tokenizer
 from cadence.pipeline.checkpoint import Checkpoint, restore_learner, weights_digest
-from cadence.pipeline.prompts import PromptStream, heldout_prompts
+from cadence.pipeline.prompts import PromptFilter, PromptStream, heldout_prompts
 from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
 from cadence.pipeline.weights import SharedWeights
 from cadence.pipeline.worker import RolloutWorker
@@ -86,6 +86,13 @@ def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
         stop_token_ids=(tokenizer.eos_token_id,),
         stop=tuple(r.stop),
     )
+
+
+def prompt_filter(cfg: Config, tokenizer) -> PromptFilter:
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    return PromptFilter(encode, cfg.rollout.max_prompt_tokens, cfg.rollout.on_long_prompt)
 
 
 def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
@@ -200,7 +207,8 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     )
     task = make_task(cfg)
     cursor = resume.state["cursor"] if resume else 0
-    stream = PromptStream(task, cfg.data.prompt_template, cfg.data.task, start=cursor)
+    fit = prompt_filter(cfg, tokenizer)
+    stream = PromptStream(task, cfg.data.prompt_template, cfg.data.task, start=cursor, fit=fit)
     first = resume.iteration if resume else 0
     return Run(
         cfg=cfg,
@@ -211,7 +219,9 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
         reward=reward,
         sampling=sampling,
         stream=stream,
-        heldout=heldout_prompts(task, cfg.data.prompt_template, cfg.data.task),
+        heldout=heldout_prompts(
+            task, cfg.data.prompt_template, cfg.data.task, prompt_filter(cfg, tokenizer)
+        ),
         tracer=tracer,
         resume=resume,
         reference_digest=digest,

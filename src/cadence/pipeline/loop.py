@@ -102,6 +102,8 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
             "staleness_hist": [staleness.count(s) for s in range(max_staleness + 1)],
             "dropped_groups": len(dropped),
             "worker_restarts": sum(run.source.restarts),
+            "prompts_skipped": run.stream.fit.skipped,
+            "prompts_truncated": run.stream.fit.truncated,
         }
         | pipeline_figures(run, start, wall)
     )

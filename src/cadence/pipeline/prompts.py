@@ -2,33 +2,104 @@
 
 The cursor is a plain integer so a run can be resumed exactly; prompt `index` is the position in
 the iteration's batch, which (with the run seed and iteration) fixes the sampling seeds.
+
+A prompt longer than `max_tokens` is skipped (the next example takes its place) or truncated to
+its last `max_tokens` tokens (the end, where the question's template hands over to the answer, is
+what the model continues from); either is counted.
 """
 
 from __future__ import annotations
 
-from cadence.data import to_prompt
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+
+from cadence.data import DataError, to_prompt
 from cadence.types import Prompt
+
+log = logging.getLogger(__name__)
+MAX_SKIPS_IN_A_ROW = 1000  # examples skipped back to back before the stream gives up
+
+
+class PromptFilter:
+    """Applies `rollout.max_prompt_tokens`: skip or truncate, and count."""
+
+    def __init__(
+        self, encode: Callable[[str], list[int]] | None, max_tokens: int = 0, on_long: str = "skip"
+    ) -> None:
+        if on_long not in ("skip", "truncate"):
+            raise ValueError(f"on_long must be 'skip' or 'truncate'; got {on_long!r}")
+        self.encode, self.max_tokens, self.on_long = encode, max_tokens, on_long
+        self.skipped = 0
+        self.truncated = 0
+
+    def __call__(self, prompt: Prompt) -> Prompt | None:
+        """The prompt to use (perhaps truncated), or None to skip it."""
+        if not self.max_tokens or self.encode is None:
+            return prompt
+        ids = self.encode(prompt.text)
+        if len(ids) <= self.max_tokens:
+            return prompt
+        if self.on_long == "skip":
+            self.skipped += 1
+            return None
+        self.truncated += 1
+        return replace(prompt, token_ids=tuple(ids[-self.max_tokens :]))
 
 
 class PromptStream:
-    def __init__(self, task, template: str, name: str, start: int = 0) -> None:
+    def __init__(
+        self,
+        task,
+        template: str,
+        name: str,
+        start: int = 0,
+        fit: PromptFilter | None = None,
+    ) -> None:
         self.template = template
         self.name = name
         self.cursor = start
+        self.fit = fit or PromptFilter(None)
         self.batch_starts: list[int] = []  # the cursor at each batch's first example
         self._it = task.train_iter(start)
 
     def next_batch(self, n: int) -> list[Prompt]:
         self.batch_starts.append(self.cursor)
-        batch = []
-        for index in range(n):
+        batch: list[Prompt] = []
+        skipped_in_a_row = 0
+        while len(batch) < n:
             example = next(self._it)
-            batch.append(to_prompt(example, f"{self.name}:{self.cursor}", index, self.template))
+            uid = f"{self.name}:{self.cursor}"
             self.cursor += 1
+            prompt = self.fit(to_prompt(example, uid, len(batch), self.template))
+            if prompt is None:
+                skipped_in_a_row += 1
+                if skipped_in_a_row >= MAX_SKIPS_IN_A_ROW:
+                    raise DataError(
+                        f"{skipped_in_a_row} prompts in a row are longer than "
+                        f"rollout.max_prompt_tokens = {self.fit.max_tokens}: raise it, or set "
+                        "rollout.on_long_prompt = 'truncate'"
+                    )
+                continue
+            skipped_in_a_row = 0
+            batch.append(prompt)
         return batch
 
 
-def heldout_prompts(task, template: str, name: str) -> list[Prompt]:
-    return [
-        to_prompt(ex, f"{name}:heldout:{i}", i, template) for i, ex in enumerate(task.heldout())
+def heldout_prompts(
+    task, template: str, name: str, fit: PromptFilter | None = None
+) -> list[Prompt]:
+    """The task's held-out prompts; any that `fit` skips is left out (with a warning)."""
+    fit = fit or PromptFilter(None)
+    fitted = [
+        fit(to_prompt(ex, f"{name}:heldout:{i}", i, template))
+        for i, ex in enumerate(task.heldout())
     ]
+    kept = [p for p in fitted if p is not None]
+    if fit.skipped:
+        log.warning(
+            "%d held-out prompts are longer than rollout.max_prompt_tokens = %d and are left out",
+            fit.skipped,
+            fit.max_tokens,
+        )
+    return [replace(p, index=i) for i, p in enumerate(kept)]

@@ -70,6 +70,8 @@ class RolloutWorker:
         return bool(self._in_flight)
 
     def encode(self, prompt: Prompt) -> list[int]:
+        if prompt.token_ids is not None:
+            return list(prompt.token_ids)
         return self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
 
     def submit(self, task: Hashable, prompts: list[Prompt], iteration: int, version: int) -> None:

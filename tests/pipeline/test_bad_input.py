@@ -1,0 +1,196 @@
+"""Bad input and faults in a run: each is counted or named, and none leaves a process behind."""
+
+import json
+import math
+import multiprocessing
+
+import pytest
+import torch
+
+from cadence.cli import main
+from cadence.config import load_config
+from cadence.data import ArithmeticTask, DataError
+from cadence.learner import BadStepsError
+from cadence.metrics import MemorySink
+from cadence.models import load_model, load_tokenizer
+from cadence.pipeline import build_run, train
+from cadence.pipeline import prompts as prompts_module
+from cadence.pipeline.checkpoint import list_checkpoints
+from cadence.pipeline.prompts import PromptFilter, PromptStream
+
+TEMPLATE = "Question: {question}\nAnswer: "
+
+
+def _overrides(model_dir, *extra):
+    return [
+        f"model.path='{model_dir}'",
+        "train.iterations=2",
+        "train.prompts_per_iteration=4",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=12",
+        "data.num_heldout=4",
+        "algo.kl_coef=0.05",
+        "train.lr=1e-3",
+        "metrics.progress=false",
+        "reward.function='fixtures_rewards:even_length'",
+        *extra,
+    ]
+
+
+def _sets(model_dir, *extra):
+    return [a for o in _overrides(model_dir, *extra) for a in ("--set", o)]
+
+
+def _length_filter(max_tokens, on_long):
+    return PromptFilter(lambda text: list(range(len(text))), max_tokens, on_long)  # 1 token/char
+
+
+def test_long_prompts_are_skipped_and_counted_and_the_cursor_moves_past_them():
+    task = ArithmeticTask(difficulty=1, seed=0)
+    plain = PromptStream(task, TEMPLATE, "a").next_batch(40)
+    limit = sorted(len(p.text) for p in plain)[20]  # about half the prompts are longer
+    stream = PromptStream(task, TEMPLATE, "a", fit=_length_filter(limit, "skip"))
+    batch = stream.next_batch(8)
+    expected = [p for p in plain if len(p.text) <= limit][:8]
+    assert [p.uid for p in batch] == [p.uid for p in expected]  # the next examples take the place
+    assert [p.index for p in batch] == list(range(8))  # positions in the batch: the seeds
+    skipped = [p for p in plain[: plain.index(expected[-1])] if len(p.text) > limit]
+    assert stream.fit.skipped == len(skipped) > 0
+    assert stream.cursor == plain.index(expected[-1]) + 1
+
+
+def test_long_prompts_are_truncated_to_their_last_tokens_and_counted():
+    fit = PromptFilter(lambda text: [ord(c) for c in text], 10, "truncate")
+    stream = PromptStream(ArithmeticTask(difficulty=1, seed=0), TEMPLATE, "a", fit=fit)
+    batch = stream.next_batch(4)
+    assert fit.truncated == 4 and fit.skipped == 0
+    for p in batch:
+        assert p.token_ids == tuple(ord(c) for c in p.text[-10:])  # the end the model continues
+
+
+def test_a_stream_of_nothing_but_long_prompts_stops_with_a_clear_error(monkeypatch):
+    monkeypatch.setattr(prompts_module, "MAX_SKIPS_IN_A_ROW", 50)
+    stream = PromptStream(ArithmeticTask(seed=0), TEMPLATE, "a", fit=_length_filter(3, "skip"))
+    with pytest.raises(DataError, match=r"50 prompts in a row .*max_prompt_tokens = 3"):
+        stream.next_batch(2)
+
+
+@pytest.mark.slow
+def test_truncated_prompts_are_generated_from_their_token_ids(model_dir, tmp_path):
+    cfg = load_config(
+        None,
+        _overrides(
+            model_dir,
+            "rollout.max_prompt_tokens=6",
+            "rollout.on_long_prompt='truncate'",
+            "train.iterations=1",
+        ),
+    )
+    memory = MemorySink()
+    run = build_run(cfg)
+    seen = []
+    original = run.source.worker.rollout
+
+    def spy(prompts, iteration, version):
+        groups = original(prompts, iteration, version)
+        seen.extend(groups)
+        return groups
+
+    run.source.worker.rollout = spy
+    train(run, tmp_path, extra_sinks=[memory], evaluate=False)
+    assert memory.records[-1]["prompts_truncated"] == 4
+    assert all(len(g.prompt_ids) == 6 for g in seen)
+    tokenizer = load_tokenizer(model_dir)
+    assert [g.prompt_ids for g in seen] == [
+        tokenizer(g.prompt.text, add_special_tokens=False)["input_ids"][-6:] for g in seen
+    ]
+
+
+@pytest.mark.slow
+def test_reward_errors_are_marked_and_counted_and_the_run_goes_on_within_its_budget(
+    model_dir, tmp_path
+):
+    cfg = load_config(
+        None,
+        _overrides(
+            model_dir,
+            "reward.function='fixtures_rewards:flaky'",
+            "reward.max_error_fraction=0.9",
+        ),
+    )
+    memory = MemorySink()
+    train(build_run(cfg), tmp_path, extra_sinks=[memory], evaluate=False)
+    assert [r["iteration"] for r in memory.records] == [0, 1]
+    assert all(0 < r["reward_errors"] <= 16 for r in memory.records)
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["reward_mean"]) for r in memory.records)
+
+
+@pytest.mark.slow
+def test_a_reward_over_its_error_budget_stops_the_run_and_leaves_no_process(
+    model_dir, tmp_path, capsys
+):
+    args = ["train", "configs/default.toml", "--out", str(tmp_path)]
+    extra = (
+        "reward.function='fixtures_rewards:flaky'",
+        "reward.max_error_fraction=0.1",
+        "pipeline.placement='separate'",
+        "pipeline.mode='periodic'",
+        "train.iterations=20",
+    )
+    assert main([*args, *_sets(model_dir, *extra)]) == 1
+    err = capsys.readouterr().err
+    assert "run stopped" in err and "reward calls failed" in err
+    assert not multiprocessing.active_children()
+    assert not (tmp_path / "final").exists()
+
+
+@pytest.mark.slow
+def test_non_finite_steps_in_a_row_stop_the_run_without_saving_bad_weights(model_dir, tmp_path):
+    cfg = load_config(
+        None,
+        _overrides(
+            model_dir,
+            "pipeline.placement='separate'",
+            "pipeline.mode='periodic'",
+            "train.iterations=6",
+            "train.max_bad_steps=2",
+            "train.checkpoint_every=1",
+            "train.keep_checkpoints=5",
+        ),
+    )
+    run = build_run(cfg)
+    learner = run.learner
+    good = {}
+
+    def poison_after_first_iteration(module, args, output):
+        if learner.version >= 1:  # iteration 0 trains; every later step is NaN
+            good.setdefault(
+                "weights", {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+            )
+            return output * math.nan
+        return output
+
+    learner.model.lm_head.register_forward_hook(poison_after_first_iteration)
+    memory = MemorySink()
+    with pytest.raises(BadStepsError, match=r"3 optimizer steps in a row .*max_bad_steps = 2"):
+        train(run, tmp_path, extra_sinks=[memory], evaluate=False)
+    assert [r["skipped_steps"] for r in memory.records] == [0, 1, 1]
+    assert not (tmp_path / "final").exists() and not multiprocessing.active_children()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in lines] == [0, 1, 1]
+    saved = load_model(list_checkpoints(tmp_path)[-1] / "policy")  # after the last skipped step
+    for name, p in saved.named_parameters():
+        assert torch.isfinite(p).all() and torch.equal(p, good["weights"][name]), name
+
+
+def test_empty_dataset_and_a_model_that_is_not_a_causal_lm_exit_2(model_dir, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    args = ["train", "configs/default.toml", "--out", str(tmp_path / "run")]
+    gsm8k = ("data.task='gsm8k'", f"data.path='{empty}'")
+    assert main([*args, *_sets(model_dir, *gsm8k)]) == 2
+    assert "no examples" in capsys.readouterr().err
+    (tmp_path / "not-a-model").mkdir()
+    (tmp_path / "not-a-model" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert main([*args, *_sets(tmp_path / "not-a-model")]) == 2
+    assert "not-a-model" in capsys.readouterr().err
