@@ -69,11 +69,13 @@ def cmd_sft(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from cadence.pipeline import build_run, train
     from cadence.pipeline.checkpoint import find_checkpoint
+    from cadence.pipeline.loop import check_fresh
 
     if args.resume is None:
         if args.config is None:
             raise ConfigError("cadence train needs a CONFIG file (or --resume RUN_DIR)")
         cfg, out, ckpt = _config(args), Path(args.out or "runs/train"), None
+        check_fresh(out)
     else:  # the run's own config (overrides apply on top), into the run's own directory
         ckpt = find_checkpoint(args.resume)
         run_dir = ckpt.path.parent.parent

@@ -130,3 +130,7 @@ def test_resume_errors_name_the_problem(model_dir, tmp_path, capsys):
     assert "no checkpoint in it" in capsys.readouterr().err
     assert main(["train"]) == 2
     assert "needs a CONFIG file" in capsys.readouterr().err
+    (tmp_path / "unfinished" / "checkpoints" / "iter-000002").mkdir(parents=True)
+    args = ["train", "configs/default.toml", "--out", str(tmp_path / "unfinished")]
+    assert main([*args, "--set", f"model.path='{model_dir}'"]) == 2
+    assert "did not finish: continue it with `cadence train --resume" in capsys.readouterr().err

@@ -32,8 +32,8 @@ FIGURES = (
     "reward_mean_first",
     "reward_mean_last",
 )
-# keys every run needs: no progress display, no held-out evaluation inside the loop
-QUIET = ["metrics.progress=false", "train.eval_every=0"]
+# keys every run needs: no progress display, no held-out evaluation or checkpoint inside the loop
+QUIET = ["metrics.progress=false", "train.eval_every=0", "train.checkpoint_every=0"]
 
 
 def workload_config(config: str | Path | None, overrides: list[str]) -> Config:

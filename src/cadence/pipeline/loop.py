@@ -171,7 +171,11 @@ def train(
             f.truncate(state["metrics_bytes"])
         set_rng_state(state["rng"])
     else:
-        start_fresh(out)
+        try:
+            start_fresh(out)
+        except CheckpointError:
+            run.source.close()
+            raise
         records = []
         accuracy_before = heldout_accuracy(run) if evaluate else float("nan")
     (out / "config.toml").write_text(to_toml(cfg))
@@ -204,14 +208,19 @@ def train(
     return summary
 
 
-def start_fresh(out: Path) -> None:
-    """Clear a finished run's outputs from `out`; refuse to bury an unfinished one's."""
+def check_fresh(out: Path) -> None:
+    """Refuse to start a run where an unfinished one's checkpoints would be overwritten."""
     if list_checkpoints(out) and not (out / "summary.json").exists():
         raise CheckpointError(
             f"{out} holds checkpoints of a run that did not finish: continue it with "
             f"`cadence train --resume {out}`, or remove {out / CHECKPOINTS} (or pick another "
             "--out) to start over"
         )
+
+
+def start_fresh(out: Path) -> None:
+    """Clear a finished run's outputs from `out`; refuse to bury an unfinished one's."""
+    check_fresh(out)
     shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
     for name in ("metrics.jsonl", "summary.json"):
         (out / name).unlink(missing_ok=True)
