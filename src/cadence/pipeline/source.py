@@ -333,7 +333,7 @@ class WorkerSource:
                 wid,
             ) from died
         self.restarts[wid] += 1
-        log.warning("%s; restart %d of %d", died, self.restarts[wid], self.max_worker_restarts)
+        start = time.monotonic()
         with self._cond:  # no version can be published until the new worker acknowledges one
             self._acked[wid] = -1
             version = self._weights_version
@@ -342,6 +342,14 @@ class WorkerSource:
             self.pool.send_sync_to(wid, version)
         for task_id, (prompts, iteration) in sorted(lost.items()):
             self.pool.submit(wid, task_id, prompts, iteration)
+        log.warning(
+            "%s; replaced in %.1fs (restart %d of %d), %d prompts sent again",
+            died,
+            time.monotonic() - start,
+            self.restarts[wid],
+            self.max_worker_restarts,
+            sum(len(prompts) for prompts, _ in lost.values()),
+        )
 
     def _begin(self, iteration: int) -> list[list[Prompt]]:
         prompts = self.next_prompts()

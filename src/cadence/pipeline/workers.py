@@ -364,9 +364,10 @@ class WorkerPool:
             if (wids is None or wid in wids) and not proc.process.is_alive():
                 self._drain()  # its last results are in flight no more
                 uids = proc.in_flight.uids()
+                shown = ", ".join(uids[:8]) + (f", ... ({len(uids)} in all)" if uids[8:] else "")
                 raise WorkerDied(
                     f"worker {wid} (pid {proc.process.pid}) exited with code "
-                    f"{proc.process.exitcode}; prompts in flight: {uids or 'none'}",
+                    f"{proc.process.exitcode}; prompts in flight: {shown or 'none'}",
                     wid,
                 )
 
