@@ -59,3 +59,33 @@ class Group:
     def num_tokens(self) -> int:
         """Prompt + response tokens of every sample, as trained (the TPSPD numerator)."""
         return sum(len(self.prompt_ids) + len(c.token_ids) for c in self.completions)
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """Where one sample sits in the sample store: its identity, its group, its generation.
+
+    `index` is global: unique over the store's life (the producer numbers samples as it creates
+    them, so ascending index is arrival order). A group's rows share `group`, `group_size` and
+    `iteration`, and have `index_in_group` 0..group_size-1. `policy_version` is fixed when the row
+    is created: the producer knows which weights will generate it.
+    """
+
+    index: int
+    group: int
+    index_in_group: int
+    group_size: int
+    iteration: int
+    policy_version: int
+
+
+@dataclass
+class SampleBatch:
+    """What one `SampleStore.get` hands out: rows, and per requested field one value per row."""
+
+    rows: list[SampleRow]
+    data: dict[str, list]  # field -> values aligned with `rows`
+    num_dropped: int = 0  # rows this get refused as too stale (marked consumed, never returned)
+
+    def __len__(self) -> int:
+        return len(self.rows)
