@@ -55,13 +55,13 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
 
 
-def build_model(preset: str, tokenizer, seed: int = 0, max_positions: int = 1024):
-    """A randomly initialised LlamaForCausalLM sized by `preset`."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(preset: str, tokenizer, max_positions: int = 1024, **extra):
+    """The LlamaConfig of `preset` for `tokenizer`'s vocabulary and special tokens."""
+    from transformers import LlamaConfig
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset '{preset}'; allowed: {', '.join(PRESETS)}")
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         max_position_embeddings=max_positions,
         bos_token_id=tokenizer.eos_token_id,
@@ -69,7 +69,15 @@ def build_model(preset: str, tokenizer, seed: int = 0, max_positions: int = 1024
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
         **PRESETS[preset],
+        **extra,
     )
+
+
+def build_model(preset: str, tokenizer, seed: int = 0, max_positions: int = 1024):
+    """A randomly initialised LlamaForCausalLM sized by `preset`."""
+    from transformers import LlamaForCausalLM
+
+    config = llama_config(preset, tokenizer, max_positions)
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 

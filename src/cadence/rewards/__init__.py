@@ -1,6 +1,7 @@
 """Reward functions: the `RewardFn` seam, the math-verify reward and test doubles.
 
-Rewards are pure functions of text; nothing here imports torch or holds model state.
+Rewards are pure functions of text; nothing here imports torch or holds model state. The learned
+reward (`cadence.rewards.model`, a sequence classifier) is imported on its own.
 """
 
 from cadence.rewards.base import (
