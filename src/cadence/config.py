@@ -81,12 +81,29 @@ class RolloutConfig(_Section):
 
 
 class RewardConfig(_Section):
+    kind: Literal["rule", "model"] = Field(
+        "rule",
+        description="rule: `function` scores each response; model: a learned reward model "
+        "(`model_path`) scores responses in micro-batches of `batch_size`.",
+    )
     function: str = Field(
         "math", description="'math' (math-verify final answer) or 'module:function'."
     )
+    model_path: str | None = Field(
+        None,
+        description="kind 'model': local Hugging Face sequence-classification directory "
+        "(`cadence init-reward-model` builds a tiny one on the task).",
+    )
+    batch_size: int = Field(32, ge=1, description="kind 'model': responses per forward pass.")
     max_error_fraction: float = Field(
         0.1, ge=0.0, le=1.0, description="Stop the run when more samples than this fail scoring."
     )
+
+    @model_validator(mode="after")
+    def _model_path_for_model(self) -> RewardConfig:
+        if self.kind == "model" and not self.model_path:
+            raise ValueError("reward.model_path is required when reward.kind = 'model'")
+        return self
 
 
 class AlgoConfig(_Section):

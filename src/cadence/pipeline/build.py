@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from cadence.algo import LossParams, needs_reference
-from cadence.config import Config
+from cadence.config import Config, ConfigError
 from cadence.data import load_task
 from cadence.engine import Engine, SamplingParams, make_engine
 from cadence.learner import Learner, LearnerParams
@@ -185,6 +185,11 @@ def max_staleness(cfg: Config) -> int:
 
 def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     """Every component of a run, wired; from `resume` on, if given (see pipeline/checkpoint.py)."""
+    if cfg.reward.kind != "rule":  # fail before loading anything rather than train on rules
+        raise ConfigError(
+            f"reward.kind = '{cfg.reward.kind}': `cadence train` scores with reward.function "
+            "only; set reward.kind = 'rule'"
+        )
     set_threads(learner_threads(cfg))
     torch.manual_seed(cfg.train.seed)
     dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
