@@ -33,6 +33,32 @@ def cmd_init_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_init_reward_model(args: argparse.Namespace) -> int:
+    from cadence.pipeline.build import make_task, set_threads
+    from cadence.rewards.model_recipe import train_reward_model
+
+    cfg = load_config(args.config, args.set)
+    out = Path(args.out)
+    if (out / "config.json").exists() and not args.force:
+        print(f"{out} already holds a model; pass --force to rebuild it")
+        return 0
+    set_threads(cfg.train.threads)
+    r = train_reward_model(
+        make_task(cfg),
+        cfg.data.prompt_template,
+        args.tokenizer or cfg.model.path,
+        out,
+        preset=args.preset,
+        steps=args.steps,
+        seed=cfg.train.seed,
+    )
+    print(
+        f"reward model trained in {r['train_s']:.1f}s ({r['steps']} steps): held-out accuracy "
+        f"{r['heldout_accuracy']:.3f}, pairwise {r['heldout_pairwise_accuracy']:.3f} -> {out}"
+    )
+    return 0
+
+
 def cmd_sft(args: argparse.Namespace) -> int:
     from cadence.learner.sft import cache_key, is_cached, run_sft
     from cadence.models.io import check_model_dir
@@ -256,6 +282,18 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--force", action="store_true", help="rebuild even if --out holds a model")
     with_config(sp, required=False)
     sp.set_defaults(fn=cmd_init_model)
+
+    sp = sub.add_parser("init-reward-model", help="train a tiny reward model on the task")
+    sp.add_argument("--out", required=True, help="output reward model directory")
+    sp.add_argument("--config", default=None, help="config whose [data] task gives the samples")
+    sp.add_argument(
+        "--tokenizer", default=None, help="model directory whose tokenizer to share (model.path)"
+    )
+    sp.add_argument("--preset", default="test", help="model size: test, tiny, small")
+    sp.add_argument("--steps", type=int, default=400, help="training steps of 32 texts")
+    sp.add_argument("--force", action="store_true", help="rebuild even if --out holds a model")
+    with_config(sp, required=False)
+    sp.set_defaults(fn=cmd_init_reward_model)
 
     sp = sub.add_parser("sft", help="supervised warm start on reference solutions (cached)")
     with_config(sp)
