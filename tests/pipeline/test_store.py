@@ -14,11 +14,11 @@ import time
 import pytest
 
 from cadence.pipeline.store import (
+    LengthBalanced,
     SampleStore,
     StaleRowError,
     StoreClosed,
     in_order,
-    length_balanced,
 )
 from cadence.types import SampleRow
 
@@ -183,11 +183,11 @@ def test_length_balanced_gives_two_consumers_equal_token_counts():
 
     # in order: 1+2+3+4 = 10 vs 5+6+7+8 = 26; balanced: 8+1+7+2 = 18 vs 6+3+5+4 = 18
     assert totals(in_order) == [10, 26]
-    assert totals(length_balanced("response_ids")) == [18, 18]
+    assert totals(LengthBalanced("response_ids")) == [18, 18]
     store = SampleStore()
     store.put([SampleRow(0, 0, 0, 1, 0, 0)], {"reward": [1.0]})
     with pytest.raises(ValueError, match="must ask for field 'response_ids'"):
-        store.get(["reward"], 1, "t", timeout=0, sampler=length_balanced("response_ids"))
+        store.get(["reward"], 1, "t", timeout=0, sampler=LengthBalanced("response_ids"))
 
 
 def test_a_sampler_may_not_invent_or_exceed():
@@ -254,6 +254,8 @@ def test_a_pickled_copy_keeps_rows_and_consumption_and_works():
     assert indices(copy.get(["x"], 2, "t", timeout=0)) == [2, 3]
     put(copy, group_rows(2), "x")
     assert copy.num_rows == 6 and store.num_rows == 4
+    for sampler in (in_order, LengthBalanced("response_ids")):  # samplers travel too
+        assert pickle.loads(pickle.dumps(sampler)) == sampler
 
 
 # -- many threads at random ------------------------------------------------------------------

@@ -30,8 +30,8 @@ faster one simply takes more).
   iterations alive at once.
 
 Which ready units a `get` takes is a sampler's choice: `in_order` (oldest global index first;
-the default) or `length_balanced(field)`. Whole groups are the `groups=True` unit rather than a
-sampler, so every sampler keeps groups whole.
+the default) or `LengthBalanced(field)`, both plain picklable callables. "Whole groups" is the
+`groups=True` unit rather than a sampler, so every sampler keeps groups whole.
 
 One class serves in-process and in a Ray actor: the actor constructs it (give the actor
 `max_concurrency > 1` so a blocked `get` does not block `put`). It holds no thread beyond a
@@ -79,7 +79,8 @@ def in_order(units: Sequence[Unit], n: int) -> list[Unit]:
     return sorted(units, key=lambda u: u[0].row.index)[:n]
 
 
-def length_balanced(field: str) -> Sampler:
+@dataclass(frozen=True)
+class LengthBalanced:
     """A sampler that mixes long and short units (length = summed `len` of `field` over a unit).
 
     Balanced means: the ready units are sorted by length and the batch takes them alternately
@@ -90,20 +91,19 @@ def length_balanced(field: str) -> Sampler:
     among the fields the get asks for.
     """
 
-    def sample(units: Sequence[Unit], n: int) -> list[Unit]:
-        if not all(field in e.data for u in units for e in u):
-            raise ValueError(f"length_balanced({field!r}): the get must ask for field {field!r}")
+    field: str
 
-        def length(u: Unit) -> int:
-            return sum(len(e.data[field]) for e in u)
-
-        pool = deque(sorted(units, key=lambda u: (length(u), u[0].row.index)))
+    def __call__(self, units: Sequence[Unit], n: int) -> list[Unit]:
+        if not all(self.field in e.data for u in units for e in u):
+            raise ValueError(f"LengthBalanced: the get must ask for field {self.field!r}")
+        pool = deque(sorted(units, key=lambda u: (self._length(u), u[0].row.index)))
         taken: list[Unit] = []
         while pool and len(taken) < n:
             taken.append(pool.pop() if len(taken) % 2 == 0 else pool.popleft())
         return sorted(taken, key=lambda u: u[0].row.index)
 
-    return sample
+    def _length(self, unit: Unit) -> int:
+        return sum(len(e.data[self.field]) for e in unit)
 
 
 class SampleStore:
