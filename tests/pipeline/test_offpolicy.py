@@ -17,7 +17,7 @@ from cadence.engine import SamplingParams, ScriptedEngine
 from cadence.metrics import Tracer
 from cadence.pipeline.loop import StaleGroupError, within_staleness
 from cadence.pipeline.source import WorkerSource
-from cadence.pipeline.weights import SharedWeights
+from cadence.pipeline.weights import SharedWeights, load_into
 from cadence.pipeline.worker import RolloutWorker
 from cadence.pipeline.workers import WorkerError, _WorkerLoop
 from cadence.types import Prompt
@@ -58,7 +58,11 @@ class ThreadPool:
                 run_seed=0,
             )
             loop = _WorkerLoop(
-                wid, model, worker, weights.tensors, self.procs[wid].inbox, self.results
+                wid,
+                worker,
+                lambda version, model=model: load_into(model, weights.tensors),
+                self.procs[wid].inbox,
+                self.results,
             )
             thread = threading.Thread(target=loop.run, daemon=True)
             thread.start()
