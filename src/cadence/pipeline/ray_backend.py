@@ -313,9 +313,13 @@ class RayPool:
         """One message from any actor, fetching what their pending `drain`s brought back."""
         import ray
 
-        if not self._received and not self._closed:
+        deadline = time.monotonic() + timeout_s
+        while not self._received and not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
             by_ref = {ref: wid for wid, ref in self._drains.items()}
-            ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=timeout_s)
+            ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=left)
             for ref in ready:
                 wid = by_ref[ref]
                 try:
