@@ -182,6 +182,27 @@ def test_killed_actor_is_reported_with_its_prompts_and_nothing_hangs(
     assert _no_worker_actor_left()
 
 
+@pytest.mark.slow
+def test_worker_exception_reaches_the_driver_with_its_traceback(ray_cluster, model_dir, tmp_path):
+    from cadence.engine import SamplingParams
+    from cadence.pipeline.ray_backend import RayPool
+    from cadence.pipeline.workers import WorkerError, WorkerSpec
+
+    spec = WorkerSpec(
+        model_path=str(tmp_path / "no-model"),
+        dtype="float32",
+        reward="math",
+        sampling=SamplingParams(max_new_tokens=4),
+        group_size=2,
+        run_seed=0,
+        threads=1,
+        max_num_seqs=4,
+    )
+    with pytest.raises(WorkerError, match=r"(?s)worker 0 failed:.*Traceback.*no-model"):
+        RayPool(spec, load_model(model_dir), 1, timeout_s=60)
+    assert _no_worker_actor_left()
+
+
 def _processes(sid: int | None = None) -> list[str]:
     """Command lines of live processes, of session `sid` if given (field 6 of /proc/PID/stat)."""
     found = []
