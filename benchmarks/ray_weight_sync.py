@@ -142,6 +142,7 @@ def measure(method: str, name: str, model_dir: Path, workers: int, versions: int
             "publish_ms": 1e3 * statistics.median(t[0] for t in times),
             "sync_ms": 1e3 * statistics.median(t[1] for t in times),
             "sync_ms_max": 1e3 * max(t[1] for t in times),
+            "sync_ms_each": [round(1e3 * t[1], 1) for t in times],
         }
         if name == "default" and method == "ray-object-store":
             row["groups"] = groups_bytes(pool, model_dir)
