@@ -101,3 +101,36 @@ def test_bad_loss_keys_are_refused_with_the_reason(override, hint):
     with pytest.raises(ConfigError, match="config key 'algo") as info:
         load_config(None, override)
     assert hint in str(info.value)
+
+
+RAY = ["pipeline.backend='ray'", "pipeline.placement='separate'"]
+
+
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        (["pipeline.backend='ray'"], "set pipeline.placement = 'separate'"),
+        (["pipeline.backend='cluster'"], "'local' or 'ray'"),
+        (["pipeline.weight_sync='broadcast'"], "pipeline.weight_sync applies to"),
+        (["pipeline.ray_address='auto'"], "pipeline.ray_address applies to"),
+        (["pipeline.num_gpus_per_worker=1"], "pipeline.num_gpus_per_worker applies to"),
+        ([*RAY, "pipeline.ray_address='auto'", "pipeline.ray_num_cpus=2"], "leave pipeline.ray"),
+        ([*RAY, "pipeline.weight_sync='nccl'"], "'object_store' or 'broadcast'"),
+        (
+            [*RAY, "pipeline.weight_sync='broadcast'", "model.device='cuda'"],
+            "set pipeline.num_gpus_per_worker > 0",
+        ),
+    ],
+)
+def test_bad_backend_keys_are_refused_with_the_reason(override, hint):
+    with pytest.raises(ConfigError, match=r"config key '(pipeline|\(root\))") as info:
+        load_config(None, override)
+    assert hint in str(info.value)
+
+
+def test_ray_backend_keys_round_trip():
+    cfg = load_config(None, [*RAY, "pipeline.weight_sync='broadcast'", "pipeline.ray_num_cpus=2"])
+    assert cfg.pipeline.backend == "ray" and load_config(None).pipeline.backend == "local"
+    again = tomllib.loads(to_toml(cfg))
+    assert again["pipeline"]["weight_sync"] == "broadcast"
+    assert "ray_address" not in again["pipeline"]  # unset: start a Ray for the run

@@ -258,6 +258,35 @@ class PipelineConfig(_Section):
         "sent again the prompts it had not returned) up to this many times per worker slot; one "
         "more death stops the run.",
     )
+    backend: Literal["local", "ray"] = Field(
+        "local",
+        description="Where separate workers run: local (spawned processes on this machine, "
+        "shared-memory weights) or ray (Ray actors, on this machine or a cluster; needs the "
+        "'ray' extra).",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="ray: address of a running cluster to join ('auto', or 'HEAD_IP:6379'); "
+        "unset: start a Ray on this machine for the run, listening on loopback only.",
+    )
+    ray_num_cpus: int = Field(
+        0, ge=0, description="ray: CPUs the Ray started for the run offers (0: all cores)."
+    )
+    num_cpus_per_worker: float = Field(
+        1.0, ge=0, description="ray: CPUs each worker actor reserves (Ray's num_cpus)."
+    )
+    num_gpus_per_worker: float = Field(
+        0.0,
+        ge=0,
+        description="ray: GPUs each worker actor reserves (Ray's num_gpus); above 0 the worker "
+        "generates on its GPU.",
+    )
+    weight_sync: Literal["object_store", "broadcast"] = Field(
+        "object_store",
+        description="ray: how a new version reaches the workers: object_store (put once into "
+        "Ray's object store, every worker reads the same object) or broadcast (torch.distributed "
+        "broadcast from the learner: NCCL when model.device is a GPU, gloo otherwise).",
+    )
 
     @model_validator(mode="after")
     def _periodic_needs_workers(self) -> PipelineConfig:
@@ -268,7 +297,33 @@ class PipelineConfig(_Section):
             )
         if self.mode == "offpolicy" and self.max_staleness > 0 and self.queue_size:
             raise ValueError("pipeline.queue_size must be 0 with pipeline.mode = 'offpolicy'")
+        if self.backend == "ray" and self.placement != "separate":
+            raise ValueError(
+                "pipeline.backend = 'ray' runs the inference workers as Ray actors: set "
+                "pipeline.placement = 'separate'"
+            )
+        if self.backend == "local":
+            for key in RAY_ONLY:
+                if getattr(self, key) != PipelineConfig.model_fields[key].default:
+                    raise ValueError(
+                        f"pipeline.{key} applies to pipeline.backend = 'ray' only: set the "
+                        f"backend or leave pipeline.{key} out"
+                    )
+        if self.ray_address and self.ray_num_cpus:
+            raise ValueError(
+                "pipeline.ray_num_cpus sizes the Ray started for the run; a cluster joined with "
+                "pipeline.ray_address has its own: leave pipeline.ray_num_cpus out"
+            )
         return self
+
+
+RAY_ONLY = (
+    "ray_address",
+    "ray_num_cpus",
+    "num_cpus_per_worker",
+    "num_gpus_per_worker",
+    "weight_sync",
+)
 
 
 class SFTConfig(_Section):
@@ -296,6 +351,18 @@ class Config(_Section):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @model_validator(mode="after")
+    def _broadcast_devices(self) -> Config:
+        p = self.pipeline
+        on_gpu = self.model.device.startswith("cuda")
+        if p.weight_sync == "broadcast" and on_gpu and p.num_gpus_per_worker == 0:
+            raise ValueError(
+                f"pipeline.weight_sync = 'broadcast' with model.device = '{self.model.device}' "
+                "broadcasts over NCCL, GPU to GPU: set pipeline.num_gpus_per_worker > 0 or use "
+                "pipeline.weight_sync = 'object_store'"
+            )
+        return self
 
 
 def _format_error(e: ValidationError) -> str:

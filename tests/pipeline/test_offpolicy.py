@@ -18,7 +18,7 @@ from cadence.engine import SamplingParams, ScriptedEngine
 from cadence.metrics import Tracer
 from cadence.pipeline.loop import StaleGroupError, within_staleness
 from cadence.pipeline.source import WorkerSource
-from cadence.pipeline.weights import SharedWeights
+from cadence.pipeline.weights import SharedWeights, load_into
 from cadence.pipeline.worker import RolloutWorker
 from cadence.pipeline.workers import InFlight, WorkerDied, WorkerError, _WorkerLoop
 from cadence.types import Prompt
@@ -78,7 +78,10 @@ class ThreadPool:
             run_seed=0,
         )
         inbox: queue.Queue = queue.Queue()
-        loop = _WorkerLoop(wid, model, worker, self.weights.tensors, inbox, self.results)
+        weights = self.weights.tensors
+        loop = _WorkerLoop(
+            wid, worker, lambda version: load_into(model, weights), inbox, self.results
+        )
 
         def run():
             with contextlib.suppress(_Killed):

@@ -5,13 +5,14 @@ Components take plain keyword arguments; only this module (and the CLI) reads th
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
 import torch
 
 from cadence.algo import LossParams, needs_reference
-from cadence.config import Config, ConfigError
+from cadence.config import Config, ConfigError, PipelineConfig
 from cadence.data import load_task
 from cadence.engine import Engine, SamplingParams, make_engine
 from cadence.learner import Learner, LearnerParams
@@ -22,7 +23,7 @@ from cadence.pipeline.prompts import PromptFilter, PromptStream, heldout_prompts
 from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
 from cadence.pipeline.weights import SharedWeights
 from cadence.pipeline.worker import RolloutWorker
-from cadence.pipeline.workers import WorkerPool, WorkerSpec
+from cadence.pipeline.workers import Pool, WorkerPool, WorkerSpec
 from cadence.rewards import RewardFn, load_reward
 from cadence.types import Prompt
 
@@ -161,7 +162,7 @@ def build_source(
         max_num_seqs=cfg.rollout.max_num_seqs,
         engine=cfg.rollout.engine,
     )
-    pool = WorkerPool(spec, SharedWeights(model), p.num_workers, timeout_s=p.worker_timeout_s)
+    pool = make_pool(p, spec, model)
     return WorkerSource(
         pool,
         model,
@@ -175,6 +176,27 @@ def build_source(
         iterations=cfg.train.iterations,
         first_iteration=first_iteration,
         max_worker_restarts=p.max_worker_restarts,
+    )
+
+
+def make_pool(p: PipelineConfig, spec: WorkerSpec, model) -> Pool:
+    """The workers, on the configured backend (Ray imported only when asked for)."""
+    if p.backend == "local":
+        return WorkerPool(spec, SharedWeights(model), p.num_workers, timeout_s=p.worker_timeout_s)
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("pipeline.backend = 'ray' needs Ray: pip install 'cadence[ray]'")
+    from cadence.pipeline.ray_backend import RayPool
+
+    return RayPool(
+        spec,
+        model,
+        p.num_workers,
+        timeout_s=p.worker_timeout_s,
+        address=p.ray_address,
+        num_cpus=p.ray_num_cpus,
+        num_cpus_per_worker=p.num_cpus_per_worker,
+        num_gpus_per_worker=p.num_gpus_per_worker,
+        weight_sync=p.weight_sync,
     )
 
 

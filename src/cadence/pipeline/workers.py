@@ -24,6 +24,7 @@ import os
 import queue
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -128,15 +129,20 @@ def worker_main(wid: int, spec: WorkerSpec, tensors: dict, inbox, outbox) -> Non
     try:
         torch.set_num_threads(spec.threads)
         model, worker = _build_worker(spec)
-        _WorkerLoop(wid, model, worker, tensors, inbox, outbox).run()
+        _WorkerLoop(wid, worker, lambda version: load_into(model, tensors), inbox, outbox).run()
     except BaseException:
         outbox.put(("error", wid, traceback.format_exc()))
 
 
 class _WorkerLoop:
-    def __init__(self, wid: int, model, worker, tensors: dict, inbox, outbox) -> None:
-        self.wid, self.model, self.worker = wid, model, worker
-        self.tensors, self.inbox, self.outbox = tensors, inbox, outbox
+    """A worker's message loop, whatever carries its messages (`inbox.get`, `outbox.put`) and
+    its weights (`load_weights(version)` puts that version into the worker's model)."""
+
+    def __init__(
+        self, wid: int, worker, load_weights: Callable[[int], None], inbox, outbox
+    ) -> None:
+        self.wid, self.worker, self.load_weights = wid, worker, load_weights
+        self.inbox, self.outbox = inbox, outbox
         self.version = -1
         self.backlog: collections.deque = collections.deque()  # messages not yet acted on
         self.busy_since = 0.0
@@ -172,7 +178,7 @@ class _WorkerLoop:
                 if self.worker.busy:
                     return True
                 if payload > self.version:  # a version already loaded is acknowledged, not reread
-                    load_into(self.model, self.tensors)
+                    self.load_weights(payload)
                     self.version = payload
                 self.outbox.put(("ack", self.wid, self.version))
             elif kind == "rollout":

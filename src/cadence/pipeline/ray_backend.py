@@ -1,0 +1,394 @@
+"""Ray backend: the same inference workers as Ray actors, on this machine or across a cluster.
+
+Each actor builds its worker with `_build_worker` and runs the very `_WorkerLoop` that a local
+worker process runs, in a thread of its own. Its inbox is a queue fed by the actor method `send`;
+its outbox a list that the driver long-polls with `drain` (one call outstanding per actor, so a
+result reaches the driver as soon as it exists). A threaded actor may run two calls out of order,
+so every message carries a sequence number and `send` restores the order. `RayPool` implements
+`Pool` over the actors: `WorkerSource` (versions, barrier, admission by staleness) is unchanged.
+
+Weights travel once per version (`ray_weights`): through the object store, or broadcast with
+torch.distributed. An actor that dies fails its pending `drain`: the next poll raises
+`WorkerDied` naming it and its prompts in flight. `close()` kills the actors and shuts down the
+Ray that the pool started (not one it joined).
+
+Ray is imported only inside functions: a Ray started for the run must have its environment set
+before Ray is first imported (every listener on loopback, an authentication token that lives in
+the environment and not in ~/.ray, no usage statistics). The loop runs outside the actor's main
+thread, so the math reward calls math-verify without its signal-based timeouts there.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import secrets
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from cadence.pipeline.ray_weights import (
+    BroadcastReceiver,
+    BroadcastWeights,
+    ObjectStoreReceiver,
+    ObjectStoreWeights,
+    RayWeights,
+)
+from cadence.pipeline.workers import (
+    InFlight,
+    TaskResult,
+    WorkerDied,
+    WorkerError,
+    WorkerSpec,
+    _build_worker,
+    _WorkerLoop,
+)
+from cadence.types import Prompt
+
+_DRAIN_S = 1.0  # longest a `drain` call waits for a message before returning none
+
+
+def _local_ray_env() -> None:
+    """Settings a Ray started for the run must see before Ray is first imported."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray's single-machine mode: its node address, and so every listener, is 127.0.0.1.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys():
+        # Token authentication, with a token of this run's own instead of ~/.ray/auth_token.
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
+def start_ray(address: str | None = None, num_cpus: int = 0) -> bool:
+    """Join the cluster at `address`, or start a Ray on this machine (`num_cpus`, 0: all cores).
+
+    Returns False when this process is already connected to a Ray (the caller must then leave
+    it running), True when this call started or joined one (the caller shuts it down)."""
+    if not address:
+        _local_ray_env()
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return True
+    ray.init(
+        address="local",
+        num_cpus=num_cpus or os.cpu_count() or 1,
+        include_dashboard=False,
+        _temp_dir=os.path.join(tempfile.gettempdir(), f"cadence-ray-{os.getuid()}"),
+        logging_level=logging.WARNING,
+    )
+    return True
+
+
+class _Outbox:
+    """The loop's outbox inside an actor: `put` by the loop, `drain` by the driver."""
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._cond = threading.Condition()
+
+    def put(self, item) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify_all()
+
+    def drain(self, wait_s: float) -> list:
+        with self._cond:
+            if not self._items:
+                self._cond.wait(wait_s)
+            items, self._items = self._items, []
+        return items
+
+
+class RayWorker:
+    """A worker actor (made remote by `RayPool`): `_build_worker` plus `_WorkerLoop`."""
+
+    def __init__(
+        self, wid: int, spec: WorkerSpec, broadcast: str | None, sys_path: list[str]
+    ) -> None:
+        """`broadcast`: the torch.distributed backend weights arrive by, or None (object store)."""
+        import ray
+
+        # The driver's import path, as a spawned local worker gets it (reward modules by path).
+        sys.path.extend(p for p in sys_path if p not in sys.path)
+        self.wid, self.spec = wid, spec
+        self.inbox: queue.Queue = queue.Queue()
+        self.outbox = _Outbox()
+        self._pending: dict[int, tuple[str, Any, Any]] = {}
+        self._next_seq = 0
+        self._lock = threading.Lock()
+        self.receiver: ObjectStoreReceiver | BroadcastReceiver | None = None
+        try:
+            torch.set_num_threads(spec.threads)
+            model, worker = _build_worker(spec)
+            model.to("cuda" if ray.get_gpu_ids() else "cpu")
+            if broadcast is None:
+                self.receiver = ObjectStoreReceiver(model)
+            else:
+                self.receiver = BroadcastReceiver(model, "cuda" if broadcast == "nccl" else "cpu")
+        except BaseException:
+            self.outbox.put(("error", wid, traceback.format_exc()))
+            return
+        loop = _WorkerLoop(wid, worker, self.receiver.load, self.inbox, self.outbox)
+        threading.Thread(target=self._run, args=(loop,), name="cadence-worker", daemon=True).start()
+
+    def _run(self, loop: _WorkerLoop) -> None:
+        try:
+            torch.set_num_threads(self.spec.threads)  # with OpenMP the setting is per thread
+            loop.run()
+        except BaseException:
+            self.outbox.put(("error", self.wid, traceback.format_exc()))
+
+    def send(self, seq: int, kind: str, payload: Any, weights: Any = None) -> None:
+        with self._lock:
+            self._pending[seq] = (kind, payload, weights)
+            while self._next_seq in self._pending:
+                kind, payload, weights = self._pending.pop(self._next_seq)
+                if kind == "sync" and self.receiver is not None:
+                    self.receiver.stage(payload, weights)
+                self.inbox.put((kind, payload))
+                self._next_seq += 1
+
+    def drain(self, wait_s: float) -> list:
+        return self.outbox.drain(wait_s)
+
+    def where(self) -> tuple[str, str, int, float]:
+        """(node id, node address, pid, this process's clock): for messages and the timeline."""
+        import ray
+
+        node = ray.get_runtime_context().get_node_id()
+        return node, ray.util.get_node_ip_address(), os.getpid(), time.perf_counter()
+
+    def join_group(
+        self,
+        backend: str,
+        init_method: str,
+        rank: int,
+        world_size: int,
+        env: dict,
+        timeout_s: float,
+    ) -> None:
+        assert isinstance(self.receiver, BroadcastReceiver)
+        self.receiver.join(backend, init_method, rank, world_size, env, timeout_s)
+
+
+class RayPool:
+    """`Pool` over `num_workers` worker actors; see the module docstring."""
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        model: torch.nn.Module,
+        num_workers: int,
+        *,
+        timeout_s: float = 300.0,
+        address: str | None = None,
+        num_cpus: int = 0,
+        num_cpus_per_worker: float = 1.0,
+        num_gpus_per_worker: float = 0.0,
+        weight_sync: str = "object_store",
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.weights: RayWeights
+        broadcast: str | None = None  # the collective's backend, if weights are broadcast
+        if weight_sync == "broadcast":
+            self.weights = BroadcastWeights(model)
+            broadcast = self.weights.backend
+        else:
+            self.weights = ObjectStoreWeights(model)
+        self._actors: list = []
+        self._closed = False
+        self._started = start_ray(address, num_cpus)
+        try:
+            resources = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker}
+            self._start_actors(spec, num_workers, resources, broadcast)
+            if isinstance(self.weights, BroadcastWeights):
+                self._form_group(self.weights, address)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_actors(
+        self, spec: WorkerSpec, num_workers: int, resources: dict, broadcast: str | None
+    ) -> None:
+        import ray
+
+        self._spec, self._resources, self._broadcast = spec, resources, broadcast
+        self._remote = ray.remote(RayWorker).options(**resources, max_concurrency=4)
+        self._actors = [
+            self._remote.remote(wid, spec, broadcast, list(sys.path)) for wid in range(num_workers)
+        ]
+        self._seq = [0] * num_workers
+        self._in_flight = [InFlight() for _ in range(num_workers)]
+        self._drains = {wid: a.drain.remote(_DRAIN_S) for wid, a in enumerate(self._actors)}
+        self._received: collections.deque = collections.deque()
+        self._where: list[tuple[str, int]] = [("?", -1)] * num_workers
+        self._clock_offset = [0.0] * num_workers
+        self._await_ready(resources, set(range(num_workers)))
+
+    def _await_ready(self, resources: dict, pending: set[int]) -> None:
+        """Wait for 'ready' from the actors in `pending`; other messages are kept for `poll`."""
+        import ray
+
+        others: list = []
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"Ray workers {sorted(pending)} did not start within {self.timeout_s:.0f}s: "
+                    f"does the cluster have {resources} free for each (pipeline."
+                    "num_cpus_per_worker, pipeline.num_gpus_per_worker; `ray status`)?"
+                )
+            message = self._next(min(1.0, self.timeout_s))
+            if message is None:
+                continue
+            kind, wid, _ = message
+            if kind == "ready" and wid in pending:
+                pending.discard(wid)
+            elif wid in pending:
+                raise WorkerError(f"worker {wid} sent '{kind}' while starting")
+            else:
+                others.append(message)
+        self._received.extendleft(reversed(others))
+        driver = ray.get_runtime_context().get_node_id()
+        for wid, actor in enumerate(self._actors):
+            before = time.perf_counter()
+            node, ip, pid, clock = ray.get(actor.where.remote())
+            self._where[wid] = (ip, pid)
+            if node != driver:  # another machine's clock: place its spans on ours
+                self._clock_offset[wid] = (before + time.perf_counter()) / 2 - clock
+
+    def _form_group(self, weights: BroadcastWeights, address: str | None) -> None:
+        import ray
+
+        host = ray.util.get_node_ip_address() if address else None
+        init_method, env = weights.rendezvous(host)
+        world_size = self.num_workers + 1
+        joins = [
+            a.join_group.remote(
+                weights.backend, init_method, wid + 1, world_size, env, self.timeout_s
+            )
+            for wid, a in enumerate(self._actors)
+        ]
+        weights.join(init_method, world_size, env, self.timeout_s)
+        ray.get(joins, timeout=self.timeout_s)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._actors)
+
+    def submit(self, wid: int, task_id: int, prompts: list[Prompt], iteration: int) -> None:
+        self._in_flight[wid].add(task_id, prompts, iteration)
+        self._send(wid, "rollout", (task_id, prompts, iteration))
+
+    def send_sync_to(self, wid: int, version: int) -> None:
+        self._send(wid, "sync", version, self.weights.message(version))
+
+    def _send(self, wid: int, kind: str, payload: Any, weights: Any = None) -> None:
+        self._actors[wid].send.remote(self._seq[wid], kind, payload, weights)
+        self._seq[wid] += 1
+
+    def has_in_flight(self) -> bool:
+        return any(self._in_flight)
+
+    def replace(self, wid: int) -> dict[int, tuple[list[Prompt], int]]:
+        """A fresh actor in slot `wid` (same resources); the old one's unreturned tasks."""
+        import ray
+
+        if self._broadcast is not None:
+            raise WorkerDied(
+                f"worker {wid} cannot be replaced with pipeline.weight_sync = 'broadcast' (a new "
+                "actor cannot join the running collective group); use 'object_store'",
+                wid,
+            )
+        ray.kill(self._actors[wid])
+        self._received = collections.deque(  # a dead worker's acknowledgements mean nothing
+            m for m in self._received if not (m[0] == "ack" and m[1] == wid)
+        )
+        lost, self._in_flight[wid] = self._in_flight[wid].tasks, InFlight()
+        self._actors[wid] = self._remote.remote(wid, self._spec, None, list(sys.path))
+        self._seq[wid] = 0
+        self._drains[wid] = self._actors[wid].drain.remote(_DRAIN_S)
+        self._await_ready(self._resources, {wid})
+        return lost
+
+    def poll(self, timeout_s: float) -> tuple[str, int, Any] | None:
+        """The next ('groups', wid, TaskResult) or ('ack', wid, version), or None after
+        `timeout_s`; raises if a worker failed or died."""
+        message = self._next(timeout_s)
+        if message is None:
+            return None
+        kind, wid, payload = message
+        if kind == "groups":
+            self._in_flight[wid].returned(payload)
+            self._to_driver_clock(payload)
+        elif kind != "ack":
+            raise WorkerError(f"worker {wid} sent '{kind}' while tasks were running")
+        return message
+
+    def _next(self, timeout_s: float) -> tuple[str, int, Any] | None:
+        """One message from any actor, fetching what their pending `drain`s brought back."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while not self._received and not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            by_ref = {ref: wid for wid, ref in self._drains.items()}
+            ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=left)
+            for ref in ready:
+                wid = by_ref[ref]
+                try:
+                    self._received.extend(ray.get(ref))
+                except ray.exceptions.RayActorError as e:
+                    raise self._died(wid, e) from None
+                self._drains[wid] = self._actors[wid].drain.remote(_DRAIN_S)
+        if not self._received:
+            return None
+        kind, wid, payload = self._received.popleft()
+        if kind == "error":
+            raise WorkerError(f"worker {wid} failed:\n{payload}")
+        return kind, wid, payload
+
+    def _died(self, wid: int, error: Exception) -> WorkerDied:
+        ip, pid = self._where[wid]
+        uids = self._in_flight[wid].uids()
+        # Ray's message: a headline, tab-indented details, then the cause on its last line.
+        lines = [line for line in str(error).splitlines() if line.strip() and line[0] != "\t"]
+        cause = lines[-1].rstrip(".") if lines else type(error).__name__
+        return WorkerDied(
+            f"worker {wid} (Ray actor, pid {pid} on {ip}) died: {cause}; "
+            f"prompts in flight: {uids or 'none'}",
+            wid,
+        )
+
+    def _to_driver_clock(self, result: TaskResult) -> None:
+        offset = self._clock_offset[result.worker]
+        if offset:
+            result.start += offset
+            result.end += offset
+            result.occupancy = [(t + offset, n) for t, n in result.occupancy]
+
+    def close(self) -> None:
+        """Kill the actors, leave the weights' group, and shut down a Ray this pool started."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+
+        for actor in self._actors:
+            ray.kill(actor)
+        self.weights.close()
+        if self._started:
+            ray.shutdown()

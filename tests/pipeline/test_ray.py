@@ -1,0 +1,285 @@
+"""The Ray backend: the unchanged pipeline on Ray actors, equal to the local backend, and clean
+exits. One local Ray (2 CPUs) serves the module; the CLI test starts its own in a subprocess."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cadence.config import load_config
+from cadence.metrics import MemorySink
+from cadence.models import load_model
+from cadence.pipeline import build_run, train
+from cadence.pipeline.workers import WorkerDied
+from updates import assert_same_update, capture_grads, max_relative_diff
+
+
+def test_importing_cadence_does_not_import_ray():
+    code = (
+        "import sys, cadence, cadence.cli, cadence.pipeline, cadence.pipeline.build, "
+        "cadence.pipeline.ray_backend, cadence.pipeline.ray_weights; "
+        "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from cadence.pipeline.ray_backend import start_ray
+
+    started = start_ray(None, num_cpus=2)
+    import ray
+
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def _cfg(model_dir, mode, *extra, backend="ray"):
+    return load_config(
+        None,
+        [
+            f"model.path='{model_dir}'",
+            f"pipeline.mode='{mode}'",
+            "pipeline.placement='separate'",
+            f"pipeline.backend='{backend}'",
+            "train.iterations=3",
+            "train.prompts_per_iteration=6",
+            "train.micro_batch_groups=2",
+            "train.lr=1e-3",
+            "rollout.group_size=4",
+            "rollout.max_new_tokens=10",
+            "data.num_heldout=4",
+            "algo.kl_coef=0.05",
+            "metrics.progress=false",
+            "reward.function='fixtures_rewards:even_length'",
+            *extra,
+        ],
+    )
+
+
+def _train(cfg, out, grads=None, sink=None):
+    run = build_run(cfg)
+    if grads is not None:
+        capture_grads(run.learner, grads)
+    sink = sink or MemorySink()
+    train(run, out, extra_sinks=[sink])
+    return run, sink.records
+
+
+@pytest.mark.slow
+def test_periodic_update_equals_sync_update_on_ray(ray_cluster, model_dir, tmp_path):
+    two = ("pipeline.num_workers=2", "pipeline.prompts_per_task=1")
+    sync_grads, per_grads = [], []
+    sync_run, sync_records = _train(_cfg(model_dir, "sync", *two), tmp_path / "s", sync_grads)
+    per_run, per_records = _train(_cfg(model_dir, "periodic", *two), tmp_path / "p", per_grads)
+    # The same claim and tolerances as the local backend's test (tests/pipeline/test_periodic.py)
+    assert len(per_grads) == 3
+    assert max_relative_diff(per_grads[0], sync_grads[0]) <= 1e-5
+    assert_same_update(
+        per_run.learner.model, sync_run.learner.model, per_grads, sync_grads, grad_rtol=5e-5
+    )
+    assert [r["reward_mean"] for r in sync_records] == [r["reward_mean"] for r in per_records]
+    assert all(r["policy_version"] == r["iteration"] for r in per_records)
+    assert _max_diff(load_model(model_dir), per_run.learner.model) > 1e-4  # it really trained
+    assert _no_worker_actor_left()
+
+
+def _max_diff(model_a, model_b) -> float:
+    pairs = zip(model_a.parameters(), model_b.parameters(), strict=True)
+    return max((a - b).abs().max().item() for a, b in pairs)
+
+
+def _no_worker_actor_left(wait_s: float = 10.0) -> bool:
+    """No process of a worker actor ('ray::RayWorker...') is alive, within `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if not [c for c in _processes() if c.startswith("ray::RayWorker")]:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+# One worker and one task per iteration: the engine gets each iteration's prompts at once, so
+# groups finish, and reach the learner, in the same order on both backends.
+_DETERMINISTIC = (
+    "pipeline.num_workers=1",
+    "pipeline.prompts_per_task=6",
+    "pipeline.tasks_in_flight=1",
+    "pipeline.max_staleness=1",
+)
+
+
+@pytest.fixture(scope="module")
+def local_offpolicy_run(model_dir, tmp_path_factory):
+    cfg = _cfg(model_dir, "offpolicy", *_DETERMINISTIC, backend="local")
+    run, records = _train(cfg, tmp_path_factory.mktemp("local"))
+    return run.learner.model, records
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_sync", ["object_store", "broadcast"])
+def test_ray_run_ends_with_the_local_run_parameters(
+    ray_cluster, local_offpolicy_run, model_dir, tmp_path, weight_sync
+):
+    local_model, local_records = local_offpolicy_run
+    cfg = _cfg(model_dir, "offpolicy", *_DETERMINISTIC, f"pipeline.weight_sync='{weight_sync}'")
+    run, records = _train(cfg, tmp_path)
+    assert [r["staleness_hist"] for r in records] == [[6, 0], [0, 6], [0, 6]]
+    assert [r["reward_mean"] for r in records] == [r["reward_mean"] for r in local_records]
+    assert _max_diff(run.learner.model, local_model) <= 1e-6
+    assert _max_diff(load_model(model_dir), local_model) > 1e-4  # both really trained
+
+
+class _KillOnFirstGroups:
+    """Wraps a pool's `poll`: kills worker 0's actor when iteration 1's first groups arrive, so
+    the worker dies with prompts in flight."""
+
+    def __init__(self, pool, ray) -> None:
+        self.pool, self.ray, self.poll = pool, ray, pool.poll
+        self.killed_at: float | None = None
+
+    def __call__(self, timeout_s):
+        message = self.poll(timeout_s)
+        groups = message[2].groups if message is not None and message[0] == "groups" else []
+        if self.killed_at is None and groups and groups[0].iteration == 1:
+            self.ray.kill(self.pool._actors[0])
+            self.killed_at = time.monotonic()
+        return message
+
+
+@pytest.mark.slow
+def test_killed_actor_is_reported_with_its_prompts_and_nothing_hangs(
+    ray_cluster, model_dir, tmp_path
+):
+    cfg = _cfg(
+        model_dir,
+        "periodic",
+        "pipeline.num_workers=2",
+        "pipeline.prompts_per_task=1",
+        "pipeline.max_worker_restarts=0",
+    )
+    run = build_run(cfg)
+    killer = _KillOnFirstGroups(run.source.pool, ray_cluster)
+    run.source.pool.poll = killer
+    errors: list[BaseException] = []
+
+    def target():
+        try:
+            train(run, tmp_path)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the run hung after its worker was killed"
+    assert killer.killed_at is not None
+    (error,) = errors
+    assert isinstance(error, WorkerDied) and error.wid == 0
+    assert "worker 0 (Ray actor, pid" in str(error)
+    assert "killed by `ray.kill`" in str(error)
+    assert "prompts in flight: [" in str(error)
+    assert "pipeline.max_worker_restarts = 0" in str(error)
+    assert _no_worker_actor_left()
+
+
+@pytest.mark.slow
+def test_killed_actor_is_replaced_and_the_run_stays_on_policy(ray_cluster, model_dir, tmp_path):
+    cfg = _cfg(model_dir, "periodic", "pipeline.num_workers=2", "pipeline.prompts_per_task=1")
+    run = build_run(cfg)
+    killer = _KillOnFirstGroups(run.source.pool, ray_cluster)
+    run.source.pool.poll = killer
+    sink = MemorySink()
+    train(run, tmp_path, extra_sinks=[sink])
+    assert killer.killed_at is not None
+    assert sink.records[-1]["worker_restarts"] == 1
+    assert all(r["staleness_max"] == 0 for r in sink.records)  # every group of its version
+    assert _no_worker_actor_left()
+
+
+@pytest.mark.slow
+def test_worker_exception_reaches_the_driver_with_its_traceback(ray_cluster, model_dir, tmp_path):
+    from cadence.engine import SamplingParams
+    from cadence.pipeline.ray_backend import RayPool
+    from cadence.pipeline.workers import WorkerError, WorkerSpec
+
+    spec = WorkerSpec(
+        model_path=str(tmp_path / "no-model"),
+        dtype="float32",
+        reward="math",
+        sampling=SamplingParams(max_new_tokens=4),
+        group_size=2,
+        run_seed=0,
+        threads=1,
+        max_num_seqs=4,
+    )
+    with pytest.raises(WorkerError, match=r"(?s)worker 0 failed:.*Traceback.*no-model"):
+        RayPool(spec, load_model(model_dir), 1, timeout_s=60)
+    assert _no_worker_actor_left()
+
+
+def _processes(sid: int | None = None) -> list[str]:
+    """Command lines of live processes, of session `sid` if given (field 6 of /proc/PID/stat)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if fields[0] != "Z" and (sid is None or int(fields[3]) == sid):
+            found.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
+    return found
+
+
+@pytest.mark.slow
+def test_cli_run_on_ray_leaves_no_ray_process(model_dir, tmp_path):
+    overrides = [
+        f"model.path='{model_dir}'",
+        "pipeline.placement='separate'",
+        "pipeline.backend='ray'",
+        "pipeline.mode='periodic'",
+        "pipeline.ray_num_cpus=2",
+        "train.iterations=2",
+        "train.prompts_per_iteration=4",
+        "rollout.max_new_tokens=8",
+        "data.num_heldout=2",
+        "metrics.progress=false",
+    ]
+    args = [sys.executable, "-m", "cadence.cli", "train", "configs/default.toml"]
+    args += ["--out", str(tmp_path)] + [a for o in overrides for a in ("--set", o)]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    seen: list[str] = []
+    proc = subprocess.Popen(
+        args, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    while proc.poll() is None:  # note the Ray processes the run starts, to check them after
+        seen += [c for c in _processes(proc.pid) if c not in seen]
+        time.sleep(0.5)
+    assert proc.returncode == 0, proc.stderr.read().decode()
+    assert any("raylet" in c for c in seen) and any("gcs_server" in c for c in seen)
+    deadline = time.monotonic() + 10
+    while _processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes(proc.pid) == []
+    assert (tmp_path / "metrics.jsonl").read_text().strip()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_nccl_broadcast_run_between_gpus(ray_cluster, model_dir, tmp_path):
+    cfg = _cfg(
+        model_dir,
+        "periodic",
+        "model.device='cuda:1'",  # Ray gives the worker the first free GPU, cuda:0
+        "pipeline.num_gpus_per_worker=1",
+        "pipeline.weight_sync='broadcast'",
+    )
+    _, records = _train(cfg, tmp_path)
+    assert [r["policy_version"] for r in records] == [0, 1, 2]
