@@ -86,6 +86,7 @@ class SampleBatch:
     rows: list[SampleRow]
     data: dict[str, list]  # field -> values aligned with `rows`
     num_dropped: int = 0  # rows this get refused as too stale (marked consumed, never returned)
+    num_dropped_units: int = 0  # the same, counted in units (groups, or rows)
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -143,9 +143,9 @@ def test_on_policy_returns_same_version_and_raises_on_any_other():
     store = SampleStore()
     put(store, group_rows(0, version=3), "x")
     assert indices(store.get(["x"], 1, "a", timeout=0, version=3)) == [0, 1]
-    with pytest.raises(StaleRowError, match="policy_version 3, consumer is at 4"):
+    with pytest.raises(StaleRowError, match="policy_version 3, b is at 4"):
         store.get(["x"], 1, "b", timeout=0, version=4)  # behind, on-policy: a broken barrier
-    with pytest.raises(StaleRowError, match="policy_version 3, consumer is at 2"):
+    with pytest.raises(StaleRowError, match="policy_version 3, c is at 2"):
         store.get(["x"], 1, "c", timeout=0, version=2, max_staleness=1)  # from the future
 
 

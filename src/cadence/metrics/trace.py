@@ -61,6 +61,27 @@ class Tracer:
         with self._lock:
             self.spans.append(span)
 
+    def mean_level(self, track: str, start: float, end: float) -> float:
+        """Time-weighted mean over [start, end] of the counter on `track`: its last value before
+        `start` carries in (0 before its first sample). Reads back from the newest sample only
+        until one before `start`, so the cost does not grow with the run."""
+        level, points = 0.0, []
+        with self._lock:
+            for s in reversed(self.samples):
+                if s.track != track:
+                    continue
+                if s.t <= start:
+                    level = s.value
+                    break
+                points.append((s.t, s.value))
+        total, t0 = 0.0, start
+        for t, value in sorted(points):
+            t = min(t, end)
+            total += level * max(t - t0, 0.0)
+            t0, level = max(t, t0), value
+        total += level * max(end - t0, 0.0)
+        return total / (end - start) if end > start else level
+
     def select(
         self, track_prefix: str, since: float = 0.0, names: tuple[str, ...] = ()
     ) -> list[Span]:

@@ -176,6 +176,7 @@ def build_source(
         iterations=cfg.train.iterations,
         first_iteration=first_iteration,
         max_worker_restarts=p.max_worker_restarts,
+        group_size=cfg.rollout.group_size,
     )
 
 

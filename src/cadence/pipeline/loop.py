@@ -29,12 +29,12 @@ from cadence.pipeline.checkpoint import (
     set_rng_state,
 )
 from cadence.pipeline.evaluate import evaluate
+from cadence.pipeline.store import StaleRowError, check_staleness
 from cadence.rewards import RewardErrorBudget
 from cadence.types import Group
 
-
-class StaleGroupError(RuntimeError):
-    """A group reached the learner with a policy version it must not train on."""
+# One staleness rule and one exception, whether the store or the loop sees the group first.
+StaleGroupError = StaleRowError
 
 
 def on_policy(groups: Iterator[Group], version: int, seen: list[Group]) -> Iterator[Group]:
@@ -50,15 +50,12 @@ def within_staleness(
     On-policy (max_staleness = 0) any other version is a broken barrier: raise. Off-policy, a
     group staler than allowed (admission control should make that impossible) is dropped and
     counted, never trained on; a group from a version the learner has not reached is a bug: raise.
+    The rule is the sample store's (`check_staleness`), so a source backed by the store has
+    already applied it; this checks every source the same way.
     """
     for g in groups:
-        staleness = version - g.policy_version
-        if staleness < 0 or (max_staleness == 0 and staleness != 0):
-            raise StaleGroupError(
-                f"group {g.prompt.uid} has policy_version {g.policy_version}, learner is at "
-                f"{version}: weights reached the workers after generation started"
-            )
-        if staleness > max_staleness:
+        what = f"group {g.prompt.uid} has policy_version {g.policy_version}, learner"
+        if not check_staleness(g.policy_version, version, max_staleness, what):
             dropped.append(g)
             continue
         seen.append(g)
@@ -73,13 +70,15 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
     start = tracer.now()
     num_groups, max_staleness = cfg.train.prompts_per_iteration, run.max_staleness
     version = learner.version
+    done_before = run.source.stages()
     run.source.start_iteration(iteration, version)
     seen: list[Group] = []
     dropped: list[Group] = []
     groups = within_staleness(run.source.groups(), version, max_staleness, seen, dropped)
     stats = learner.train_iteration(groups, num_groups)
     wall = tracer.now() - start
-    if len(seen) + len(dropped) != num_groups:
+    num_dropped = len(dropped) + run.source.times.dropped_groups  # by the loop or the store
+    if len(seen) + num_dropped != num_groups:
         raise RuntimeError(f"iteration {iteration} consumed {len(seen)} of {num_groups} groups")
     staleness = [version - g.policy_version for g in seen]
     completions = [c for g in seen for c in g.completions]
@@ -100,12 +99,13 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": max(staleness),
             "staleness_hist": [staleness.count(s) for s in range(max_staleness + 1)],
-            "dropped_groups": len(dropped),
+            "dropped_groups": num_dropped,
             "worker_restarts": sum(run.source.restarts),
             "prompts_skipped": run.stream.fit.skipped,
             "prompts_truncated": run.stream.fit.truncated,
         }
         | pipeline_figures(run, start, wall)
+        | stage_figures(run, start, wall, done_before, len(completions))
     )
 
 
@@ -134,6 +134,41 @@ def pipeline_figures(run: Run, start: float, wall: float) -> dict[str, float]:
         "queue_depth": sum(depths) / len(depths),
         "queue_depth_max": max(depths),
     }
+
+
+# stage -> (track prefix of its workers' spans, span names that are its work)
+STAGE_SPANS = {
+    "gen": ("worker", ("generate",)),
+    "reward": ("reward", ("score",)),
+    "train": ("learner", TRAIN_SPANS),
+}
+
+
+def stage_figures(
+    run: Run, start: float, wall: float, done_before: dict[str, tuple[int, int]], rows_trained: int
+) -> dict[str, float]:
+    """Per stage (gen, reward when a reward stage scores, train) over one iteration:
+    `stage_S_busy_s` (work spans, mean per worker, inside the iteration), `stage_S_idle_s`
+    (wall minus busy), `stage_S_rows_per_s` (samples the stage finished / wall) and
+    `stage_S_queue_depth` (rows waiting for the stage, time-weighted mean: prompts x group size
+    not yet generated; rows generated and not yet scored; rows in whole ready groups not yet
+    taken by the learner)."""
+    tracer, end = run.tracer, start + wall
+    done = run.source.stages()
+    stages = {s: (workers, rows - done_before[s][1]) for s, (workers, rows) in done.items()}
+    stages["train"] = (1, rows_trained)
+    figures: dict[str, float] = {}
+    for stage, (workers, rows) in stages.items():
+        prefix, names = STAGE_SPANS[stage]
+        spans = tracer.select(prefix, since=start, names=names)
+        busy = sum(max(min(s.end, end) - s.start, 0.0) for s in spans) / max(workers, 1)
+        figures |= {
+            f"stage_{stage}_busy_s": busy,
+            f"stage_{stage}_idle_s": max(wall - busy, 0.0),
+            f"stage_{stage}_rows_per_s": rows / wall if wall > 0 else 0.0,
+            f"stage_{stage}_queue_depth": tracer.mean_level(f"queue-{stage}", start, end),
+        }
+    return figures
 
 
 def heldout_accuracy(run: Run) -> float:

@@ -13,22 +13,38 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cadence.metrics.trace import Span, Tracer
+from cadence.pipeline.samples import (
+    GENERATED,
+    LEARNER,
+    TRAIN,
+    batch_groups,
+    group_rows,
+    record_depths,
+)
+from cadence.pipeline.store import SampleStore, StoreClosed
 from cadence.pipeline.worker import RolloutWorker
 from cadence.pipeline.workers import Pool, WorkerDied
-from cadence.types import Group, Prompt
+from cadence.types import Group, Prompt, SampleBatch
+
+if TYPE_CHECKING:
+    from cadence.pipeline.reward_stage import RewardStage
 
 
 class GroupSource(Protocol):
     times: IterationTimes  # what the current iteration measured
     restarts: list[int]  # worker replacements so far, per worker slot
+
+    def stages(self) -> dict[str, tuple[int, int]]:
+        """(workers, samples finished so far in the run) of each stage before the learner:
+        "gen", and "reward" when a reward stage scores. For the per-stage figures."""
+        ...
 
     def start_iteration(self, iteration: int, version: int) -> None: ...
 
@@ -39,7 +55,6 @@ class GroupSource(Protocol):
     def close(self) -> None: ...
 
 
-_DONE = object()
 log = logging.getLogger(__name__)
 
 
@@ -57,7 +72,10 @@ class IterationTimes:
     first_group: float = float("nan")
     last_group: float = float("nan")
     learner_wait_s: float = 0.0
-    queue_depths: list[int] = field(default_factory=list)
+    queue_depths: list[int] = field(
+        default_factory=list
+    )  # groups ready, each time the learner asks
+    dropped_groups: int = 0  # refused by the store as staler than allowed
 
 
 class ColocatedSource:
@@ -72,12 +90,17 @@ class ColocatedSource:
         self.times = IterationTimes()
         self.restarts: list[int] = []
         self._pending: list[Group] = []
+        self._rows = 0
+
+    def stages(self) -> dict[str, tuple[int, int]]:
+        return {"gen": (1, self._rows)}
 
     def start_iteration(self, iteration: int, version: int) -> None:
         self.times = IterationTimes(start=self.tracer.now())
         prompts = self.next_prompts()
         with self.tracer.span("generate", "worker-0"):
             self._pending = self.worker.rollout(prompts, iteration, version)
+        self._rows += sum(g.group_size for g in self._pending)
         self.tracer.add_samples("slots", "worker-0", self.worker.take_occupancy())
         self.times.first_group = self.times.last_group = self.tracer.now() - self.times.start
 
@@ -90,8 +113,9 @@ class ColocatedSource:
 
 
 class WorkerSource:
-    """Worker processes fed by one persistent producer thread; `stream` and `max_staleness` are
-    the sync / periodic / offpolicy knobs.
+    """Worker processes fed by one persistent producer thread, their groups streamed to the
+    learner through a `SampleStore`; `stream` and `max_staleness` are the sync / periodic /
+    offpolicy knobs.
 
     Versions and order. The learner publishes version v at the start of iteration v
     (`start_iteration`): it writes the shared weights (once every worker has loaded the previous
@@ -106,8 +130,14 @@ class WorkerSource:
     the learner staler than that. max_staleness = 0 is periodic; 1 is one-step off-policy
     (iteration k is generated with version k - 1 while the learner trains iteration k - 1).
     With max_staleness = 0 the learner also waits in `start_iteration` until every worker has
-    loaded the version (the barrier); `stream=False` (sync) hands out an iteration's groups only
-    once all are in. Any producer or worker failure is re-raised in the learner's thread.
+    loaded the version (the barrier).
+
+    The store. The producer puts each finished group's rows (`samples.GENERATED`, and the reward
+    when the workers scored it; otherwise `reward_stage` writes it). `groups()` takes the
+    iteration's whole groups with every field for the task "learner", checked against the
+    learner's version by the store's staleness rule, as they become ready (stream) or all at
+    once (`stream=False`, sync), and clears the iteration once all are taken. Any producer,
+    worker or reward-stage failure is re-raised in the learner's thread.
     """
 
     def __init__(
@@ -125,6 +155,9 @@ class WorkerSource:
         iterations: int | None = None,
         first_iteration: int = 0,
         max_worker_restarts: int = 0,
+        store: SampleStore | None = None,
+        reward_stage: RewardStage | None = None,
+        group_size: int = 1,
     ) -> None:
         if max_staleness > 0 and queue_size:
             raise ValueError("pipeline.queue_size must be 0 (unbounded) with max_staleness > 0")
@@ -136,31 +169,43 @@ class WorkerSource:
         self.prompts_per_task = prompts_per_task
         self.tasks_in_flight = tasks_in_flight
         self.max_staleness = max_staleness
-        self.queue_size = queue_size
+        self.queue_size = queue_size  # most groups waiting for the learner before tasks pause
         self.iterations = iterations  # None: begin iterations for as long as admission allows
         self.first_iteration = first_iteration  # a resumed run begins where it stopped
         self.max_worker_restarts = max_worker_restarts  # per worker slot, over the run
+        self.store = store if store is not None else SampleStore()
+        self.reward_stage = reward_stage  # scores the rows when the workers do not
+        self.group_size = group_size  # samples per prompt: the generation queue's depth in rows
         self.restarts = [0] * pool.num_workers
         self.duplicates = 0  # groups received twice and dropped (only after a worker is replaced)
         self._weights_version = -1  # the version the published weights hold
-        self._delivered: dict[int, set[str]] = {}  # iteration -> prompt uids handed to the learner
+        self._delivered: dict[int, set[str]] = {}  # iteration -> prompt uids put in the store
         self.times = IterationTimes()
         self._cond = threading.Condition()
         self._published = -1  # newest version the learner has released to the producer
         self._new_versions: list[int] = []  # released, not yet queued as sync items
         self._acked = [-1] * pool.num_workers  # newest version each worker has loaded
-        self._queues: dict[int, queue.Queue] = {}
-        self._sizes: dict[int, int] = {}  # groups per iteration
-        self._current = -1
+        self._sizes: dict[int, int] = {}  # iteration -> its groups, once begun
+        self._current, self._version = -1, -1  # the learner's iteration and version
         self._task_iteration: dict[int, int] = {}  # task id -> its iteration
+        self._next_group, self._next_row = 0, 0  # store ids, in arrival order
+        self._rows_generated, self._gen_waiting = 0, 0  # rows put; rows begun, not yet put
         self._failure: _Failure | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def stages(self) -> dict[str, tuple[int, int]]:
+        done = {"gen": (self.pool.num_workers, self._rows_generated)}
+        if self.reward_stage is not None:
+            done["reward"] = (self.reward_stage.num_workers, self.reward_stage.rows_scored)
+        return done
 
     # --- learner thread ------------------------------------------------------------------
 
     def start_iteration(self, iteration: int, version: int) -> None:
         if self._thread is None:
+            if self.reward_stage is not None:
+                self.reward_stage.start()
             self._thread = threading.Thread(
                 target=self._produce, name="cadence-producer", daemon=True
             )
@@ -171,7 +216,7 @@ class WorkerSource:
         self.times.weight_sync_s = self.tracer.now() - self.times.start
         with self._cond:
             self._published = max(self._published, version)
-            self._current = iteration
+            self._current, self._version = iteration, version
             self._cond.notify_all()
 
     def barrier(self, version: int) -> None:
@@ -189,80 +234,95 @@ class WorkerSource:
                 self._wait(lambda: min(self._acked) >= version, f"load version {version}")
 
     def _wait(self, ready: Callable[[], bool], what: str) -> None:
-        """Wait (holding `_cond`) until `ready()`; raise the producer's failure or a timeout."""
+        """Wait (holding `_cond`) until `ready()`; raise a stage's failure or a timeout."""
         deadline = time.monotonic() + self.pool.timeout_s
         while not ready():
-            if self._failure is not None:
-                raise self._failure.error
+            self._raise_failure()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"workers did not {what} within {self.pool.timeout_s:.0f}s")
             self._cond.wait(timeout=0.5)
 
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure.error
+        if self.reward_stage is not None and self.reward_stage.failure is not None:
+            raise self.reward_stage.failure
+
     def groups(self) -> Iterator[Group]:
-        """The current iteration's groups: as they arrive (stream) or once all are in."""
-        q = self._queue(self._current)
-        items = self._drain(q) if not self.stream else None
-        while True:
-            item = items.pop(0) if items is not None else self._next(q)
-            if item is _DONE:
-                with self._cond:
-                    del self._queues[self._current]
-                return
-            if isinstance(item, _Failure):
-                raise item.error
-            yield item
-
-    def _queue(self, iteration: int) -> queue.Queue:
+        """The current iteration's groups: as they become ready (stream) or once all are."""
+        k, version = self._current, self._version
         with self._cond:
-            if iteration not in self._queues:
-                self._queues[iteration] = queue.Queue(maxsize=self.queue_size)
-            return self._queues[iteration]
+            self._wait(lambda: k in self._sizes, f"begin iteration {k}")
+            left = self._sizes[k]
+        while left > 0:
+            batch = self._take(k, version, left)
+            self.times.dropped_groups += batch.num_dropped_units
+            left -= batch.num_dropped_units
+            for group in batch_groups(batch):
+                left -= 1
+                yield group
+        self.store.clear(k)
+        with self._cond:
+            del self._sizes[k]
 
-    def _next(self, q: queue.Queue):
+    def _take(self, iteration: int, version: int, left: int) -> SampleBatch:
+        """The next group (stream) or all `left` (sync) of `iteration` from the store, waiting
+        as long as they are generated and scored; raises whatever stopped a stage meanwhile."""
+        n = 1 if self.stream else left
         start = self.tracer.now()
-        self.times.queue_depths.append(q.qsize())
-        while True:
-            try:
-                item = q.get(timeout=1.0)
-                break
-            except queue.Empty:
-                if self._failure is not None:
-                    item = self._failure
-                    break
+        ready = self.store.depth(TRAIN, LEARNER, groups=True, iteration=iteration, units=True)
+        self.times.queue_depths.append(ready)
+        try:
+            while True:
+                self._raise_failure()
+                batch = self.store.get(
+                    TRAIN,
+                    n,
+                    LEARNER,
+                    timeout=0.5,
+                    min_size=n,
+                    iteration=iteration,
+                    version=version,
+                    max_staleness=self.max_staleness,
+                )
+                if batch.rows or batch.num_dropped:
+                    self._raise_failure()  # a store closed by a failure hands out what it has
+                    record_depths(self.store, self.tracer, self.reward_stage is not None)
+                    return batch
                 if self._thread is None or not self._thread.is_alive():
-                    item = _Failure(RuntimeError("producer thread ended without finishing"))
-                    break
-        self.times.learner_wait_s += self.tracer.now() - start
-        return item
-
-    def _drain(self, q: queue.Queue) -> list:
-        items = []
-        while True:
-            items.append(self._next(q))
-            if items[-1] is _DONE or isinstance(items[-1], _Failure):
-                return items
+                    raise RuntimeError("producer thread ended without finishing")
+        except StoreClosed:
+            self._raise_failure()
+            raise
+        finally:
+            self.times.learner_wait_s += self.tracer.now() - start
 
     def close(self) -> None:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
+        self.store.close()  # wakes the reward stage's driver and any waiting get
         if self._thread is not None:  # first, so that it cannot mistake stopped workers for dead
             self._thread.join(timeout=10)
             self._thread = None
-        self.pool.close()
+        try:
+            if self.reward_stage is not None:
+                self.reward_stage.close()
+        finally:
+            self.pool.close()
 
     # --- producer thread -----------------------------------------------------------------
 
     def _produce(self) -> None:
         try:
             self._produce_loop()
+        except StoreClosed:  # closed by close() or by a failing reward stage, which says why
+            return
         except BaseException as e:  # surfaces in the learner's thread
             self._failure = _Failure(e)
             with self._cond:
                 self._cond.notify_all()
-                queues = list(self._queues.values())
-            for q in queues:
-                self._put(q, self._failure)
+            self.store.close()
 
     def _produce_loop(self) -> None:
         fifo: collections.deque = collections.deque()  # ("sync", v) | ("task", k, id, prompts)
@@ -314,13 +374,26 @@ class WorkerSource:
                     self.duplicates += 1
                     continue
                 delivered.add(g.prompt.uid)
-                self._put(self._queue(g.iteration), g)
+                self._put(g)
             if payload.task_done:
                 k = self._task_iteration.pop(payload.task_id)
                 remaining[k] -= 1
                 if remaining[k] == 0:
                     self._delivered.pop(k, None)
-                    self._put(self._queue(k), _DONE)
+
+    def _put(self, group: Group) -> None:
+        """The group's rows into the store, scored or waiting for the reward stage."""
+        scored = self.reward_stage is None
+        rows, fields = group_rows(group, self._next_group, self._next_row, scored=scored)
+        self.store.put(rows, fields)
+        self._next_group += 1
+        self._next_row += len(rows)
+        self._rows_generated += len(rows)
+        self._gen_waiting = max(self._gen_waiting - len(rows), 0)
+        self.tracer.add_samples(
+            "rows waiting", "queue-gen", [(time.perf_counter(), self._gen_waiting)]
+        )
+        record_depths(self.store, self.tracer, not scored)
 
     def _replace(self, died: WorkerDied) -> None:
         """Start a new worker in a dead one's slot, give it the newest published weights and
@@ -353,14 +426,21 @@ class WorkerSource:
 
     def _begin(self, iteration: int) -> list[list[Prompt]]:
         prompts = self.next_prompts()
-        self._queue(iteration)
+        with self._cond:
+            self._sizes[iteration] = len(prompts)
+            self._cond.notify_all()
+        self._gen_waiting += len(prompts) * self.group_size
+        self.tracer.add_samples(
+            "rows waiting", "queue-gen", [(time.perf_counter(), self._gen_waiting)]
+        )
         return [
             prompts[i : i + self.prompts_per_task]
             for i in range(0, len(prompts), self.prompts_per_task)
         ]
 
     def _dispatch(self, fifo: collections.deque, free: list[int]) -> None:
-        """Hand out the FIFO's head while workers have room; a sync goes to every worker."""
+        """Hand out the FIFO's head while workers have room; a sync goes to every worker. Tasks
+        wait while `queue_size` groups wait for the learner."""
         while fifo:
             item = fifo[0]
             if item[0] == "sync":
@@ -368,13 +448,19 @@ class WorkerSource:
                     self.pool.send_sync_to(wid, item[1])
             else:
                 wid = max(range(len(free)), key=lambda w: free[w])
-                if free[wid] == 0:
+                if free[wid] == 0 or self._learner_backlog_full():
                     return
                 _, k, task_id, prompts = item
                 self.pool.submit(wid, task_id, prompts, k)
                 self._task_iteration[task_id] = k
                 free[wid] -= 1
             fifo.popleft()
+
+    def _learner_backlog_full(self) -> bool:
+        if not self.queue_size:
+            return False
+        waiting = self.store.depth(GENERATED, LEARNER, groups=True, units=True)
+        return waiting >= self.queue_size
 
     def _record(self, result) -> None:
         origin, track = self.tracer.origin, f"worker-{result.worker}"
@@ -385,11 +471,3 @@ class WorkerSource:
             if math.isnan(self.times.first_group):
                 self.times.first_group = now - self.times.start
             self.times.last_group = now - self.times.start
-
-    def _put(self, q: queue.Queue, item) -> None:
-        while not self._stop.is_set():
-            try:
-                q.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue

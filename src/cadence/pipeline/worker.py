@@ -2,7 +2,8 @@
 
 It owns an engine and the reward function. Colocated, it runs in the learner's thread on the
 learner's own model; the same class is what worker processes run. Scoring happens here, off the
-learner's critical path once workers are separate.
+learner's critical path once workers are separate, unless a reward stage scores (`reward=None`:
+groups leave unscored, and the producer does not write their reward).
 
 Two ways in: `rollout` generates a list of prompts and returns when all are done; `submit` and
 `poll` stream, for a worker process that keeps its engine's slots full across tasks and hands each
@@ -42,7 +43,7 @@ class RolloutWorker:
         self,
         engine: Engine,
         tokenizer,
-        reward: RewardFn,
+        reward: RewardFn | None,
         sampling: SamplingParams,
         group_size: int,
         run_seed: int,
@@ -114,9 +115,10 @@ class RolloutWorker:
         return [done[p.index] for p in prompts]
 
     def _score(self, job: _InFlight, completions: list[Completion]) -> Group:
-        for c in completions:
-            result = safe_reward(self.reward, job.prompt.text, c.text, job.prompt.answer)
-            c.reward, c.reward_error = result.value, result.error
+        if self.reward is not None:
+            for c in completions:
+                result = safe_reward(self.reward, job.prompt.text, c.text, job.prompt.answer)
+                c.reward, c.reward_error = result.value, result.error
         group = Group(job.prompt, job.prompt_ids, completions, job.version, job.iteration)
         group.gen_s = time.perf_counter() - job.submitted
         return group

@@ -86,7 +86,7 @@ class WorkerSpec:
 
     model_path: str
     dtype: str
-    reward: str
+    reward: str  # the reward function's spec; "" when a reward stage scores instead
     sampling: SamplingParams
     group_size: int
     run_seed: int
@@ -118,7 +118,7 @@ def _build_worker(spec: WorkerSpec):
     tokenizer = load_tokenizer(spec.model_path)
     model = load_model(spec.model_path, dtype=DTYPES[spec.dtype])
     engine = make_engine(spec.engine, model, tokenizer, max_num_seqs=spec.max_num_seqs)
-    reward = load_reward(spec.reward)
+    reward = load_reward(spec.reward) if spec.reward else None
     return model, RolloutWorker(
         engine, tokenizer, reward, spec.sampling, spec.group_size, spec.run_seed
     )
@@ -303,12 +303,12 @@ class WorkerPool:
         """Start a fresh worker in slot `wid` (it loads no version until sent a sync); return
         the tasks the old one still held, by id, with only the prompts it had not returned."""
         old = self.procs[wid]
-        self._stop_process(old.process)
+        stop_process(old.process)
         self._drain()  # whatever the old worker sent before it died is in the pipe now
         self._pending = collections.deque(  # a dead worker's acknowledgements mean nothing
             m for m in self._pending if not (m[0] == "ack" and m[1] == wid)
         )
-        self._close_queue(old.inbox)
+        close_queue(old.inbox)
         self.procs[wid] = self._spawn(wid)
         self._await_ready({wid})
         return old.in_flight.tasks
@@ -384,23 +384,25 @@ class WorkerPool:
                 with contextlib.suppress(OSError, ValueError):  # its queue may be broken
                     proc.inbox.put(("stop", None))
         for proc in self.procs:
-            self._stop_process(proc.process)
+            stop_process(proc.process)
         for proc in self.procs:
-            self._close_queue(proc.inbox)
-        self._close_queue(self.results)
+            close_queue(proc.inbox)
+        close_queue(self.results)
         self.procs = []
 
-    @staticmethod
-    def _stop_process(process, grace_s: float = 5.0) -> None:
-        process.join(timeout=grace_s)
-        if process.is_alive():
-            process.terminate()
-            process.join(timeout=grace_s)
-        if process.is_alive():
-            process.kill()
-            process.join()
 
-    @staticmethod
-    def _close_queue(q) -> None:
-        q.close()
-        q.cancel_join_thread()
+def stop_process(process, grace_s: float = 5.0) -> None:
+    """Join a process that was asked to stop; terminate, then kill, one that does not exit."""
+    process.join(timeout=grace_s)
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout=grace_s)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def close_queue(q) -> None:
+    """Close a multiprocessing queue without waiting for its feeder thread to flush."""
+    q.close()
+    q.cancel_join_thread()
