@@ -1,8 +1,9 @@
-"""A reward module that imports in the learner but raises when a worker process imports it."""
+"""A reward module that imports in the learner but raises when a worker process (rollout or
+reward) imports it."""
 
 import multiprocessing
 
-if multiprocessing.current_process().name.startswith("cadence-worker"):
+if multiprocessing.current_process().name.startswith(("cadence-worker", "cadence-reward")):
     raise RuntimeError("this module refuses to load in a worker")
 
 

@@ -73,3 +73,16 @@ def flaky(prompt: str, completion: str, answer: str) -> float:
     if len(completion) % 3 == 1:
         return float("nan")
     return even_length(prompt, completion, answer)
+
+
+def exit_in_reward_worker(prompt: str, completion: str, answer: str) -> float:
+    """Kills the reward worker process that calls it the third time; elsewhere a constant 0."""
+    import multiprocessing
+    import os
+
+    global _calls
+    if multiprocessing.current_process().name.startswith("cadence-reward"):
+        _calls += 1
+        if _calls == 3:
+            os._exit(3)
+    return 0.0

@@ -84,25 +84,55 @@ class RewardConfig(_Section):
     kind: Literal["rule", "model"] = Field(
         "rule",
         description="rule: `function` scores each response; model: a learned reward model "
-        "(`model_path`) scores responses in micro-batches of `batch_size`.",
+        "(`model_path`) scores responses in micro-batches of `batch_size`, in reward workers.",
     )
     function: str = Field(
-        "math", description="'math' (math-verify final answer) or 'module:function'."
+        "math",
+        description="'math' (math-verify final answer) or 'module:function'. With kind 'model' "
+        "it still scores held-out accuracy.",
     )
     model_path: str | None = Field(
         None,
         description="kind 'model': local Hugging Face sequence-classification directory "
         "(`cadence init-reward-model` builds a tiny one on the task).",
     )
-    batch_size: int = Field(32, ge=1, description="kind 'model': responses per forward pass.")
+    stage: Literal["worker", "separate"] = Field(
+        "worker",
+        description="Where responses are scored: worker (inside the rollout worker, as each group "
+        "finishes; rule rewards only) or separate (a stage of num_workers reward worker processes "
+        "that score rows from the sample store as they arrive; needs pipeline.placement = "
+        "'separate'). Default: worker for kind 'rule', separate for kind 'model'.",
+    )
+    num_workers: int = Field(1, ge=1, description="stage 'separate': reward worker processes.")
+    threads_per_worker: int = Field(
+        1, ge=1, description="stage 'separate': torch threads in each reward worker."
+    )
+    batch_size: int = Field(
+        32,
+        ge=1,
+        description="stage 'separate': most responses a reward worker takes at once (it takes "
+        "whatever has arrived, up to this); kind 'model': also responses per forward pass.",
+    )
     max_error_fraction: float = Field(
         0.1, ge=0.0, le=1.0, description="Stop the run when more samples than this fail scoring."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stage_of_kind(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "stage" not in data:
+            data["stage"] = "separate" if data.get("kind") == "model" else "worker"
+        return data
 
     @model_validator(mode="after")
     def _model_path_for_model(self) -> RewardConfig:
         if self.kind == "model" and not self.model_path:
             raise ValueError("reward.model_path is required when reward.kind = 'model'")
+        if self.kind == "model" and self.stage != "separate":
+            raise ValueError(
+                "reward.kind = 'model' runs in reward workers: set reward.stage = 'separate' "
+                "(or leave it out)"
+            )
         return self
 
 
@@ -351,6 +381,15 @@ class Config(_Section):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @model_validator(mode="after")
+    def _reward_stage_needs_workers(self) -> Config:
+        if self.reward.stage == "separate" and self.pipeline.placement != "separate":
+            raise ValueError(
+                "reward.stage = 'separate' (the default for reward.kind = 'model') scores in "
+                "reward workers beside the rollout workers: set pipeline.placement = 'separate'"
+            )
+        return self
 
     @model_validator(mode="after")
     def _broadcast_devices(self) -> Config:

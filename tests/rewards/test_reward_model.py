@@ -10,7 +10,6 @@ from cadence.cli import main
 from cadence.config import ConfigError, load_config
 from cadence.data import ArithmeticTask, make_prompt
 from cadence.models import ModelLoadError, save_pretrained
-from cadence.pipeline import build_run
 from cadence.rewards.model import RewardModel, pad_right, text_ids
 from cadence.rewards.model_recipe import (
     build_reward_model,
@@ -90,14 +89,19 @@ def test_missing_or_wrong_directories_are_clear_errors(tmp_path, model_dir, rewa
         RewardModel.load(reward_dir).score_texts(PROMPTS[:2], RESPONSES[:1])
 
 
-def test_reward_kind_model_needs_a_model_path():
+def test_reward_kind_model_needs_a_model_path_and_reward_workers():
+    separate = 'pipeline.placement="separate"'
     with pytest.raises(ConfigError, match=r"reward\.model_path is required"):
-        load_config(None, ['reward.kind="model"'])
-    cfg = load_config(None, ['reward.kind="model"', 'reward.model_path="runs/rm"'])
+        load_config(None, ['reward.kind="model"', separate])
+    cfg = load_config(None, ['reward.kind="model"', 'reward.model_path="runs/rm"', separate])
     assert cfg.reward.kind == "model" and cfg.reward.batch_size == 32
-    assert load_config().reward.kind == "rule"
-    with pytest.raises(ConfigError, match=r"scores with reward\.function only"):
-        build_run(cfg)  # refused up front, not silently trained with the rule reward
+    assert cfg.reward.stage == "separate" and cfg.reward.num_workers == 1  # the kind's default
+    default = load_config()
+    assert default.reward.kind == "rule" and default.reward.stage == "worker"
+    with pytest.raises(ConfigError, match=r"set reward\.stage = 'separate'"):
+        load_config(None, ['reward.kind="model"', 'reward.model_path="m"', 'reward.stage="worker"'])
+    with pytest.raises(ConfigError, match=r"set pipeline\.placement = 'separate'"):
+        load_config(None, ['reward.kind="model"', 'reward.model_path="runs/rm"'])
 
 
 def test_a_wrong_answer_moves_only_the_final_number_and_stays_natural():

@@ -20,7 +20,9 @@ from cadence.metrics import Tracer
 from cadence.models import load_model, load_tokenizer
 from cadence.pipeline.checkpoint import Checkpoint, restore_learner, weights_digest
 from cadence.pipeline.prompts import PromptFilter, PromptStream, heldout_prompts
+from cadence.pipeline.reward_stage import RewardSpec, RewardStage
 from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
+from cadence.pipeline.store import SampleStore
 from cadence.pipeline.weights import SharedWeights
 from cadence.pipeline.worker import RolloutWorker
 from cadence.pipeline.workers import Pool, WorkerPool, WorkerSpec
@@ -133,7 +135,10 @@ def learner_threads(cfg: Config) -> int:
     if p.placement == "colocated":
         return cfg.train.threads
     cores = os.cpu_count() or 1
-    return p.learner_threads or max(1, cores - p.num_workers * p.threads_per_worker)
+    others = p.num_workers * p.threads_per_worker
+    if cfg.reward.stage == "separate":
+        others += cfg.reward.num_workers * cfg.reward.threads_per_worker
+    return p.learner_threads or max(1, cores - others)
 
 
 def build_source(
@@ -151,10 +156,11 @@ def build_source(
 
     if p.placement == "colocated":
         return ColocatedSource(worker, tracer, next_prompts)
+    separate = cfg.reward.stage == "separate"
     spec = WorkerSpec(
         model_path=cfg.model.path,
         dtype=cfg.model.dtype,
-        reward=cfg.reward.function,
+        reward="" if separate else cfg.reward.function,
         sampling=worker.sampling,
         group_size=cfg.rollout.group_size,
         run_seed=cfg.train.seed,
@@ -162,7 +168,14 @@ def build_source(
         max_num_seqs=cfg.rollout.max_num_seqs,
         engine=cfg.rollout.engine,
     )
-    pool = make_pool(p, spec, model)
+    store = SampleStore()
+    stage = reward_stage(cfg, store, tracer) if separate else None  # first: fails fastest
+    try:
+        pool = make_pool(p, spec, model)
+    except BaseException:
+        if stage is not None:
+            stage.close()
+        raise
     return WorkerSource(
         pool,
         model,
@@ -177,6 +190,29 @@ def build_source(
         first_iteration=first_iteration,
         max_worker_restarts=p.max_worker_restarts,
         group_size=cfg.rollout.group_size,
+        store=store,
+        reward_stage=stage,
+    )
+
+
+def reward_stage(cfg: Config, store: SampleStore, tracer: Tracer) -> RewardStage:
+    """The reward workers of `reward.stage = "separate"`, started, scorers loaded."""
+    r = cfg.reward
+    spec = RewardSpec(
+        kind=r.kind,
+        function=r.function,
+        model_path=r.model_path,
+        batch_size=r.batch_size,
+        threads=r.threads_per_worker,
+        dtype=cfg.model.dtype,
+    )
+    return RewardStage(
+        spec,
+        r.num_workers,
+        store,
+        tracer,
+        batch_size=r.batch_size,
+        timeout_s=cfg.pipeline.worker_timeout_s,
     )
 
 
@@ -208,11 +244,6 @@ def max_staleness(cfg: Config) -> int:
 
 def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     """Every component of a run, wired; from `resume` on, if given (see pipeline/checkpoint.py)."""
-    if cfg.reward.kind != "rule":  # fail before loading anything rather than train on rules
-        raise ConfigError(
-            f"reward.kind = '{cfg.reward.kind}': `cadence train` scores with reward.function "
-            "only; set reward.kind = 'rule'"
-        )
     set_threads(learner_threads(cfg))
     torch.manual_seed(cfg.train.seed)
     dtype, device = DTYPES[cfg.model.dtype], cfg.model.device

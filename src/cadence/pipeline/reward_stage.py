@@ -1,0 +1,316 @@
+"""The reward stage: reward worker processes that score responses as they reach the sample store.
+
+With `reward.stage = "separate"` the rollout workers do not score. A driver thread in the
+learner's process takes rows that have a response and no score yet from the store (task
+"reward", rows rather than groups, up to `reward.batch_size` at a time: whatever has arrived
+when a reward worker is free), hands each micro-batch to a free reward worker process, and puts
+the scores back as the fields `reward` and `reward_error`; the learner takes a group once all of
+its rows are scored. A slow stage shows as rows waiting in the store; more reward workers drain
+it faster.
+
+A reward worker is a spawned process with its own torch threads that builds one scorer:
+- kind "rule": `reward.function`, each response scored with `safe_reward`, exactly as a rollout
+  worker scores it (an exception or a non-finite value is a reward error, counted as before);
+- kind "model": `RewardModel` (a local sequence classifier) on the token ids the policy saw and
+  sampled, in forward passes of `reward.batch_size`; a non-finite score is a reward error.
+
+Failure is loud, as with rollout workers: a reward worker that cannot build its scorer, raises
+while scoring or exits makes the driver stop with `WorkerError` (with the worker's traceback) or
+`WorkerDied`, close the store (which wakes the learner, who re-raises it) and leave no process.
+A dead reward worker is not replaced. This module must not import transformers at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.multiprocessing as mp
+
+from cadence.metrics.trace import Span, Tracer
+from cadence.pipeline.samples import SCORER, record_depths
+from cadence.pipeline.store import SampleStore, StoreClosed
+from cadence.pipeline.workers import WorkerDied, WorkerError, close_queue, stop_process
+from cadence.rewards import load_reward, safe_reward
+from cadence.types import SampleRow
+
+RULE_FIELDS = ("prompt", "response_text")
+MODEL_FIELDS = ("prompt_ids", "response_ids")
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """Everything a reward worker needs to build its scorer (plain, picklable values)."""
+
+    kind: str  # "rule" | "model"
+    function: str = "math"  # kind "rule": 'math' or 'module:function'
+    model_path: str | None = None  # kind "model": a sequence-classification directory
+    batch_size: int = 32  # kind "model": responses per forward pass
+    threads: int = 1  # torch threads of each reward worker
+    dtype: str = "float32"
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The store fields the scorer reads."""
+        return MODEL_FIELDS if self.kind == "model" else RULE_FIELDS
+
+
+Scores = tuple[list[float], list[str | None]]  # (rewards, reward errors), one per row
+
+
+class Scorer(Protocol):
+    def __call__(self, data: dict[str, list]) -> Scores: ...
+
+
+class RuleScorer:
+    """A rule reward function over (prompt text, response text, reference answer)."""
+
+    def __init__(self, function: str) -> None:
+        self.fn = load_reward(function)
+
+    def __call__(self, data: dict[str, list]) -> Scores:
+        results = [
+            safe_reward(self.fn, p.text, text, p.answer)
+            for p, text in zip(data["prompt"], data["response_text"], strict=True)
+        ]
+        return [r.value for r in results], [r.error for r in results]
+
+
+class ModelScorer:
+    """A learned reward model over (prompt ids, response ids)."""
+
+    def __init__(self, model_path: str, batch_size: int, dtype: str = "float32") -> None:
+        from cadence.rewards.model import RewardModel
+
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+        self.model = RewardModel.load(model_path, batch_size=batch_size, dtype=dtypes[dtype])
+
+    def __call__(self, data: dict[str, list]) -> Scores:
+        scores = self.model.score_ids(data["prompt_ids"], data["response_ids"])
+        return finite_scores(scores)
+
+
+def finite_scores(scores: Sequence[float]) -> Scores:
+    """Scores as rewards: a non-finite one is 0.0 with an error, as `safe_reward` makes it."""
+    rewards: list[float] = []
+    errors: list[str | None] = []
+    for s in scores:
+        ok = math.isfinite(s)
+        rewards.append(float(s) if ok else 0.0)
+        errors.append(None if ok else f"non-finite reward: got float {s!r}")
+    return rewards, errors
+
+
+def build_scorer(spec: RewardSpec) -> Scorer:
+    if spec.kind == "model":
+        if not spec.model_path:
+            raise ValueError("a reward model stage needs reward.model_path")
+        return ModelScorer(spec.model_path, spec.batch_size, spec.dtype)
+    return RuleScorer(spec.function)
+
+
+@dataclass
+class ScoreResult:
+    job: int
+    rewards: list[float]
+    errors: list[str | None]
+    start: float  # time.perf_counter() in the worker (comparable across processes)
+    end: float
+
+
+def reward_worker_main(wid: int, spec: RewardSpec, inbox, outbox) -> None:
+    """A reward worker process: ('score', (job, data)) in, ('scored', wid, ScoreResult) out."""
+    try:
+        torch.set_num_threads(spec.threads)
+        scorer = build_scorer(spec)
+        outbox.put(("ready", wid, None))
+        parent = os.getppid()
+        while True:
+            try:
+                kind, payload = inbox.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:  # the learner died without stopping us
+                    return
+                continue
+            if kind == "stop":
+                return
+            job, data = payload
+            start = time.perf_counter()
+            rewards, errors = scorer(data)
+            result = ScoreResult(job, rewards, errors, start, time.perf_counter())
+            outbox.put(("scored", wid, result))
+    except BaseException:
+        outbox.put(("error", wid, traceback.format_exc()))
+
+
+@dataclass
+class _Proc:
+    process: Any
+    inbox: Any
+
+
+class RewardStage:
+    """`num_workers` reward worker processes and the driver thread that feeds them from `store`.
+
+    Built (processes started, scorers loaded) at construction, so a broken reward fails before
+    training starts; `start()` starts the driver; `failure` holds what stopped it.
+    """
+
+    def __init__(
+        self,
+        spec: RewardSpec,
+        num_workers: int,
+        store: SampleStore,
+        tracer: Tracer,
+        *,
+        batch_size: int = 32,
+        timeout_s: float = 300.0,
+    ) -> None:
+        self.spec, self.store, self.tracer = spec, store, tracer
+        self.batch_size, self.timeout_s = batch_size, timeout_s
+        self.rows_scored = 0
+        self.failure: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ctx = mp.get_context("spawn")
+        self.results = self._ctx.Queue()
+        self.procs: list[_Proc] = []
+        self._jobs: dict[int, tuple[int, list[SampleRow]]] = {}  # job -> (worker, rows)
+        self._free: list[int] = []
+        try:
+            for wid in range(num_workers):
+                self.procs.append(self._spawn(wid))
+            self._await_ready(set(range(num_workers)))
+        except BaseException:
+            self.close()
+            raise
+        self._free = list(range(num_workers))
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.procs)
+
+    def _spawn(self, wid: int) -> _Proc:
+        inbox = self._ctx.Queue()
+        p = self._ctx.Process(
+            target=reward_worker_main,
+            name=f"cadence-reward-{wid}",
+            daemon=True,
+            args=(wid, self.spec, inbox, self.results),
+        )
+        p.start()
+        return _Proc(p, inbox)
+
+    def _await_ready(self, pending: set[int]) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            try:
+                kind, wid, payload = self.results.get(timeout=0.5)
+            except queue.Empty:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"reward workers {sorted(pending)} did not start within "
+                        f"{self.timeout_s:.0f}s"
+                    ) from None
+                continue
+            if kind == "error":
+                raise WorkerError(f"reward worker {wid} failed:\n{payload}")
+            pending.discard(wid)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cadence-reward", daemon=True)
+            self._thread.start()
+
+    # --- driver thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except StoreClosed:  # the run is closing, or another stage failed and said why
+            return
+        except BaseException as e:  # surfaces in the learner's thread
+            self.failure = e
+            self.store.close()
+
+    def _loop(self) -> None:
+        job, last_word = 0, time.monotonic()
+        while not self._stop.is_set():
+            if self._free:
+                batch = self.store.get(
+                    self.spec.fields,
+                    self.batch_size,
+                    SCORER,
+                    timeout=0.02 if self._jobs else 0.5,
+                    groups=False,
+                    min_size=1,
+                )
+                if batch.rows:
+                    wid = self._free.pop(0)
+                    self.procs[wid].inbox.put(("score", (job, batch.data)))
+                    self._jobs[job] = (wid, batch.rows)
+                    job += 1
+                    record_depths(self.store, self.tracer, reward_stage=True)
+            if not self._jobs or self._collect(timeout_s=0.0 if self._free else 0.5):
+                last_word = time.monotonic()
+            elif time.monotonic() - last_word > self.timeout_s:
+                raise TimeoutError(f"no word from the reward workers for {self.timeout_s:.0f}s")
+
+    def _collect(self, timeout_s: float) -> bool:
+        """Put the scores of one finished micro-batch into the store; False if none came."""
+        try:
+            if timeout_s > 0:
+                kind, wid, payload = self.results.get(timeout=timeout_s)
+            else:
+                kind, wid, payload = self.results.get_nowait()
+        except queue.Empty:
+            self._check_alive()
+            return False
+        if kind == "error":
+            raise WorkerError(f"reward worker {wid} failed:\n{payload}")
+        result: ScoreResult = payload
+        _, rows = self._jobs.pop(result.job)
+        self.store.put(rows, {"reward": result.rewards, "reward_error": result.errors})
+        self.rows_scored += len(rows)
+        self._free.append(wid)
+        origin = self.tracer.origin
+        self.tracer.add(Span("score", f"reward-{wid}", result.start - origin, result.end - origin))
+        record_depths(self.store, self.tracer, reward_stage=True)
+        return True
+
+    def _check_alive(self) -> None:
+        for wid, proc in enumerate(self.procs):
+            if not proc.process.is_alive():
+                held = sum(len(rows) for w, rows in self._jobs.values() if w == wid)
+                raise WorkerDied(
+                    f"reward worker {wid} (pid {proc.process.pid}) exited with code "
+                    f"{proc.process.exitcode}; rows in flight: {held}",
+                    wid,
+                )
+
+    def close(self) -> None:
+        """Stop the driver, then every reward worker; terminate, then kill, any that lingers."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        for proc in self.procs:
+            if proc.process.is_alive():
+                with contextlib.suppress(OSError, ValueError):  # its queue may be broken
+                    proc.inbox.put(("stop", None))
+        for proc in self.procs:
+            stop_process(proc.process)
+        for proc in self.procs:
+            close_queue(proc.inbox)
+        close_queue(self.results)
+        self.procs = []
