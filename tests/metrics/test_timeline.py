@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from cadence.metrics.timeline import chrome_trace, draw_timeline, write_chrome_trace
-from cadence.metrics.trace import Span
+from cadence.metrics.timeline import chrome_trace, draw_timeline, order_tracks, write_chrome_trace
+from cadence.metrics.trace import Sample, Span
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -70,3 +70,26 @@ def test_draw_timeline_writes_a_png(tmp_path, spans):
     data = path.read_bytes()
     assert data.startswith(PNG_SIGNATURE)
     assert len(data) > len(PNG_SIGNATURE)
+
+
+def test_reward_workers_then_queues_follow_the_rollout_workers():
+    tracks = ["queue-train", "reward-10", "checkpoint", "worker-1", "reward-2", "learner"]
+    assert order_tracks(tracks) == [
+        "learner",
+        "worker-1",
+        "reward-2",
+        "reward-10",
+        "queue-train",
+        "checkpoint",
+    ]
+
+
+def test_counters_of_several_names_draw_in_rows_of_their_own(tmp_path):
+    spans = [Span("score", "reward-0", 0.0, 0.5), Span("generate", "worker-0", 0.0, 1.0)]
+    samples = [
+        Sample("slots", "worker-0", 0.0, 3.0),
+        Sample("rows waiting", "queue-reward", 0.2, 8.0),
+        Sample("rows waiting", "queue-reward", 0.6, 0.0),
+    ]
+    path = draw_timeline(spans, tmp_path / "t.png", samples=samples, capacity={"slots": 4})
+    assert path.read_bytes().startswith(PNG_SIGNATURE)

@@ -1,7 +1,8 @@
 """Views of a run's spans: a Chrome trace (Perfetto, chrome://tracing) and a Gantt PNG.
 
 Both views put tracks in one order: learner tracks, then the producer, then workers by number
-(worker-2 before worker-10), then anything else alphabetically. This module only reads `Span`
+(worker-2 before worker-10), then reward workers by number, then queues (rows waiting for a
+stage), then anything else alphabetically. This module only reads `Span`
 records after the fact: it must not record spans, hold a tracer, or touch matplotlib's global
 state (no pyplot, no backend switch), so drawing is safe from any thread and inside tests.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from matplotlib import colormaps
@@ -32,20 +33,19 @@ def _natural_key(text: str) -> tuple[int | str, ...]:
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text))
 
 
+_GROUPS = ("learner", "producer", "worker", "reward", "queue")
+
+
 def _track_key(track: str) -> tuple[int, tuple[int | str, ...]]:
-    if track.startswith("learner"):
-        group = 0
-    elif track.startswith("producer"):
-        group = 1
-    elif track.startswith("worker"):
-        group = 2
-    else:
-        return 3, (track,)
-    return group, _natural_key(track)
+    for group, prefix in enumerate(_GROUPS):
+        if track.startswith(prefix):
+            return group, _natural_key(track)
+    return len(_GROUPS), (track,)
 
 
 def order_tracks(tracks: Iterable[str]) -> list[str]:
-    """Distinct tracks: learner*, producer*, worker-N by N, then the rest alphabetically."""
+    """Distinct tracks: learner*, producer*, worker-N by N, reward-N by N, queue*, then the rest
+    alphabetically."""
     return sorted(set(tracks), key=_track_key)
 
 
@@ -104,7 +104,7 @@ def write_chrome_trace(spans: list[Span], path: str | Path, samples: list[Sample
 
 
 # The pipeline's own span names keep one colour in every picture; other names take the rest.
-_KNOWN = ("generate", "forward_backward", "optimizer_step", "weight_sync")
+_KNOWN = ("generate", "forward_backward", "optimizer_step", "weight_sync", "score")
 
 
 def _name_colours(spans: list[Span]) -> dict[str, tuple[float, ...]]:
@@ -131,20 +131,29 @@ def _draw_spans(ax: Axes, spans: list[Span], tracks: list[str]) -> None:
     ax.set_ylim(len(tracks) - 0.5, -0.5)  # row 0 (the learner) on top
 
 
-def _draw_samples(ax: Axes, samples: list[Sample], tracks: list[str], capacity: float) -> None:
-    """Each track's counter as a black step line inside its row: bottom empty, top `capacity`."""
+_LINE_COLOURS = ("black", "firebrick", "navy", "darkgreen")
+
+
+def _draw_samples(
+    ax: Axes, samples: list[Sample], tracks: list[str], capacity: Mapping[str, float]
+) -> None:
+    """Each track's counter as a step line inside its row: bottom empty, top its capacity (from
+    `capacity` by counter name, else the counter's largest value shown)."""
     rows = {track: row for row, track in enumerate(tracks)}
-    labelled = False
-    for track in tracks:
-        points = sorted((s.t, s.value) for s in samples if s.track == track)
-        if not points:
-            continue
-        y = [
-            rows[track] + _BAR_HEIGHT / 2 - _BAR_HEIGHT * min(v / capacity, 1.0) for _, v in points
-        ]
-        label = None if labelled else f"{samples[0].name} (row height = {capacity:g})"
-        ax.step([t for t, _ in points], y, where="post", color="black", linewidth=0.8, label=label)
-        labelled = True
+    names = sorted({s.name for s in samples})
+    for i, name in enumerate(names):
+        mine = [s for s in samples if s.name == name]
+        cap = capacity.get(name) or max(max(s.value for s in mine), 1.0)
+        label: str | None = f"{name} (row height = {cap:g})"
+        for track in tracks:
+            points = sorted((s.t, s.value) for s in mine if s.track == track)
+            if not points:
+                continue
+            y = [rows[track] + _BAR_HEIGHT / 2 - _BAR_HEIGHT * min(v / cap, 1.0) for _, v in points]
+            colour = _LINE_COLOURS[i % len(_LINE_COLOURS)]
+            ts = [t for t, _ in points]
+            ax.step(ts, y, where="post", color=colour, linewidth=0.8, label=label)
+            label = None
 
 
 def _draw_marks(ax: Axes, marks: list[tuple[float, str]]) -> None:
@@ -163,16 +172,20 @@ def draw_timeline(
     title: str = "cadence timeline",
     marks: list[tuple[float, str]] | None = None,
     samples: list[Sample] = (),
-    capacity: float = 1.0,
+    capacity: float | Mapping[str, float] = 1.0,
 ) -> Path:
     """Gantt chart PNG: one row per track, one bar per span coloured by span name.
 
     `marks` are (seconds, label) dashed vertical lines, e.g. iteration starts; give a label to
-    the first only. `samples` (one counter, e.g. occupied engine slots) are drawn as a step line
-    inside their track's row, full height meaning `capacity`. An empty `spans` still writes a PNG
-    that says "no spans".
+    the first only. `samples` (counters, e.g. occupied engine slots, rows waiting in a queue) are
+    drawn as step lines inside their track's row (a track of samples only gets a row of its own),
+    full height meaning `capacity`: one number for every counter, or one per counter name (a name
+    left out is scaled to its largest value). An empty `spans` still writes a PNG that says "no
+    spans".
     """
-    tracks = order_tracks(s.track for s in spans)
+    if not isinstance(capacity, Mapping):
+        capacity = {s.name: capacity for s in samples}
+    tracks = order_tracks([s.track for s in spans] + ([s.track for s in samples] if spans else []))
     fig = Figure(figsize=(12, 1 + 0.5 * max(len(tracks), 1)), dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -180,7 +193,7 @@ def draw_timeline(
     ax.set_xlabel("seconds")
     if spans:
         _draw_spans(ax, spans, tracks)
-        _draw_samples(ax, [s for s in samples if s.track in tracks], tracks, capacity)
+        _draw_samples(ax, list(samples), tracks, capacity)
     else:
         ax.text(0.5, 0.5, "no spans", ha="center", va="center", transform=ax.transAxes)
         ax.set_yticks([])

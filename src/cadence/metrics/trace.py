@@ -74,13 +74,15 @@ class Tracer:
                     level = s.value
                     break
                 points.append((s.t, s.value))
+        if end <= start:
+            return level
         total, t0 = 0.0, start
         for t, value in sorted(points):
             t = min(t, end)
             total += level * max(t - t0, 0.0)
             t0, level = max(t, t0), value
         total += level * max(end - t0, 0.0)
-        return total / (end - start) if end > start else level
+        return total / (end - start)
 
     def select(
         self, track_prefix: str, since: float = 0.0, names: tuple[str, ...] = ()

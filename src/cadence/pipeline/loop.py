@@ -295,7 +295,7 @@ def write_timeline(run: Run, out: Path, last_iterations: int = 3) -> None:
         title=title,
         marks=marks,
         samples=[s for s in samples if s.t >= since],
-        capacity=run.cfg.rollout.max_num_seqs,
+        capacity={"slots": run.cfg.rollout.max_num_seqs},  # rows waiting: to their largest
     )
 
 
