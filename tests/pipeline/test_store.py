@@ -385,3 +385,29 @@ def test_memory_stays_bounded_over_a_long_run():
     assert max(sizes) == (32, 8, 2, 16) and internal_sizes(store) == (16, 4, 1, 16)
     stats = store.stats()
     assert stats["got"] == {"train": 1999 * 16} and len(stats["put"]) == 2
+
+
+def test_min_size_wakes_as_soon_as_that_many_are_ready_and_returns_none_with_fewer():
+    store = SampleStore()
+    put(store, group_rows(0), "x")
+    # a stage that scores what has arrived: 2 rows ready, it asked for up to 3, at least 1
+    start = time.monotonic()
+    assert indices(store.get(["x"], 3, "reward", timeout=5, groups=False, min_size=1)) == [0, 1]
+    assert time.monotonic() - start < 1  # did not wait for the third
+    # a consumer that takes two groups or nothing: one is ready, so nothing, and nothing taken
+    assert len(store.get(["x"], 2, "sync", timeout=0.01, min_size=2)) == 0
+    assert store.depth(["x"], "sync", groups=True) == 2
+    put(store, group_rows(1), "x")
+    assert indices(store.get(["x"], 2, "sync", timeout=0.01, min_size=2)) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"min_size must be in 1\.\.batch_size"):
+        store.get(["x"], 2, "t", timeout=0, min_size=3)
+
+
+def test_iteration_limits_a_get_and_the_depth_to_that_iterations_rows():
+    store = SampleStore()
+    put(store, group_rows(0, iteration=0) + group_rows(1, iteration=1), "x")
+    assert store.depth(["x"], "t", groups=True, iteration=0) == 2
+    assert store.depth(["x"], "t", groups=True, units=True) == 2  # two groups in all
+    assert indices(store.get(["x"], 2, "t", timeout=0, iteration=1)) == [2, 3]
+    assert indices(store.get(["x"], 2, "t", timeout=0, groups=False, iteration=0)) == [0, 1]
+    assert len(store.get(["x"], 2, "t", timeout=0, iteration=2)) == 0
