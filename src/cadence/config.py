@@ -276,7 +276,10 @@ class PipelineConfig(_Section):
         2, ge=1, description="Tasks queued at each worker at once (bounded concurrency)."
     )
     queue_size: int = Field(
-        0, ge=0, description="Bound of the group queue (0: prompts_per_iteration, never blocks)."
+        0,
+        ge=0,
+        description="periodic: most groups waiting in the sample store for the learner; while "
+        "that many wait, the producer hands out no new task (0: no bound).",
     )
     worker_timeout_s: float = Field(
         300.0, gt=0, description="Longest wait for a worker to start or acknowledge weights."
@@ -325,8 +328,11 @@ class PipelineConfig(_Section):
                 f"pipeline.mode = '{self.mode}' needs pipeline.placement = 'separate' "
                 "(colocated generation cannot overlap with training)"
             )
-        if self.mode == "offpolicy" and self.max_staleness > 0 and self.queue_size:
-            raise ValueError("pipeline.queue_size must be 0 with pipeline.mode = 'offpolicy'")
+        if self.queue_size and self.mode != "periodic":
+            raise ValueError(
+                "pipeline.queue_size bounds how far generation runs ahead of a streaming "
+                f"learner: it applies to pipeline.mode = 'periodic' only, not '{self.mode}'"
+            )
         if self.backend == "ray" and self.placement != "separate":
             raise ValueError(
                 "pipeline.backend = 'ray' runs the inference workers as Ray actors: set "

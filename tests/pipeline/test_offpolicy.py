@@ -165,6 +165,7 @@ def _run_source(
     seed: int = 0,
     die_after: dict[int, int] | None = None,
     max_worker_restarts: int = 0,
+    queue_size: int = 0,
 ):
     """`_run`, also returning the source (for its restart and duplicate counts)."""
     policy = torch.nn.Linear(1, 1, bias=False)
@@ -189,6 +190,7 @@ def _run_source(
         max_staleness=max_staleness,
         iterations=iterations,
         max_worker_restarts=max_worker_restarts,
+        queue_size=queue_size,
     )
     consumed = []
     rng = random.Random(seed)
@@ -273,3 +275,11 @@ def test_a_worker_that_keeps_dying_stops_the_run_with_the_budget_named():
         r"\(pipeline.max_worker_restarts = 0\)",
     ):
         _run_source(0, 3, die_after={0: 5}, max_worker_restarts=0)
+
+
+def test_queue_size_holds_back_tasks_while_that_many_groups_wait_for_the_learner():
+    # with a bound of one waiting group the producer pauses often; every group still arrives,
+    # on-policy, and no wait turns into a deadlock
+    consumed, _ = _run_source(0, iterations=3, queue_size=1)
+    assert [k for k, _ in consumed] == [0] * 6 + [1] * 6 + [2] * 6
+    assert all(g.policy_version == k for k, g in consumed)

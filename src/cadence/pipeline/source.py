@@ -159,8 +159,8 @@ class WorkerSource:
         reward_stage: RewardStage | None = None,
         group_size: int = 1,
     ) -> None:
-        if max_staleness > 0 and queue_size:
-            raise ValueError("pipeline.queue_size must be 0 (unbounded) with max_staleness > 0")
+        if queue_size and (max_staleness > 0 or not stream):
+            raise ValueError("pipeline.queue_size must be 0 (unbounded) unless mode is periodic")
         self.pool = pool
         self.model = model
         self.tracer = tracer
