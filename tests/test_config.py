@@ -1,4 +1,5 @@
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -134,3 +135,9 @@ def test_ray_backend_keys_round_trip():
     again = tomllib.loads(to_toml(cfg))
     assert again["pipeline"]["weight_sync"] == "broadcast"
     assert "ray_address" not in again["pipeline"]  # unset: start a Ray for the run
+
+
+@pytest.mark.parametrize("path", sorted(Path("configs").glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates_and_round_trips(path):
+    cfg = load_config(path)
+    assert Config.model_validate(tomllib.loads(to_toml(cfg))) == cfg
