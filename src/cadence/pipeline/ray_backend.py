@@ -328,11 +328,8 @@ class RayPool:
         message = self._next(timeout_s)
         if message is None:
             return None
-        kind, wid, payload = message
-        if kind == "groups":
-            self._in_flight[wid].returned(payload)
-            self._to_driver_clock(payload)
-        elif kind != "ack":
+        kind, wid, _ = message
+        if kind not in ("groups", "ack"):
             raise WorkerError(f"worker {wid} sent '{kind}' while tasks were running")
         return message
 
@@ -350,10 +347,15 @@ class RayPool:
             for ref in ready:
                 wid = by_ref[ref]
                 try:
-                    self._received.extend(ray.get(ref))
+                    messages = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
                     raise self._died(wid, e) from None
                 self._drains[wid] = self._actors[wid].drain.remote(_DRAIN_S)
+                for kind, sender, payload in messages:
+                    if kind == "groups":  # struck off now: a replacement is not sent them again
+                        self._in_flight[sender].returned(payload)
+                        self._to_driver_clock(payload)
+                self._received.extend(messages)
         if not self._received:
             return None
         kind, wid, payload = self._received.popleft()
@@ -364,12 +366,13 @@ class RayPool:
     def _died(self, wid: int, error: Exception) -> WorkerDied:
         ip, pid = self._where[wid]
         uids = self._in_flight[wid].uids()
+        shown = ", ".join(uids[:8]) + (f", ... ({len(uids)} in all)" if uids[8:] else "")
         # Ray's message: a headline, tab-indented details, then the cause on its last line.
         lines = [line for line in str(error).splitlines() if line.strip() and line[0] != "\t"]
         cause = lines[-1].rstrip(".") if lines else type(error).__name__
         return WorkerDied(
             f"worker {wid} (Ray actor, pid {pid} on {ip}) died: {cause}; "
-            f"prompts in flight: {uids or 'none'}",
+            f"prompts in flight: {shown or 'none'}",
             wid,
         )
 

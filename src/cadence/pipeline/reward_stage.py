@@ -31,7 +31,8 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from multiprocessing import connection as mp_connection
+from typing import Any, Protocol, cast
 
 import torch
 import torch.multiprocessing as mp
@@ -39,7 +40,13 @@ import torch.multiprocessing as mp
 from cadence.metrics.trace import Span, Tracer
 from cadence.pipeline.samples import SCORER, record_depths
 from cadence.pipeline.store import SampleStore, StoreClosed
-from cadence.pipeline.workers import WorkerDied, WorkerError, close_queue, stop_process
+from cadence.pipeline.workers import (
+    WorkerDied,
+    WorkerError,
+    _Sender,
+    close_queue,
+    stop_process,
+)
 from cadence.rewards import load_reward, safe_reward
 from cadence.types import SampleRow
 
@@ -127,8 +134,10 @@ class ScoreResult:
     end: float
 
 
-def reward_worker_main(wid: int, spec: RewardSpec, inbox, outbox) -> None:
-    """A reward worker process: ('score', (job, data)) in, ('scored', wid, ScoreResult) out."""
+def reward_worker_main(wid: int, spec: RewardSpec, inbox, results) -> None:
+    """A reward worker process: ('score', (job, data)) in, ('scored', wid, ScoreResult) out of
+    `results`, the write end of its own pipe."""
+    outbox = _Sender(results)
     try:
         torch.set_num_threads(spec.threads)
         scorer = build_scorer(spec)
@@ -156,6 +165,7 @@ def reward_worker_main(wid: int, spec: RewardSpec, inbox, outbox) -> None:
 class _Proc:
     process: Any
     inbox: Any
+    results: Any  # the read end of this worker's own result pipe
 
 
 class RewardStage:
@@ -182,7 +192,6 @@ class RewardStage:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ctx = mp.get_context("spawn")
-        self.results = self._ctx.Queue()
         self.procs: list[_Proc] = []
         self._jobs: dict[int, tuple[int, list[SampleRow]]] = {}  # job -> (worker, rows)
         self._free: list[int] = []
@@ -200,32 +209,50 @@ class RewardStage:
         return len(self.procs)
 
     def _spawn(self, wid: int) -> _Proc:
+        """A reward worker with its own inbox and result pipe (not a queue shared by all: a
+        worker killed mid-write would leave it locked, or half a message in it, for the rest).
+        Only the read end stays here, so a dead worker's pipe ends in end-of-file."""
         inbox = self._ctx.Queue()
+        reader, writer = self._ctx.Pipe(duplex=False)
         p = self._ctx.Process(
             target=reward_worker_main,
             name=f"cadence-reward-{wid}",
             daemon=True,
-            args=(wid, self.spec, inbox, self.results),
+            args=(wid, self.spec, inbox, writer),
         )
         p.start()
-        return _Proc(p, inbox)
+        writer.close()
+        return _Proc(p, inbox, reader)
 
     def _await_ready(self, pending: set[int]) -> None:
         deadline = time.monotonic() + self.timeout_s
         while pending:
-            try:
-                kind, wid, payload = self.results.get(timeout=0.5)
-            except queue.Empty:
+            messages = self._receive(0.5)
+            if not messages:
                 self._check_alive()
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"reward workers {sorted(pending)} did not start within "
                         f"{self.timeout_s:.0f}s"
-                    ) from None
-                continue
-            if kind == "error":
-                raise WorkerError(f"reward worker {wid} failed:\n{payload}")
-            pending.discard(wid)
+                    )
+            for kind, wid, payload in messages:
+                if kind == "error":
+                    raise WorkerError(f"reward worker {wid} failed:\n{payload}")
+                pending.discard(wid)
+
+    def _receive(self, timeout_s: float) -> list[tuple[str, int, Any]]:
+        """The messages that arrive within `timeout_s` (none: an empty list); a pipe that ends
+        means its worker is gone: raise `WorkerDied`."""
+        by_conn = {proc.results: wid for wid, proc in enumerate(self.procs)}
+        messages = []
+        for conn in mp_connection.wait(list(by_conn), timeout_s):
+            wid = by_conn[conn]
+            try:
+                messages.append(cast(mp_connection.Connection, conn).recv())
+            except (EOFError, OSError):
+                self.procs[wid].process.join(timeout=1.0)  # for its exit code
+                raise self._died(wid) from None
+        return messages
 
     def start(self) -> None:
         if self._thread is None:
@@ -267,36 +294,38 @@ class RewardStage:
                 raise TimeoutError(f"no word from the reward workers for {self.timeout_s:.0f}s")
 
     def _collect(self, timeout_s: float) -> bool:
-        """Put the scores of one finished micro-batch into the store; False if none came."""
-        try:
-            if timeout_s > 0:
-                kind, wid, payload = self.results.get(timeout=timeout_s)
-            else:
-                kind, wid, payload = self.results.get_nowait()
-        except queue.Empty:
+        """Put the scores of the micro-batches finished within `timeout_s` into the store;
+        False if none came."""
+        messages = self._receive(timeout_s)
+        if not messages:
             self._check_alive()
-            return False
-        if kind == "error":
-            raise WorkerError(f"reward worker {wid} failed:\n{payload}")
-        result: ScoreResult = payload
-        _, rows = self._jobs.pop(result.job)
-        self.store.put(rows, {"reward": result.rewards, "reward_error": result.errors})
-        self.rows_scored += len(rows)
-        self._free.append(wid)
-        origin = self.tracer.origin
-        self.tracer.add(Span("score", f"reward-{wid}", result.start - origin, result.end - origin))
-        record_depths(self.store, self.tracer, reward_stage=True)
-        return True
+        for kind, wid, payload in messages:
+            if kind == "error":
+                raise WorkerError(f"reward worker {wid} failed:\n{payload}")
+            result: ScoreResult = payload
+            _, rows = self._jobs.pop(result.job)
+            self.store.put(rows, {"reward": result.rewards, "reward_error": result.errors})
+            self.rows_scored += len(rows)
+            self._free.append(wid)
+            origin = self.tracer.origin
+            start, end = result.start - origin, result.end - origin
+            self.tracer.add(Span("score", f"reward-{wid}", start, end))
+            record_depths(self.store, self.tracer, reward_stage=True)
+        return bool(messages)
 
     def _check_alive(self) -> None:
         for wid, proc in enumerate(self.procs):
             if not proc.process.is_alive():
-                held = sum(len(rows) for w, rows in self._jobs.values() if w == wid)
-                raise WorkerDied(
-                    f"reward worker {wid} (pid {proc.process.pid}) exited with code "
-                    f"{proc.process.exitcode}; rows in flight: {held}",
-                    wid,
-                )
+                raise self._died(wid)
+
+    def _died(self, wid: int) -> WorkerDied:
+        process = self.procs[wid].process
+        held = sum(len(rows) for w, rows in self._jobs.values() if w == wid)
+        return WorkerDied(
+            f"reward worker {wid} (pid {process.pid}) exited with code {process.exitcode}; "
+            f"rows in flight: {held}",
+            wid,
+        )
 
     def close(self) -> None:
         """Stop the driver, then every reward worker; terminate, then kill, any that lingers."""
@@ -312,5 +341,5 @@ class RewardStage:
             stop_process(proc.process)
         for proc in self.procs:
             close_queue(proc.inbox)
-        close_queue(self.results)
+            proc.results.close()
         self.procs = []

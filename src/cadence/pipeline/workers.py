@@ -26,7 +26,8 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from multiprocessing import connection as mp_connection
+from typing import Any, Protocol, cast
 
 import torch
 import torch.multiprocessing as mp
@@ -124,8 +125,10 @@ def _build_worker(spec: WorkerSpec):
     )
 
 
-def worker_main(wid: int, spec: WorkerSpec, tensors: dict, inbox, outbox) -> None:
-    """The worker process's main loop (its main thread, so math-verify keeps its timeouts)."""
+def worker_main(wid: int, spec: WorkerSpec, tensors: dict, inbox, results) -> None:
+    """The worker process's main loop (its main thread, so math-verify keeps its timeouts);
+    `results` is the write end of its own result pipe."""
+    outbox = _Sender(results)
     try:
         torch.set_num_threads(spec.threads)
         model, worker = _build_worker(spec)
@@ -235,11 +238,23 @@ class InFlight:
         return bool(self.tasks)
 
 
+class _Sender:
+    """A worker's end of its result pipe, as the outbox `_WorkerLoop` puts into."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def put(self, item) -> None:
+        self.conn.send(item)
+
+
 @dataclass
 class _Proc:
     process: Any
     inbox: Any
+    results: Any  # the read end of this worker's own result pipe
     in_flight: InFlight = field(default_factory=InFlight)
+    closed: bool = False  # its pipe reached end of file: the worker is gone
 
 
 class WorkerPool:
@@ -252,7 +267,6 @@ class WorkerPool:
         self.weights = weights
         self.timeout_s = timeout_s
         self._ctx = mp.get_context("spawn")
-        self.results = self._ctx.Queue()
         self._pending: collections.deque = collections.deque()  # received, not yet handed out
         self.procs: list[_Proc] = []
         try:
@@ -264,15 +278,21 @@ class WorkerPool:
             raise
 
     def _spawn(self, wid: int) -> _Proc:
+        """One worker process with its own inbox and result pipe. Its own pipe, not one shared
+        by all: a worker killed while writing would leave a shared queue locked, or half a
+        message in it, for every other worker. The pool keeps only the read end, so a dead
+        worker's pipe ends in end-of-file, never in a read that waits forever."""
         inbox = self._ctx.Queue()
+        reader, writer = self._ctx.Pipe(duplex=False)
         p = self._ctx.Process(
             target=worker_main,
             name=f"cadence-worker-{wid}",
             daemon=True,
-            args=(wid, self.spec, self.weights.tensors, inbox, self.results),
+            args=(wid, self.spec, self.weights.tensors, inbox, writer),
         )
         p.start()
-        return _Proc(p, inbox)
+        writer.close()
+        return _Proc(p, inbox, reader)
 
     @property
     def num_workers(self) -> int:
@@ -309,6 +329,7 @@ class WorkerPool:
             m for m in self._pending if not (m[0] == "ack" and m[1] == wid)
         )
         close_queue(old.inbox)
+        old.results.close()
         self.procs[wid] = self._spawn(wid)
         self._await_ready({wid})
         return old.in_flight.tasks
@@ -317,58 +338,65 @@ class WorkerPool:
         """Wait for 'ready' from the workers in `pending`; other messages are kept for `poll`."""
         deadline = time.monotonic() + self.timeout_s
         while pending:
-            try:
-                kind, wid, payload = self._receive(0.5)
-            except queue.Empty:
-                self._check_alive(pending)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"workers {sorted(pending)} did not start within {self.timeout_s:.0f}s"
-                    ) from None
+            ready = [m for m in self._pending if m[1] in pending and m[0] in ("ready", "error")]
+            if not ready:
+                if not self._receive(0.5):
+                    self._check_alive(pending)
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"workers {sorted(pending)} did not start within {self.timeout_s:.0f}s"
+                        )
                 continue
-            if kind == "ready" and wid in pending:
+            for message in ready:
+                self._pending.remove(message)
+                kind, wid, payload = message
+                if kind == "error":
+                    raise WorkerError(f"worker {wid} failed:\n{payload}")
                 pending.discard(wid)
-            elif kind == "error" and wid in pending:
-                raise WorkerError(f"worker {wid} failed:\n{payload}")
-            else:
-                self._pending.append((kind, wid, payload))
 
-    def _receive(self, timeout_s: float) -> tuple[str, int, Any]:
-        message = self.results.get(timeout=timeout_s)
-        kind, wid, payload = message
-        if kind == "groups":
-            self.procs[wid].in_flight.returned(payload)
-        return message
+    def _receive(self, timeout_s: float) -> bool:
+        """Move every message that arrives within `timeout_s` to `_pending`; False if none."""
+        by_conn: dict[Any, int] = {
+            proc.results: wid for wid, proc in enumerate(self.procs) if not proc.closed
+        }
+        got = False
+        for conn in mp_connection.wait(list(by_conn), timeout_s):
+            wid = by_conn[conn]
+            try:
+                message: tuple[str, int, Any] = cast(mp_connection.Connection, conn).recv()
+            except (EOFError, OSError):  # the worker is gone; _check_alive reports it
+                self.procs[wid].closed = True
+                continue
+            kind, _, payload = message
+            if kind == "groups":
+                self.procs[wid].in_flight.returned(payload)
+            self._pending.append(message)
+            got = True
+        return got
 
     def _drain(self) -> None:
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self._pending.append(self._receive(0.05))
+        while self._receive(0.0):
+            pass
 
     def _get(self, timeout_s: float) -> tuple[str, int, Any]:
         """One message, polling worker liveness every half second."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if self._pending:
-                kind, wid, payload = self._pending.popleft()
-            else:
-                try:
-                    kind, wid, payload = self._receive(min(0.5, timeout_s))
-                except queue.Empty:
-                    self._check_alive()
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"no word from the workers for {timeout_s:.0f}s"
-                        ) from None
-                    continue
+            if not self._pending and not self._receive(min(0.5, timeout_s)):
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no word from the workers for {timeout_s:.0f}s")
+                continue
+            kind, wid, payload = self._pending.popleft()
             if kind == "error":
                 raise WorkerError(f"worker {wid} failed:\n{payload}")
             return kind, wid, payload
 
     def _check_alive(self, wids: set[int] | None = None) -> None:
         for wid, proc in enumerate(self.procs):
-            if (wids is None or wid in wids) and not proc.process.is_alive():
+            if (wids is None or wid in wids) and (proc.closed or not proc.process.is_alive()):
                 self._drain()  # its last results are in flight no more
+                proc.process.join(timeout=5)  # its pipe closed as it exited: wait for its code
                 uids = proc.in_flight.uids()
                 shown = ", ".join(uids[:8]) + (f", ... ({len(uids)} in all)" if uids[8:] else "")
                 raise WorkerDied(
@@ -387,7 +415,7 @@ class WorkerPool:
             stop_process(proc.process)
         for proc in self.procs:
             close_queue(proc.inbox)
-        close_queue(self.results)
+            proc.results.close()
         self.procs = []
 
 
