@@ -295,3 +295,38 @@ def test_nccl_broadcast_run_between_gpus(ray_cluster, model_dir, tmp_path):
     )
     _, records = _train(cfg, tmp_path)
     assert [r["policy_version"] for r in records] == [0, 1, 2]
+
+
+def test_the_store_lives_in_an_actor_with_the_same_behaviour(ray_cluster):
+    from cadence.pipeline.ray_backend import ActorStore
+    from cadence.pipeline.store import StaleRowError, StoreClosed
+    from cadence.types import SampleRow
+
+    store = ActorStore()
+    rows = [SampleRow(i, 0, i, 2, 0, 3) for i in range(2)]
+    store.put(rows[:1], {"x": ["a"]})
+    assert store.depth(["x"], "t", groups=True) == 0  # the group is not complete yet
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(store.get(["x"], 1, "t", timeout=30)))
+    reader.start()  # waits in the actor while the put below goes through
+    store.put(rows[1:], {"x": ["b"]})
+    reader.join(10)
+    assert not reader.is_alive() and [r.index for r in got[0].rows] == [0, 1]
+    store.put([SampleRow(2, 1, 0, 1, 0, 3)], {"x": ["c"]})
+    with pytest.raises(StaleRowError, match="policy_version 3"):  # the store's own exception
+        store.get(["x"], 1, "u", timeout=0, version=4)
+    store.close()
+    with pytest.raises(StoreClosed):
+        store.put([SampleRow(3, 2, 0, 1, 0, 3)], {"x": ["d"]})
+
+
+@pytest.mark.slow
+def test_a_ray_run_keeps_its_sample_store_in_an_actor(ray_cluster, model_dir, tmp_path):
+    from cadence.pipeline.ray_backend import ActorStore
+
+    run = build_run(_cfg(model_dir, "periodic", "train.iterations=2"))
+    assert isinstance(run.source.store, ActorStore)
+    sink = MemorySink()
+    train(run, tmp_path, extra_sinks=[sink])
+    assert [r["iteration"] for r in sink.records] == [0, 1]
+    assert all(r["staleness_max"] == 0 and r["stage_gen_rows_per_s"] > 0 for r in sink.records)

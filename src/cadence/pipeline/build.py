@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -168,13 +169,12 @@ def build_source(
         max_num_seqs=cfg.rollout.max_num_seqs,
         engine=cfg.rollout.engine,
     )
-    store = SampleStore()
-    stage = reward_stage(cfg, store, tracer) if separate else None  # first: fails fastest
+    pool = make_pool(p, spec, model)
     try:
-        pool = make_pool(p, spec, model)
+        store = make_store(p)
+        stage = reward_stage(cfg, store, tracer) if separate else None
     except BaseException:
-        if stage is not None:
-            stage.close()
+        pool.close()
         raise
     return WorkerSource(
         pool,
@@ -235,6 +235,15 @@ def make_pool(p: PipelineConfig, spec: WorkerSpec, model) -> Pool:
         num_gpus_per_worker=p.num_gpus_per_worker,
         weight_sync=p.weight_sync,
     )
+
+
+def make_store(p: PipelineConfig) -> Any:
+    """The sample store: in this process, or in a Ray actor on the Ray backend (same class)."""
+    if p.backend == "local":
+        return SampleStore()
+    from cadence.pipeline.ray_backend import ActorStore
+
+    return ActorStore()
 
 
 def max_staleness(cfg: Config) -> int:
