@@ -302,13 +302,7 @@ def parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("train", help="RL training")
     sp.add_argument("config", nargs="?", default=None, help="TOML config file")
-    sp.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set train.iterations=10",
-    )
+    with_config(sp, required=False)
     sp.add_argument(
         "--out", default=None, help="run output directory (default runs/train; with --resume, RUN)"
     )

@@ -22,7 +22,6 @@ A dead reward worker is not replaced. This module must not import transformers a
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import queue
@@ -44,8 +43,7 @@ from cadence.pipeline.workers import (
     WorkerDied,
     WorkerError,
     _Sender,
-    close_queue,
-    stop_process,
+    stop_workers,
 )
 from cadence.rewards import load_reward, safe_reward
 from cadence.types import SampleRow
@@ -333,13 +331,5 @@ class RewardStage:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
-        for proc in self.procs:
-            if proc.process.is_alive():
-                with contextlib.suppress(OSError, ValueError):  # its queue may be broken
-                    proc.inbox.put(("stop", None))
-        for proc in self.procs:
-            stop_process(proc.process)
-        for proc in self.procs:
-            close_queue(proc.inbox)
-            proc.results.close()
+        stop_workers(self.procs)
         self.procs = []

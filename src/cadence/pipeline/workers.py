@@ -407,16 +407,22 @@ class WorkerPool:
 
     def close(self) -> None:
         """Stop every worker; terminate, then kill, any that does not exit in time."""
-        for proc in self.procs:
-            if proc.process.is_alive():
-                with contextlib.suppress(OSError, ValueError):  # its queue may be broken
-                    proc.inbox.put(("stop", None))
-        for proc in self.procs:
-            stop_process(proc.process)
-        for proc in self.procs:
-            close_queue(proc.inbox)
-            proc.results.close()
+        stop_workers(self.procs)
         self.procs = []
+
+
+def stop_workers(procs) -> None:
+    """Ask each process (`.process`, `.inbox`, `.results`) to stop; terminate, then kill, any
+    that does not exit in time; close its channels."""
+    for proc in procs:
+        if proc.process.is_alive():
+            with contextlib.suppress(OSError, ValueError):  # its queue may be broken
+                proc.inbox.put(("stop", None))
+    for proc in procs:
+        stop_process(proc.process)
+    for proc in procs:
+        close_queue(proc.inbox)
+        proc.results.close()
 
 
 def stop_process(process, grace_s: float = 5.0) -> None:
