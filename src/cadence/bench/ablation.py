@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cadence.bench import trl_peer
+import cadence.bench.trl_peer as trl_peer
 from cadence.bench.common import interleave, machine, median_row, package_version
 from cadence.bench.runs import FIGURES, run_cadence, workload_config
 from cadence.config import Config, ConfigError, load_config

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from itertools import count, islice
 from pathlib import Path
 
-from cadence.data.tasks import Example, make_prompt, stable_seed
+from cadence.data.base import Example, make_prompt, stable_seed
 
 ON_BAD_LINE = ("error", "skip")
 

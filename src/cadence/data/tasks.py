@@ -8,21 +8,41 @@ Python's salted `hash()`, so runs and resumes reproduce exactly. The held-out se
 `num_heldout` distinct held-out questions; the training stream never yields one of them.
 
 This module must not do I/O, touch the network or import torch: it is data, not a loader
-(files live in `gsm8k.py`).
+(files live in `gsm8k.py`). The registry of task families (`TASKS`, `load_task`) is here too.
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import count, islice
-from typing import Any, Protocol
+from typing import Any
 
-from cadence.types import Prompt
+from cadence.data.base import (
+    DEFAULT_TEMPLATE,
+    Example,
+    Task,
+    make_prompt,
+    reference_answer,
+    stable_seed,
+    to_prompt,
+)
+from cadence.data.gsm8k import JsonlTask
 
-DEFAULT_TEMPLATE = "Question: {question}\nAnswer: "
+__all__ = [
+    "DEFAULT_TEMPLATE",
+    "TASKS",
+    "ArithmeticTask",
+    "Example",
+    "Task",
+    "load_task",
+    "make_prompt",
+    "reference_answer",
+    "stable_seed",
+    "to_prompt",
+]
+
 SPLITS = ("train", "heldout")
 
 # (max steps, largest operand, multiplication allowed) per difficulty.
@@ -33,52 +53,6 @@ _ADD_VERBS = ("buys", "finds", "gets")
 _SUB_VERBS = ("gives away", "loses", "sells")
 _MUL_PROBABILITY = 0.25
 _MAX_REDRAWS = 1000
-
-
-@dataclass(frozen=True)
-class Example:
-    """One task instance: a question and its worked answer ending in "#### <final answer>"."""
-
-    question: str
-    answer: str
-
-
-class Task(Protocol):
-    """What the pipeline needs from a task family."""
-
-    def heldout(self) -> list[Example]: ...
-
-    def train_iter(self, start: int = 0) -> Iterator[Example]: ...
-
-    def corpus(self, n: int) -> list[str]: ...
-
-
-def make_prompt(question: str, template: str = DEFAULT_TEMPLATE) -> str:
-    """The text the model sees for `question`; `template` must contain "{question}"."""
-    if "{question}" not in template:
-        raise ValueError(f"prompt template {template!r} has no '{{question}}' placeholder")
-    return template.replace("{question}", question)
-
-
-def to_prompt(example: Example, uid: str, index: int, template: str = DEFAULT_TEMPLATE) -> Prompt:
-    """Wrap an example as the `Prompt` record that crosses into the workers."""
-    return Prompt(
-        uid=uid, text=make_prompt(example.question, template), answer=example.answer, index=index
-    )
-
-
-def reference_answer(answer: str) -> str:
-    """The final answer: the text after the last "####", stripped."""
-    _, sep, tail = answer.rpartition("####")
-    final = tail.strip()
-    if not sep or not final:
-        raise ValueError(f"answer has no '#### <final answer>' line: {answer!r}")
-    return final
-
-
-def stable_seed(key: str) -> int:
-    """A 64-bit seed from a string, identical across processes and Python versions."""
-    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big")
 
 
 @dataclass(frozen=True)
@@ -246,14 +220,7 @@ def _clause(step: _Step) -> str:
     return f"then has {step.operand} times as many"
 
 
-def _jsonl_task(**kwargs: Any) -> Task:
-    # Imported here: gsm8k imports this module for `Example`.
-    from cadence.data.gsm8k import JsonlTask
-
-    return JsonlTask(**kwargs)
-
-
-TASKS: dict[str, Callable[..., Task]] = {"arithmetic": ArithmeticTask, "gsm8k": _jsonl_task}
+TASKS: dict[str, Callable[..., Task]] = {"arithmetic": ArithmeticTask, "gsm8k": JsonlTask}
 
 
 def load_task(name: str, **kwargs: Any) -> Task:

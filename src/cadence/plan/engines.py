@@ -7,11 +7,33 @@ Must not: decide when an iteration starts (the producer in sim.py does).
 from __future__ import annotations
 
 import heapq
-from collections import Counter
-from typing import TYPE_CHECKING
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from cadence.plan.sim import Simulation
+from cadence.plan.costs import Throughput
+
+
+class Simulation(Protocol):
+    """What an engine reads and calls of the simulation that hosts it (`sim.Simulation`)."""
+
+    work: Any  # the workload: prompt_tokens, group_size, ...
+    cost: Throughput
+    slots: int  # sequences an engine decodes at once
+    now: float
+    queue: deque  # waiting samples (continuous) or tasks (static)
+    versions: list[int]  # version each started iteration is generated with
+    lengths: list[list[list[int]]]  # response length of sample j of prompt i of iteration k
+    left: list[list[int]]  # samples not yet finished, per iteration and prompt
+    prefill_per_sample: float
+
+    def at(self, t: float, fn: Callable, *args: Any) -> None: ...
+
+    def taken(self) -> None: ...
+
+    def sample_done(self, k: int, i: int) -> None: ...
+
+    def group_ready(self, k: int, i: int) -> None: ...
 
 
 class ContinuousEngine:

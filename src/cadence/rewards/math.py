@@ -20,7 +20,7 @@ from typing import Any
 
 from math_verify import parse, verify
 
-from cadence.data.tasks import reference_answer
+from cadence.data.base import reference_answer
 
 _CACHE_SIZE = 1 << 16
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")  # 12, -3, 1,000, 2.5, .5

@@ -1,0 +1,62 @@
+"""What every task is made of: an `Example` (question, worked answer), the `Task` Protocol, how
+an example becomes a `Prompt`, and the answer and seed conventions the tasks share.
+
+This module must not do I/O, touch the network or import torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from cadence.types import Prompt
+
+DEFAULT_TEMPLATE = "Question: {question}\nAnswer: "
+
+
+@dataclass(frozen=True)
+class Example:
+    """One task instance: a question and its worked answer ending in "#### <final answer>"."""
+
+    question: str
+    answer: str
+
+
+class Task(Protocol):
+    """What the pipeline needs from a task family."""
+
+    def heldout(self) -> list[Example]: ...
+
+    def train_iter(self, start: int = 0) -> Iterator[Example]: ...
+
+    def corpus(self, n: int) -> list[str]: ...
+
+
+def make_prompt(question: str, template: str = DEFAULT_TEMPLATE) -> str:
+    """The text the model sees for `question`; `template` must contain "{question}"."""
+    if "{question}" not in template:
+        raise ValueError(f"prompt template {template!r} has no '{{question}}' placeholder")
+    return template.replace("{question}", question)
+
+
+def to_prompt(example: Example, uid: str, index: int, template: str = DEFAULT_TEMPLATE) -> Prompt:
+    """Wrap an example as the `Prompt` record that crosses into the workers."""
+    return Prompt(
+        uid=uid, text=make_prompt(example.question, template), answer=example.answer, index=index
+    )
+
+
+def reference_answer(answer: str) -> str:
+    """The final answer: the text after the last "####", stripped."""
+    _, sep, tail = answer.rpartition("####")
+    final = tail.strip()
+    if not sep or not final:
+        raise ValueError(f"answer has no '#### <final answer>' line: {answer!r}")
+    return final
+
+
+def stable_seed(key: str) -> int:
+    """A 64-bit seed from a string, identical across processes and Python versions."""
+    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big")
