@@ -27,13 +27,12 @@ from pathlib import Path
 
 import torch
 
+from cadence.backend import LocalPool, SharedWeights, WorkerSpec
 from cadence.config import load_config
 from cadence.data import ArithmeticTask
 from cadence.models import init_model, load_model, load_tokenizer, save_pretrained, train_tokenizer
-from cadence.pipeline.build import sampling_params
+from cadence.pipeline.params import sampling_params
 from cadence.pipeline.prompts import PromptStream
-from cadence.pipeline.weights import SharedWeights
-from cadence.pipeline.workers import WorkerPool, WorkerSpec
 
 
 def llama_100m(tokenizer):
@@ -70,8 +69,8 @@ def make_models(root: Path, names: list[str]) -> dict[str, Path]:
 
 def make_pool(method: str, spec: WorkerSpec, model, workers: int):
     if method == "local-shm":
-        return WorkerPool(spec, SharedWeights(model), workers)
-    from cadence.pipeline.ray_backend import RayPool
+        return LocalPool(spec, SharedWeights(model), workers)
+    from cadence.backend.ray_pool import RayPool
 
     weight_sync = "object_store" if method == "ray-object-store" else "broadcast"
     return RayPool(spec, model, workers, num_cpus_per_worker=0.5, weight_sync=weight_sync)
@@ -177,7 +176,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/ray-weight-sync")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from cadence.pipeline.ray_backend import start_ray
+    from cadence.backend.ray_pool import start_ray
 
     start_ray(None, num_cpus=2)  # one local Ray for every Ray measurement
     meta = {

@@ -20,7 +20,7 @@ def _config(args: argparse.Namespace) -> Config:
 
 def cmd_init_model(args: argparse.Namespace) -> int:
     from cadence.models import init_model
-    from cadence.pipeline.build import make_task
+    from cadence.pipeline.params import make_task
 
     cfg = load_config(args.config, args.set)
     out = Path(args.out)
@@ -34,7 +34,7 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 
 def cmd_init_reward_model(args: argparse.Namespace) -> int:
-    from cadence.pipeline.build import make_task, set_threads
+    from cadence.pipeline.params import make_task, set_threads
     from cadence.rewards.model_recipe import train_reward_model
 
     cfg = load_config(args.config, args.set)
@@ -62,7 +62,7 @@ def cmd_init_reward_model(args: argparse.Namespace) -> int:
 def cmd_sft(args: argparse.Namespace) -> int:
     from cadence.learner.sft import cache_key, is_cached, run_sft
     from cadence.models.io import check_model_dir
-    from cadence.pipeline.build import make_task, set_threads
+    from cadence.pipeline.params import make_task, set_threads
 
     cfg = _config(args)
     s = cfg.sft
@@ -122,8 +122,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from cadence.engine import make_engine
     from cadence.models import load_model, load_tokenizer
-    from cadence.pipeline.build import make_task, sampling_params, set_threads
     from cadence.pipeline.evaluate import evaluate
+    from cadence.pipeline.params import make_task, sampling_params, set_threads
     from cadence.pipeline.prompts import heldout_prompts
     from cadence.rewards import load_reward
 
@@ -153,7 +153,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench_trl,
         parse_modes,
     )
-    from cadence.pipeline.build import set_threads
+    from cadence.pipeline.params import set_threads
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1; got {args.repeats}")
@@ -399,11 +399,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from cadence.backend import WorkerDied, WorkerError
     from cadence.data import DataError
     from cadence.learner import BadStepsError
     from cadence.models import ModelLoadError
     from cadence.pipeline.checkpoint import CheckpointError
-    from cadence.pipeline.workers import WorkerDied, WorkerError
     from cadence.rewards import RewardBudgetExceeded
 
     try:

@@ -6,7 +6,8 @@ pickled to a worker process, or written to JSON. Nothing here imports transforme
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -90,3 +91,21 @@ class SampleBatch:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+@dataclass
+class SourceStats:
+    """What a group source measured: times of the current iteration (seconds on the tracer's
+    clock, from the iteration's start) and counts over the whole run. A snapshot: the source
+    goes on without it."""
+
+    start: float = 0.0  # when the iteration started
+    weight_sync_s: float = 0.0  # the version barrier: publish, and wait for the workers to load
+    first_group: float = math.nan  # when the iteration's first group arrived
+    last_group: float = math.nan  # when its last group arrived
+    learner_wait_s: float = 0.0  # the learner's time waiting for groups
+    queue_depths: list[int] = field(default_factory=list)  # groups ready, each time it asked
+    dropped_groups: int = 0  # refused by the sample store as staler than allowed
+    worker_restarts: int = 0  # workers replaced, over the run
+    # stage ("gen", "reward") -> (its workers, samples it finished over the run)
+    stages: dict[str, tuple[int, int]] = field(default_factory=dict)

@@ -12,18 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from cadence.backend import WorkerDied
 from cadence.config import load_config
 from cadence.metrics import MemorySink
 from cadence.models import load_model
 from cadence.pipeline import build_run, train
-from cadence.pipeline.workers import WorkerDied
 from updates import assert_same_update, capture_grads, max_relative_diff
 
 
 def test_importing_cadence_does_not_import_ray():
     code = (
         "import sys, cadence, cadence.cli, cadence.pipeline, cadence.pipeline.build, "
-        "cadence.pipeline.ray_backend, cadence.pipeline.ray_weights; "
+        "cadence.backend, cadence.backend.ray_pool, cadence.backend.ray_store, "
+        "cadence.backend.ray_weights; "
         "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -31,7 +32,7 @@ def test_importing_cadence_does_not_import_ray():
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from cadence.pipeline.ray_backend import start_ray
+    from cadence.backend.ray_pool import start_ray
 
     started = start_ray(None, num_cpus=2)
     import ray
@@ -217,9 +218,9 @@ def test_killed_actor_is_replaced_and_the_update_equals_sync(
 
 @pytest.mark.slow
 def test_worker_exception_reaches_the_driver_with_its_traceback(ray_cluster, model_dir, tmp_path):
+    from cadence.backend import WorkerError, WorkerSpec
+    from cadence.backend.ray_pool import RayPool
     from cadence.engine import SamplingParams
-    from cadence.pipeline.ray_backend import RayPool
-    from cadence.pipeline.workers import WorkerError, WorkerSpec
 
     spec = WorkerSpec(
         model_path=str(tmp_path / "no-model"),
@@ -298,8 +299,8 @@ def test_nccl_broadcast_run_between_gpus(ray_cluster, model_dir, tmp_path):
 
 
 def test_the_store_lives_in_an_actor_with_the_same_behaviour(ray_cluster):
-    from cadence.pipeline.ray_backend import ActorStore
-    from cadence.pipeline.store import StaleRowError, StoreClosed
+    from cadence.backend.ray_store import ActorStore
+    from cadence.dataplane import StaleRowError, StoreClosed
     from cadence.types import SampleRow
 
     store = ActorStore()
@@ -322,7 +323,7 @@ def test_the_store_lives_in_an_actor_with_the_same_behaviour(ray_cluster):
 
 @pytest.mark.slow
 def test_a_ray_run_keeps_its_sample_store_in_an_actor(ray_cluster, model_dir, tmp_path):
-    from cadence.pipeline.ray_backend import ActorStore
+    from cadence.backend.ray_store import ActorStore
 
     run = build_run(_cfg(model_dir, "periodic", "train.iterations=2"))
     assert isinstance(run.source.store, ActorStore)

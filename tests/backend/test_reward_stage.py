@@ -13,14 +13,12 @@ import time
 
 import pytest
 
+from cadence.backend import RewardSpec, RewardStage, WorkerDied, WorkerError
 from cadence.config import load_config
 from cadence.data import DEFAULT_TEMPLATE, ArithmeticTask
+from cadence.dataplane import LEARNER, TRAIN, SampleStore, batch_groups, group_rows
 from cadence.metrics import MemorySink, Tracer
 from cadence.pipeline import build_run, train
-from cadence.pipeline.reward_stage import RewardSpec, RewardStage
-from cadence.pipeline.samples import LEARNER, TRAIN, batch_groups, group_rows
-from cadence.pipeline.store import SampleStore
-from cadence.pipeline.workers import WorkerDied, WorkerError
 from cadence.rewards import safe_reward
 from cadence.rewards.model import RewardModel
 from cadence.rewards.model_recipe import train_reward_model

@@ -6,10 +6,8 @@ import threading
 
 import torch
 
+from cadence.backend import RolloutWorker, WorkerLoop, load_into
 from cadence.engine import SamplingParams, ScriptedEngine
-from cadence.pipeline.weights import load_into
-from cadence.pipeline.worker import RolloutWorker
-from cadence.pipeline.workers import _WorkerLoop
 from cadence.types import Prompt
 
 
@@ -24,7 +22,7 @@ def _loop(inbox, outbox):
         group_size=2,
         run_seed=0,
     )
-    return model, _WorkerLoop(0, worker, lambda version: load_into(model, tensors), inbox, outbox)
+    return model, WorkerLoop(0, worker, lambda version: load_into(model, tensors), inbox, outbox)
 
 
 def test_a_sync_behind_a_busy_engine_waits_and_so_does_the_work_behind_it():

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from cadence.pipeline.store import (
+from cadence.dataplane import (
     LengthBalanced,
     SampleStore,
     StaleRowError,

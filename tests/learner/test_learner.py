@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from cadence.algo import LossParams
+from cadence.backend import RolloutWorker
 from cadence.engine import HFEngine, SamplingParams
 from cadence.learner import Learner, LearnerParams, frozen_copy
-from cadence.pipeline import RolloutWorker
 from cadence.rewards import TableReward
 from cadence.types import Prompt
 from updates import assert_same_update, capture_grads, max_relative_diff

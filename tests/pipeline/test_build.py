@@ -3,7 +3,7 @@ import math
 from cadence.algo import LossParams
 from cadence.config import load_config
 from cadence.pipeline import build_run, train
-from cadence.pipeline.build import learner_params
+from cadence.pipeline.params import learner_params
 
 
 def test_learner_params_carry_the_loss_keys():

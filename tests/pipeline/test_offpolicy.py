@@ -1,69 +1,46 @@
 """Off-policy asynchrony: admission by version, exact staleness, atomic weight updates.
 
 The producer and the worker loop are the real ones; the worker processes are threads running
-`_WorkerLoop` with a scripted engine whose every token is the value of the weights it reads at
-that moment (`weight = version`), with random per-sample delays and one slow worker.
+`WorkerLoop` (`backend.fake.ThreadPool`) with a scripted engine whose every token is the value of
+the weights it reads at that moment (`weight = version`), with random per-sample delays and one
+slow worker.
 """
 
-import contextlib
-import queue
 import random
-import threading
 import time
 
 import pytest
 import torch
 
+from cadence.backend import RolloutWorker, SharedWeights, WorkerDied, load_into
+from cadence.backend.fake import ThreadPool, WorkerKilled
 from cadence.engine import SamplingParams, ScriptedEngine
 from cadence.metrics import Tracer
+from cadence.pipeline import WorkerSource
 from cadence.pipeline.loop import StaleGroupError, within_staleness
-from cadence.pipeline.source import WorkerSource
-from cadence.pipeline.weights import SharedWeights, load_into
-from cadence.pipeline.worker import RolloutWorker
-from cadence.pipeline.workers import InFlight, WorkerDied, WorkerError, _WorkerLoop
 from cadence.types import Prompt
 
 GROUP_SIZE = 3
 
 
-class _Killed(BaseException):
-    """Raised inside a worker thread's engine: the thread ends, as a killed process would."""
-
-
-class ThreadPool:
-    """The WorkerPool interface over in-process worker threads (same loop, same messages).
+def _pool(weights, slowness, seed=0, die_after=None):
+    """In-process worker threads (the real loop) whose scripted engine emits, per sample, the
+    weight value it reads at two moments; uneven delays, one worker slower.
 
     `die_after[wid] = n`: the first worker in slot `wid` dies after generating n samples."""
+    die_after = dict(die_after or {})
+    started = [0]
 
-    def __init__(
-        self,
-        weights: SharedWeights,
-        slowness: list[float],
-        seed: int = 0,
-        die_after: dict[int, int] | None = None,
-    ) -> None:
-        self.weights, self.timeout_s = weights, 30.0
-        self.slowness, self.seed = slowness, seed
-        self.die_after = dict(die_after or {})
-        self.results: queue.Queue = queue.Queue()
-        self.pending: list = []
-        self.resent: list[str] = []  # uids sent again to a replacement worker
-        self.inboxes: list[queue.Queue] = []
-        self.in_flight = [InFlight() for _ in slowness]
-        self.threads: list[threading.Thread] = []
-        for wid in range(len(slowness)):
-            self._start(wid)
-        self._await_ready(set(range(len(slowness))))
-
-    def _start(self, wid: int) -> None:
+    def make_worker(wid):
         model = torch.nn.Linear(1, 1, bias=False)
-        rng = random.Random(self.seed * 100 + wid + 10 * len(self.threads))
-        slow, left = self.slowness[wid], [self.die_after.pop(wid, -1)]
+        rng = random.Random(seed * 100 + wid + 10 * started[0])
+        started[0] += 1
+        slow, left = slowness[wid], [die_after.pop(wid, -1)]
 
         def script(ids, seed):
             left[0] -= 1
             if left[0] == 0:
-                raise _Killed
+                raise WorkerKilled
             time.sleep(slow * rng.random())  # uneven lengths, one worker slower
             first = model.weight.item()
             time.sleep(slow * rng.random())
@@ -77,80 +54,9 @@ class ThreadPool:
             group_size=GROUP_SIZE,
             run_seed=0,
         )
-        inbox: queue.Queue = queue.Queue()
-        weights = self.weights.tensors
-        loop = _WorkerLoop(
-            wid, worker, lambda version: load_into(model, weights), inbox, self.results
-        )
+        return worker, lambda version: load_into(model, weights.tensors)
 
-        def run():
-            with contextlib.suppress(_Killed):
-                loop.run()
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        if wid < len(self.threads):
-            self.inboxes[wid], self.threads[wid] = inbox, thread
-        else:
-            self.inboxes.append(inbox)
-            self.threads.append(thread)
-
-    def _await_ready(self, wids: set[int]) -> None:
-        while wids:
-            message = self.results.get(timeout=10)
-            if message[0] == "ready" and message[1] in wids:
-                wids.discard(message[1])
-            else:
-                self._note(message)
-                self.pending.append(message)
-
-    def _note(self, message) -> None:
-        kind, wid, payload = message
-        if kind == "error":
-            raise WorkerError(payload)
-        if kind == "groups":
-            self.in_flight[wid].returned(payload)
-
-    @property
-    def num_workers(self) -> int:
-        return len(self.threads)
-
-    def submit(self, wid, task_id, prompts, iteration):
-        self.in_flight[wid].add(task_id, prompts, iteration)
-        self.inboxes[wid].put(("rollout", (task_id, prompts, iteration)))
-
-    def send_sync_to(self, wid, version):
-        self.inboxes[wid].put(("sync", version))
-
-    def has_in_flight(self):
-        return any(self.in_flight)
-
-    def poll(self, timeout_s):
-        if self.pending:
-            return self.pending.pop(0)
-        try:
-            message = self.results.get(timeout=timeout_s)
-        except queue.Empty:  # a dead thread's messages are all in the queue by now
-            for wid, thread in enumerate(self.threads):
-                if not thread.is_alive():
-                    raise WorkerDied(f"worker {wid} died", wid) from None
-            return None
-        self._note(message)
-        return message
-
-    def replace(self, wid):
-        self.pending = [m for m in self.pending if not (m[0] == "ack" and m[1] == wid)]
-        lost, self.in_flight[wid] = self.in_flight[wid].tasks, InFlight()
-        self.resent.extend(p.uid for prompts, _ in lost.values() for p in prompts)
-        self._start(wid)
-        self._await_ready({wid})
-        return lost
-
-    def close(self):
-        for inbox in self.inboxes:
-            inbox.put(("stop", None))
-        for t in self.threads:
-            t.join(timeout=10)
+    return ThreadPool(make_worker, len(slowness), weights)
 
 
 def _run(max_staleness: int, iterations: int, prompts_per_iteration: int = 6, seed: int = 0):
@@ -170,7 +76,7 @@ def _run_source(
     """`_run`, also returning the source (for its restart and duplicate counts)."""
     policy = torch.nn.Linear(1, 1, bias=False)
     weights = SharedWeights(policy)
-    pool = ThreadPool(weights, slowness=[0.002, 0.006], seed=seed, die_after=die_after)
+    pool = _pool(weights, slowness=[0.002, 0.006], seed=seed, die_after=die_after)
     counter = iter(range(10**6))
 
     def next_prompts():

@@ -7,12 +7,11 @@ import os
 
 import pytest
 
+from cadence.backend import WorkerDied, WorkerError
 from cadence.config import load_config
 from cadence.metrics import MemorySink
 from cadence.models import load_model
-from cadence.pipeline import StaleGroupError, build_run, train
-from cadence.pipeline.source import WorkerSource
-from cadence.pipeline.workers import WorkerDied, WorkerError
+from cadence.pipeline import StaleGroupError, WorkerSource, build_run, train
 from updates import assert_same_update, capture_grads, max_relative_diff
 
 pytestmark = pytest.mark.slow
@@ -113,7 +112,7 @@ def test_learner_trains_before_the_last_group_is_generated(model_dir, tmp_path):
     slots = [x for x in run.tracer.samples if x.name == "slots"]
     assert {x.track for x in slots} == {"worker-0", "worker-1"}
     assert max(x.value for x in slots) > 0 and min(x.value for x in slots) == 0
-    assert max(x.value for x in slots) <= run.cfg.rollout.max_num_seqs
+    assert max(x.value for x in slots) <= cfg.rollout.max_num_seqs
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert any(e["ph"] == "C" and e["name"] == "worker-1 slots" for e in events)
     for key in [

@@ -60,7 +60,7 @@ def test_ids_and_texts_score_alike_and_the_score_is_the_model_output(reward_dir)
 def test_a_one_label_model_scores_with_its_regression_output(tmp_path, tokenizer):
     from transformers import LlamaForSequenceClassification
 
-    from cadence.models.build import llama_config
+    from cadence.models.presets import llama_config
 
     torch.manual_seed(0)
     model = LlamaForSequenceClassification(llama_config("test", tokenizer, num_labels=1))

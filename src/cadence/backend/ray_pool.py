@@ -1,11 +1,11 @@
 """Ray backend: the same inference workers as Ray actors, on this machine or across a cluster.
 
-Each actor builds its worker with `_build_worker` and runs the very `_WorkerLoop` that a local
+Each actor builds its worker with `build_worker` and runs the very `WorkerLoop` that a local
 worker process runs, in a thread of its own. Its inbox is a queue fed by the actor method `send`;
 its outbox a list that the driver long-polls with `drain` (one call outstanding per actor, so a
 result reaches the driver as soon as it exists). A threaded actor may run two calls out of order,
 so every message carries a sequence number and `send` restores the order. `RayPool` implements
-`Pool` over the actors: `WorkerSource` (versions, barrier, admission by staleness) is unchanged.
+`Pool` over the actors: the producer (versions, barrier, admission by staleness) is unchanged.
 
 Weights travel once per version (`ray_weights`): through the object store, or broadcast with
 torch.distributed. An actor that dies fails its pending `drain`: the next poll raises
@@ -34,22 +34,16 @@ from typing import Any
 
 import torch
 
-from cadence.pipeline.ray_weights import (
+from cadence.backend.pool import InFlight, Lost, TaskResult
+from cadence.backend.procs import WorkerDied, WorkerError
+from cadence.backend.ray_weights import (
     BroadcastReceiver,
     BroadcastWeights,
     ObjectStoreReceiver,
     ObjectStoreWeights,
     RayWeights,
 )
-from cadence.pipeline.workers import (
-    InFlight,
-    TaskResult,
-    WorkerDied,
-    WorkerError,
-    WorkerSpec,
-    _build_worker,
-    _WorkerLoop,
-)
+from cadence.backend.worker_loop import WorkerLoop, WorkerSpec, build_worker
 from cadence.types import Prompt
 
 _DRAIN_S = 1.0  # longest a `drain` call waits for a message before returning none
@@ -111,7 +105,7 @@ class _Outbox:
 
 
 class RayWorker:
-    """A worker actor (made remote by `RayPool`): `_build_worker` plus `_WorkerLoop`."""
+    """A worker actor (made remote by `RayPool`): `build_worker` plus `WorkerLoop`."""
 
     def __init__(
         self, wid: int, spec: WorkerSpec, broadcast: str | None, sys_path: list[str]
@@ -130,7 +124,7 @@ class RayWorker:
         self.receiver: ObjectStoreReceiver | BroadcastReceiver | None = None
         try:
             torch.set_num_threads(spec.threads)
-            model, worker = _build_worker(spec)
+            model, worker = build_worker(spec)
             model.to("cuda" if ray.get_gpu_ids() else "cpu")
             if broadcast is None:
                 self.receiver = ObjectStoreReceiver(model)
@@ -139,10 +133,10 @@ class RayWorker:
         except BaseException:
             self.outbox.put(("error", wid, traceback.format_exc()))
             return
-        loop = _WorkerLoop(wid, worker, self.receiver.load, self.inbox, self.outbox)
+        loop = WorkerLoop(wid, worker, self.receiver.load, self.inbox, self.outbox)
         threading.Thread(target=self._run, args=(loop,), name="cadence-worker", daemon=True).start()
 
-    def _run(self, loop: _WorkerLoop) -> None:
+    def _run(self, loop: WorkerLoop) -> None:
         try:
             torch.set_num_threads(self.spec.threads)  # with OpenMP the setting is per thread
             loop.run()
@@ -301,7 +295,7 @@ class RayPool:
     def has_in_flight(self) -> bool:
         return any(self._in_flight)
 
-    def replace(self, wid: int) -> dict[int, tuple[list[Prompt], int]]:
+    def replace(self, wid: int) -> Lost:
         """A fresh actor in slot `wid` (same resources); the old one's unreturned tasks."""
         import ray
 
@@ -365,14 +359,12 @@ class RayPool:
 
     def _died(self, wid: int, error: Exception) -> WorkerDied:
         ip, pid = self._where[wid]
-        uids = self._in_flight[wid].uids()
-        shown = ", ".join(uids[:8]) + (f", ... ({len(uids)} in all)" if uids[8:] else "")
         # Ray's message: a headline, tab-indented details, then the cause on its last line.
         lines = [line for line in str(error).splitlines() if line.strip() and line[0] != "\t"]
         cause = lines[-1].rstrip(".") if lines else type(error).__name__
         return WorkerDied(
             f"worker {wid} (Ray actor, pid {pid} on {ip}) died: {cause}; "
-            f"prompts in flight: {shown or 'none'}",
+            f"prompts in flight: {self._in_flight[wid].shown()}",
             wid,
         )
 
@@ -395,43 +387,3 @@ class RayPool:
         self.weights.close()
         if self._started:
             ray.shutdown()
-
-
-class ActorStore:
-    """The run's `SampleStore`, living in a Ray actor, behind the methods the pipeline calls
-    (each one remote call; the actor is threaded, so a `get` that waits does not block a `put`).
-    The same class as in-process: nothing of the store is written twice."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        import ray
-
-        from cadence.pipeline.store import SampleStore
-
-        remote = ray.remote(SampleStore).options(num_cpus=0, max_concurrency=64)
-        self._actor = remote.remote(**kwargs)
-
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        import ray
-
-        try:
-            return ray.get(getattr(self._actor, method).remote(*args, **kwargs))
-        except ray.exceptions.RayTaskError as e:  # the store's own exception, as raised there
-            raise e.as_instanceof_cause() from None
-
-    def put(self, rows, fields) -> None:
-        self._call("put", rows, fields)
-
-    def get(self, *args: Any, **kwargs: Any):
-        return self._call("get", *args, **kwargs)
-
-    def depth(self, *args: Any, **kwargs: Any) -> int:
-        return self._call("depth", *args, **kwargs)
-
-    def clear(self, iteration: int) -> int:
-        return self._call("clear", iteration)
-
-    def close(self) -> None:
-        self._call("close")
-
-    def stats(self) -> dict[str, Any]:
-        return self._call("stats")

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from cadence.pipeline.weights import WeightSync, load_into
+from cadence.backend.weights import WeightSync, load_into
 
 
 class RayWeights(WeightSync, Protocol):

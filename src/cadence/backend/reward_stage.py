@@ -30,21 +30,13 @@ import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing import connection as mp_connection
-from typing import Any, Protocol, cast
+from typing import Protocol
 
 import torch
-import torch.multiprocessing as mp
 
+from cadence.backend.procs import Processes, Sender, WorkerDied
+from cadence.dataplane import SCORER, Store, StoreClosed, record_depths
 from cadence.metrics.trace import Span, Tracer
-from cadence.pipeline.samples import SCORER, record_depths
-from cadence.pipeline.store import SampleStore, StoreClosed
-from cadence.pipeline.workers import (
-    WorkerDied,
-    WorkerError,
-    _Sender,
-    stop_workers,
-)
 from cadence.rewards import load_reward, safe_reward
 from cadence.types import SampleRow
 
@@ -94,10 +86,10 @@ class ModelScorer:
     """A learned reward model over (prompt ids, response ids)."""
 
     def __init__(self, model_path: str, batch_size: int, dtype: str = "float32") -> None:
+        from cadence.models import DTYPES
         from cadence.rewards.model import RewardModel
 
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-        self.model = RewardModel.load(model_path, batch_size=batch_size, dtype=dtypes[dtype])
+        self.model = RewardModel.load(model_path, batch_size=batch_size, dtype=DTYPES[dtype])
 
     def __call__(self, data: dict[str, list]) -> Scores:
         scores = self.model.score_ids(data["prompt_ids"], data["response_ids"])
@@ -135,7 +127,7 @@ class ScoreResult:
 def reward_worker_main(wid: int, spec: RewardSpec, inbox, results) -> None:
     """A reward worker process: ('score', (job, data)) in, ('scored', wid, ScoreResult) out of
     `results`, the write end of its own pipe."""
-    outbox = _Sender(results)
+    outbox = Sender(results)
     try:
         torch.set_num_threads(spec.threads)
         scorer = build_scorer(spec)
@@ -159,13 +151,6 @@ def reward_worker_main(wid: int, spec: RewardSpec, inbox, results) -> None:
         outbox.put(("error", wid, traceback.format_exc()))
 
 
-@dataclass
-class _Proc:
-    process: Any
-    inbox: Any
-    results: Any  # the read end of this worker's own result pipe
-
-
 class RewardStage:
     """`num_workers` reward worker processes and the driver thread that feeds them from `store`.
 
@@ -177,7 +162,7 @@ class RewardStage:
         self,
         spec: RewardSpec,
         num_workers: int,
-        store: SampleStore,
+        store: Store,
         tracer: Tracer,
         *,
         batch_size: int = 32,
@@ -189,68 +174,21 @@ class RewardStage:
         self.failure: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._ctx = mp.get_context("spawn")
-        self.procs: list[_Proc] = []
         self._jobs: dict[int, tuple[int, list[SampleRow]]] = {}  # job -> (worker, rows)
-        self._free: list[int] = []
-        try:
-            for wid in range(num_workers):
-                self.procs.append(self._spawn(wid))
-            self._await_ready(set(range(num_workers)))
-        except BaseException:
-            self.close()
-            raise
+        self._procs = Processes(
+            "reward worker", reward_worker_main, lambda wid: (spec,), timeout_s, tag="reward"
+        )
+        self._procs.start(num_workers)
         self._free = list(range(num_workers))
 
     @property
+    def procs(self) -> list:
+        """The reward worker slots (`.process` of each is its `multiprocessing.Process`)."""
+        return self._procs.procs
+
+    @property
     def num_workers(self) -> int:
-        return len(self.procs)
-
-    def _spawn(self, wid: int) -> _Proc:
-        """A reward worker with its own inbox and result pipe (not a queue shared by all: a
-        worker killed mid-write would leave it locked, or half a message in it, for the rest).
-        Only the read end stays here, so a dead worker's pipe ends in end-of-file."""
-        inbox = self._ctx.Queue()
-        reader, writer = self._ctx.Pipe(duplex=False)
-        p = self._ctx.Process(
-            target=reward_worker_main,
-            name=f"cadence-reward-{wid}",
-            daemon=True,
-            args=(wid, self.spec, inbox, writer),
-        )
-        p.start()
-        writer.close()
-        return _Proc(p, inbox, reader)
-
-    def _await_ready(self, pending: set[int]) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while pending:
-            messages = self._receive(0.5)
-            if not messages:
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"reward workers {sorted(pending)} did not start within "
-                        f"{self.timeout_s:.0f}s"
-                    )
-            for kind, wid, payload in messages:
-                if kind == "error":
-                    raise WorkerError(f"reward worker {wid} failed:\n{payload}")
-                pending.discard(wid)
-
-    def _receive(self, timeout_s: float) -> list[tuple[str, int, Any]]:
-        """The messages that arrive within `timeout_s` (none: an empty list); a pipe that ends
-        means its worker is gone: raise `WorkerDied`."""
-        by_conn = {proc.results: wid for wid, proc in enumerate(self.procs)}
-        messages = []
-        for conn in mp_connection.wait(list(by_conn), timeout_s):
-            wid = by_conn[conn]
-            try:
-                messages.append(cast(mp_connection.Connection, conn).recv())
-            except (EOFError, OSError):
-                self.procs[wid].process.join(timeout=1.0)  # for its exit code
-                raise self._died(wid) from None
-        return messages
+        return len(self._procs)
 
     def start(self) -> None:
         if self._thread is None:
@@ -282,7 +220,7 @@ class RewardStage:
                 )
                 if batch.rows:
                     wid = self._free.pop(0)
-                    self.procs[wid].inbox.put(("score", (job, batch.data)))
+                    self._procs.send(wid, ("score", (job, batch.data)))
                     self._jobs[job] = (wid, batch.rows)
                     job += 1
                     record_depths(self.store, self.tracer, reward_stage=True)
@@ -293,13 +231,11 @@ class RewardStage:
 
     def _collect(self, timeout_s: float) -> bool:
         """Put the scores of the micro-batches finished within `timeout_s` into the store;
-        False if none came."""
-        messages = self._receive(timeout_s)
-        if not messages:
-            self._check_alive()
+        False if none came. A reward worker that is gone raises `WorkerDied`."""
+        messages = self._procs.receive(timeout_s)
         for kind, wid, payload in messages:
             if kind == "error":
-                raise WorkerError(f"reward worker {wid} failed:\n{payload}")
+                raise self._procs.failed(wid, payload)
             result: ScoreResult = payload
             _, rows = self._jobs.pop(result.job)
             self.store.put(rows, {"reward": result.rewards, "reward_error": result.errors})
@@ -309,21 +245,10 @@ class RewardStage:
             start, end = result.start - origin, result.end - origin
             self.tracer.add(Span("score", f"reward-{wid}", start, end))
             record_depths(self.store, self.tracer, reward_stage=True)
+        if (gone := self._procs.dead()) is not None:
+            held = sum(len(rows) for w, rows in self._jobs.values() if w == gone)
+            raise WorkerDied(f"{self._procs.exited(gone)}; rows in flight: {held}", gone)
         return bool(messages)
-
-    def _check_alive(self) -> None:
-        for wid, proc in enumerate(self.procs):
-            if not proc.process.is_alive():
-                raise self._died(wid)
-
-    def _died(self, wid: int) -> WorkerDied:
-        process = self.procs[wid].process
-        held = sum(len(rows) for w, rows in self._jobs.values() if w == wid)
-        return WorkerDied(
-            f"reward worker {wid} (pid {process.pid}) exited with code {process.exitcode}; "
-            f"rows in flight: {held}",
-            wid,
-        )
 
     def close(self) -> None:
         """Stop the driver, then every reward worker; terminate, then kill, any that lingers."""
@@ -331,5 +256,4 @@ class RewardStage:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
-        stop_workers(self.procs)
-        self.procs = []
+        self._procs.close()

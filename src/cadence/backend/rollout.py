@@ -29,7 +29,7 @@ from cadence.types import Completion, Group, Prompt
 
 
 @dataclass
-class _InFlight:
+class _Job:
     task: Hashable
     prompt: Prompt
     prompt_ids: list[int]
@@ -48,7 +48,7 @@ class RolloutWorker:
         group_size: int,
         run_seed: int,
     ) -> None:
-        self._in_flight: dict[Hashable, _InFlight] = {}  # by (task, position in task)
+        self._jobs: dict[Hashable, _Job] = {}  # by (task, position in task)
         self.engine = engine
         self.tokenizer = tokenizer
         self.reward = reward
@@ -68,7 +68,7 @@ class RolloutWorker:
 
     @property
     def busy(self) -> bool:
-        return bool(self._in_flight)
+        return bool(self._jobs)
 
     def encode(self, prompt: Prompt) -> list[int]:
         if prompt.token_ids is not None:
@@ -84,14 +84,14 @@ class RolloutWorker:
                 derive_seed(self.run_seed, iteration, prompt.index, j)
                 for j in range(self.group_size)
             ]
-            self._in_flight[(task, pos)] = _InFlight(task, prompt, ids, iteration, version, now)
+            self._jobs[(task, pos)] = _Job(task, prompt, ids, iteration, version, now)
             self.engine.add((task, pos), Request(ids, seeds), self.sampling)
 
     def poll(self) -> list[tuple[Hashable, Group]]:
         """One engine step; the (task, group) of every prompt that finished in it, scored."""
         out = []
         for key, completions in self.engine.step():
-            job = self._in_flight.pop(key)
+            job = self._jobs.pop(key)
             out.append((job.task, self._score(job, completions)))
         return out
 
@@ -101,7 +101,7 @@ class RolloutWorker:
         return samples
 
     def task_done(self, task: Hashable) -> bool:
-        return not any(job.task == task for job in self._in_flight.values())
+        return not any(job.task == task for job in self._jobs.values())
 
     def rollout(self, prompts: list[Prompt], iteration: int, version: int) -> list[Group]:
         """Generate and score `group_size` responses for each prompt; groups in prompt order."""
@@ -114,7 +114,7 @@ class RolloutWorker:
                 done[group.prompt.index] = group
         return [done[p.index] for p in prompts]
 
-    def _score(self, job: _InFlight, completions: list[Completion]) -> Group:
+    def _score(self, job: _Job, completions: list[Completion]) -> Group:
         if self.reward is not None:
             for c in completions:
                 result = safe_reward(self.reward, job.prompt.text, c.text, job.prompt.answer)

@@ -47,7 +47,7 @@ def run_cadence(cfg: Config, out: Path) -> dict:
 
     from cadence.metrics import MemorySink
     from cadence.pipeline import build_run, train
-    from cadence.pipeline.build import learner_threads
+    from cadence.pipeline.params import learner_threads
 
     p = cfg.pipeline
     run = build_run(cfg)

@@ -35,10 +35,10 @@ LONG_PROMPT = dict(num_groups=8, prompt_len=256, response_len=64, group_size=8)
 
 def default_groups(cfg, model, tokenizer) -> list[Group]:
     """One iteration's groups of the config's workload, sampled by its model."""
+    from cadence.backend import RolloutWorker
     from cadence.engine import HFEngine
-    from cadence.pipeline.build import make_task, sampling_params
+    from cadence.pipeline.params import make_task, sampling_params
     from cadence.pipeline.prompts import PromptStream
-    from cadence.pipeline.worker import RolloutWorker
     from cadence.rewards import load_reward
 
     worker = RolloutWorker(
@@ -79,7 +79,7 @@ def synthetic_groups(
 def _learner(cfg, model, pad_id: int, variant: str):
     from cadence.algo import needs_reference
     from cadence.learner import Learner, frozen_copy
-    from cadence.pipeline.build import learner_params
+    from cadence.pipeline.params import learner_params
 
     params, loss = learner_params(cfg)
     shared, impl = VARIANTS[variant]
@@ -110,8 +110,8 @@ def _time_workload(cfg, model, pad_id: int, groups: list[Group], repeats: int) -
 
 def bench_shared_prompt(config: str | None, overrides: list[str], repeats: int, out: Path):
     from cadence.config import load_config
-    from cadence.models import load_model, load_tokenizer
-    from cadence.pipeline.build import DTYPES, set_threads
+    from cadence.models import DTYPES, load_model, load_tokenizer
+    from cadence.pipeline.params import set_threads
 
     cfg = load_config(config, overrides)
     set_threads(cfg.train.threads)

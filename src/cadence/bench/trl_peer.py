@@ -260,8 +260,8 @@ def run_trl(cfg: Config, out: Path) -> dict:
     from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from cadence.models import load_model, load_tokenizer
-    from cadence.pipeline.build import DTYPES, make_task, set_threads
+    from cadence.models import DTYPES, load_model, load_tokenizer
+    from cadence.pipeline.params import make_task, set_threads
     from cadence.pipeline.prompts import PromptStream
     from cadence.rewards import load_reward
 

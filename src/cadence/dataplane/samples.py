@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from cadence.types import Completion, Group, SampleBatch, SampleRow
 
 if TYPE_CHECKING:
+    from cadence.dataplane.store import Store
     from cadence.metrics.trace import Tracer
-    from cadence.pipeline.store import SampleStore
 
 LEARNER = "learner"  # the store task that trains on whole groups
 SCORER = "reward"  # the store task of a reward stage
@@ -95,7 +95,7 @@ def batch_groups(batch: SampleBatch) -> list[Group]:
     return groups
 
 
-def record_depths(store: SampleStore, tracer: Tracer, reward_stage: bool) -> None:
+def record_depths(store: Store, tracer: Tracer, reward_stage: bool) -> None:
     """Rows waiting for the learner (in whole ready groups) and, with a reward stage, rows
     waiting to be scored: one "rows waiting" sample each on the tracks "queue-train" and
     "queue-reward" (the stage figures and the timeline read them)."""

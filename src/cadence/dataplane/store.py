@@ -29,13 +29,12 @@ faster one simply takes more).
   version more than `max_staleness` behind it; such a unit is marked consumed and counted as
   dropped. On-policy (`max_staleness=0`) a row of another version, and in any mode a row of a
   version the consumer has not reached, raises `StaleRowError` (the rules of
-  `pipeline.loop.within_staleness`).
+  `check_staleness`, which the run loop applies too).
 - `clear(iteration)` frees an iteration's rows, consumed or not: memory is bounded by the
   iterations alive at once.
 
-Which ready units a `get` takes is a sampler's choice: `in_order` (oldest global index first;
-the default) or `LengthBalanced(field)`, both plain picklable callables. "Whole groups" is the
-`groups=True` unit rather than a sampler, so every sampler keeps groups whole.
+Which ready units a `get` takes is a sampler's choice (`samplers.py`): `in_order` (oldest
+global index first; the default) or `LengthBalanced(field)`.
 
 One class serves in-process and in a Ray actor: the actor constructs it (give the actor
 `max_concurrency > 1` so a blocked `get` does not block `put`). It holds no thread beyond a
@@ -48,10 +47,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
+from cadence.dataplane.samplers import Entry, Sampler, Unit, in_order
+from cadence.dataplane.staleness import unit_within_staleness
 from cadence.types import SampleBatch, SampleRow
 
 
@@ -59,55 +59,42 @@ class StoreClosed(RuntimeError):
     """The store was closed: nothing more will be put, and nothing is left for this get."""
 
 
-class StaleRowError(RuntimeError):
-    """A row's policy version breaks the consumer's staleness rule in a way dropping cannot fix."""
+class Store(Protocol):
+    """What stages call on a sample store: `SampleStore` in this process, or the same class in a
+    Ray actor behind a forwarding handle (`backend.ray_store.ActorStore`)."""
 
+    def put(self, rows: Sequence[SampleRow], fields: Mapping[str, Sequence[Any]]) -> None: ...
 
-@dataclass(slots=True, eq=False)
-class Entry:
-    """One stored row: its identity, the fields written so far, and the tasks that took it."""
+    def get(
+        self,
+        fields: Sequence[str],
+        batch_size: int,
+        task: str,
+        timeout: float | None = None,
+        *,
+        groups: bool = True,
+        sampler: Sampler = ...,
+        version: int | None = None,
+        max_staleness: int = 0,
+        min_size: int | None = None,
+        iteration: int | None = None,
+    ) -> SampleBatch: ...
 
-    row: SampleRow
-    data: dict[str, Any] = field(default_factory=dict)
-    consumed: set[str] = field(default_factory=set)
+    def depth(
+        self,
+        fields: Sequence[str],
+        task: str,
+        *,
+        groups: bool = False,
+        iteration: int | None = None,
+        units: bool = False,
+    ) -> int: ...
 
+    def clear(self, iteration: int) -> int: ...
 
-# A unit is what a get hands out whole: one row, or a group's rows by index_in_group.
-Unit = tuple[Entry, ...]
-# A sampler picks at most `n` of the ready units (read-only: it must not change them).
-Sampler = Callable[[Sequence[Unit], int], list[Unit]]
+    def close(self) -> None: ...
 
-
-def in_order(units: Sequence[Unit], n: int) -> list[Unit]:
-    """The `n` units with the lowest global index: first created, first out."""
-    return sorted(units, key=lambda u: u[0].row.index)[:n]
-
-
-@dataclass(frozen=True)
-class LengthBalanced:
-    """A sampler that mixes long and short units (length = summed `len` of `field` over a unit).
-
-    Balanced means: the ready units are sorted by length and the batch takes them alternately
-    from the long end and the short end (ceil(n/2) longest, floor(n/2) shortest), so the batch's
-    length is close to n times the mean of the ready pool. Consumers that share a task and each
-    take a batch from one pool therefore get near-equal token counts (equal when the lengths are
-    evenly spread) instead of the first to ask getting all the short units. `field` must be
-    among the fields the get asks for.
-    """
-
-    field: str
-
-    def __call__(self, units: Sequence[Unit], n: int) -> list[Unit]:
-        if not all(self.field in e.data for u in units for e in u):
-            raise ValueError(f"LengthBalanced: the get must ask for field {self.field!r}")
-        pool = deque(sorted(units, key=lambda u: (self._length(u), u[0].row.index)))
-        taken: list[Unit] = []
-        while pool and len(taken) < n:
-            taken.append(pool.pop() if len(taken) % 2 == 0 else pool.popleft())
-        return sorted(taken, key=lambda u: u[0].row.index)
-
-    def _length(self, unit: Unit) -> int:
-        return sum(len(e.data[self.field]) for e in unit)
+    def stats(self) -> dict[str, Any]: ...
 
 
 class SampleStore:
@@ -282,7 +269,7 @@ class SampleStore:
         for unit in self._units(groups, iteration):
             if not all(task not in e.consumed and all(f in e.data for f in fields) for e in unit):
                 continue
-            if version is not None and not _within_staleness(unit, version, bound, task):
+            if version is not None and not unit_within_staleness(unit, version, bound, task):
                 for e in unit:
                     e.consumed.add(task)
                 dropped += len(unit)
@@ -394,31 +381,6 @@ class _Recent:
 
 def _first_index(unit: Unit) -> int:
     return unit[0].row.index
-
-
-def check_staleness(policy_version: int, version: int, max_staleness: int, what: str) -> bool:
-    """The staleness rule, for the store and the run loop alike: True to keep a sample made by
-    `policy_version` for a consumer at `version`, False to drop it (staler than `max_staleness`);
-    raise `StaleRowError` where dropping would hide a bug: a version the consumer has not reached,
-    or, on-policy, any other version. `what` names the sample and its consumer in the message."""
-    staleness = version - policy_version
-    if staleness < 0 or (max_staleness == 0 and staleness != 0):
-        raise StaleRowError(
-            f"{what} is at {version} (max_staleness {max_staleness}): weights reached the "
-            "generator out of order"
-        )
-    return staleness <= max_staleness
-
-
-def _within_staleness(unit: Unit, version: int, max_staleness: int, task: str) -> bool:
-    keep = True
-    for e in unit:
-        what = (
-            f"row {e.row.index} (group {e.row.group}) has policy_version {e.row.policy_version}, "
-            f"{task}"
-        )
-        keep = check_staleness(e.row.policy_version, version, max_staleness, what) and keep
-    return keep
 
 
 def _checked(chosen: list[Unit], units: list[Unit], batch_size: int) -> list[Unit]:

@@ -1,5 +1,13 @@
-"""Metrics sinks, spans and run-level figures (TPSPD)."""
+"""Metrics: sinks, spans, and the figures a run reports (TPSPD, pipeline and stage figures,
+the summary). Nothing here runs the pipeline or reads the config."""
 
+from cadence.metrics.figures import (
+    pipeline_figures,
+    sample_figures,
+    stage_figures,
+    summary,
+    tpspd,
+)
 from cadence.metrics.sinks import (
     ConsoleProgress,
     JsonlSink,
@@ -8,12 +16,6 @@ from cadence.metrics.sinks import (
     TensorBoardSink,
 )
 from cadence.metrics.trace import Sample, Span, Tracer
-
-
-def tpspd(num_tokens: float, wall_s: float, num_devices: int = 1) -> float:
-    """Tokens per second per device: trained prompt + response tokens / (wall x devices)."""
-    return num_tokens / max(wall_s, 1e-9) / max(num_devices, 1)
-
 
 __all__ = [
     "ConsoleProgress",
@@ -24,5 +26,9 @@ __all__ = [
     "Span",
     "TensorBoardSink",
     "Tracer",
+    "pipeline_figures",
+    "sample_figures",
+    "stage_figures",
+    "summary",
     "tpspd",
 ]

@@ -1,9 +1,10 @@
 """Model and tokenizer I/O: the embedded default builder and loaders for any local HF directory."""
 
-from cadence.models.build import PRESETS, init_model, train_tokenizer
-from cadence.models.io import ModelLoadError, load_model, load_tokenizer, save_pretrained
+from cadence.models.io import DTYPES, ModelLoadError, load_model, load_tokenizer, save_pretrained
+from cadence.models.presets import PRESETS, init_model, train_tokenizer
 
 __all__ = [
+    "DTYPES",
     "PRESETS",
     "ModelLoadError",
     "init_model",

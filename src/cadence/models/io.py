@@ -11,6 +11,9 @@ from pathlib import Path
 
 import torch
 
+# The config's `model.dtype` names, for the learner, workers and reward models alike.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 
 class ModelLoadError(ValueError):
     """The model directory is missing, incomplete, or not a causal language model."""

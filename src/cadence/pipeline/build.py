@@ -1,145 +1,62 @@
 """The run builder: the one place that turns a whole `Config` into wired components.
 
-Components take plain keyword arguments; only this module (and the CLI) reads the config tree.
+Components take plain keyword arguments; only this module, `params.py` and the CLI read the
+config tree. The backend (local processes or Ray) is chosen here and nowhere else.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from cadence.algo import LossParams, needs_reference
-from cadence.config import Config, ConfigError, PipelineConfig
-from cadence.data import load_task
-from cadence.engine import Engine, SamplingParams, make_engine
-from cadence.learner import Learner, LearnerParams
+from cadence.algo import needs_reference
+from cadence.backend import RewardSpec, RewardStage, RolloutWorker, make_pool
+from cadence.config import Config, ConfigError, PipelineConfig, to_toml
+from cadence.dataplane import Store
+from cadence.engine import make_engine
+from cadence.learner import Learner
 from cadence.metrics import Tracer
-from cadence.models import load_model, load_tokenizer
+from cadence.models import DTYPES, load_model, load_tokenizer
 from cadence.pipeline.checkpoint import Checkpoint, restore_learner, weights_digest
-from cadence.pipeline.prompts import PromptFilter, PromptStream, heldout_prompts
-from cadence.pipeline.reward_stage import RewardSpec, RewardStage
-from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
-from cadence.pipeline.store import SampleStore
-from cadence.pipeline.weights import SharedWeights
-from cadence.pipeline.worker import RolloutWorker
-from cadence.pipeline.workers import Pool, WorkerPool, WorkerSpec
-from cadence.rewards import RewardFn, load_reward
+from cadence.pipeline.evaluate import Evaluator
+from cadence.pipeline.loop import LoopParams, Run
+from cadence.pipeline.params import (
+    learner_params,
+    learner_threads,
+    make_task,
+    max_staleness,
+    prompt_filter,
+    sampling_params,
+    set_threads,
+    worker_spec,
+)
+from cadence.pipeline.producer import WorkerSource
+from cadence.pipeline.prompts import PromptStream, heldout_prompts
+from cadence.pipeline.source import ColocatedSource, GroupSource
+from cadence.rewards import load_reward
 from cadence.types import Prompt
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-
-@dataclass
-class Run:
-    cfg: Config
-    tokenizer: object
-    learner: Learner
-    source: GroupSource
-    eval_engine: Engine
-    reward: RewardFn
-    sampling: SamplingParams
-    stream: PromptStream
-    heldout: list[Prompt]
-    tracer: Tracer
-    resume: Checkpoint | None = None  # the checkpoint this run continues from
-    reference_digest: str | None = None  # identity of the reference weights (for checkpoints)
-
-    @property
-    def first_iteration(self) -> int:
-        return self.resume.iteration if self.resume else 0
-
-    @property
-    def max_staleness(self) -> int:
-        return max_staleness(self.cfg)
-
-
-def set_threads(threads: int) -> None:
-    torch.set_num_threads(threads or os.cpu_count() or 1)
-
-
-def make_task(cfg: Config):
-    d = cfg.data
-    if d.task == "gsm8k":
-        return load_task(
-            "gsm8k",
-            path=d.path,
-            heldout_path=d.heldout_path,
-            num_heldout=d.num_heldout,
-            on_bad_line=d.on_bad_line,
-            seed=cfg.train.seed,
-        )
-    return load_task(
-        d.task,
-        difficulty=d.difficulty,
-        seed=cfg.train.seed,
-        num_heldout=d.num_heldout,
-        max_operand=d.max_operand,
+def loop_params(cfg: Config) -> LoopParams:
+    t = cfg.train
+    return LoopParams(
+        iterations=t.iterations,
+        prompts_per_iteration=t.prompts_per_iteration,
+        max_staleness=max_staleness(cfg),
+        eval_every=t.eval_every,
+        checkpoint_every=t.checkpoint_every,
+        keep_checkpoints=t.keep_checkpoints,
+        max_error_fraction=cfg.reward.max_error_fraction,
+        mode=cfg.pipeline.mode,
+        placement=cfg.pipeline.placement,
+        slots=cfg.rollout.max_num_seqs,
+        tensorboard=cfg.metrics.tensorboard,
+        progress=cfg.metrics.progress,
+        reference_path=cfg.model.path,
+        config_toml=to_toml(cfg),
     )
-
-
-def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
-    r = cfg.rollout
-    return SamplingParams(
-        max_new_tokens=r.max_new_tokens,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        stop_token_ids=(tokenizer.eos_token_id,),
-        stop=tuple(r.stop),
-    )
-
-
-def prompt_filter(cfg: Config, tokenizer) -> PromptFilter:
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    return PromptFilter(encode, cfg.rollout.max_prompt_tokens, cfg.rollout.on_long_prompt)
-
-
-def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
-    a, t = cfg.algo, cfg.train
-    params = LearnerParams(
-        lr=t.lr,
-        warmup_steps=t.warmup_iterations * t.mini_batches,
-        weight_decay=t.weight_decay,
-        max_grad_norm=t.max_grad_norm,
-        loss=a.loss,
-        advantage=a.advantage,
-        scale_by_std=a.scale_by_std,
-        loss_agg=a.loss_agg,
-        micro_batch_groups=t.micro_batch_groups,
-        mini_batches=t.mini_batches,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
-        shared_prompt=cfg.learner.shared_prompt,
-        shared_prompt_impl=cfg.learner.shared_prompt_impl,
-        reuse_old_logprobs=cfg.learner.reuse_old_logprobs,
-        max_bad_steps=t.max_bad_steps,
-    )
-    loss = LossParams(
-        clip_low=a.clip_low,
-        clip_high=a.clip_high,
-        kl_coef=a.kl_coef,
-        kl_estimator=a.kl_estimator,
-        tis_cap=a.tis_cap,
-        dpo_beta=a.dpo_beta,
-        dpo_loss=a.dpo_loss,
-    )
-    return params, loss
-
-
-def learner_threads(cfg: Config) -> int:
-    p = cfg.pipeline
-    if p.placement == "colocated":
-        return cfg.train.threads
-    cores = os.cpu_count() or 1
-    others = p.num_workers * p.threads_per_worker
-    if cfg.reward.stage == "separate":
-        others += cfg.reward.num_workers * cfg.reward.threads_per_worker
-    return p.learner_threads or max(1, cores - others)
 
 
 def build_source(
@@ -158,20 +75,11 @@ def build_source(
     if p.placement == "colocated":
         return ColocatedSource(worker, tracer, next_prompts)
     separate = cfg.reward.stage == "separate"
-    spec = WorkerSpec(
-        model_path=cfg.model.path,
-        dtype=cfg.model.dtype,
-        reward="" if separate else cfg.reward.function,
-        sampling=worker.sampling,
-        group_size=cfg.rollout.group_size,
-        run_seed=cfg.train.seed,
-        threads=p.threads_per_worker,
-        max_num_seqs=cfg.rollout.max_num_seqs,
-        engine=cfg.rollout.engine,
+    spec = worker_spec(cfg, worker.sampling)
+    pool, store = make_pool(
+        p.backend, spec, model, p.num_workers, timeout_s=p.worker_timeout_s, **ray_options(p)
     )
-    pool = make_pool(p, spec, model)
     try:
-        store = make_store(p)
         stage = reward_stage(cfg, store, tracer) if separate else None
     except BaseException:
         pool.close()
@@ -195,7 +103,22 @@ def build_source(
     )
 
 
-def reward_stage(cfg: Config, store: SampleStore, tracer: Tracer) -> RewardStage:
+def ray_options(p: PipelineConfig) -> dict[str, Any]:
+    """`RayPool`'s keyword arguments (none for the local backend); Ray must be installed."""
+    if p.backend != "ray":
+        return {}
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("pipeline.backend = 'ray' needs Ray: pip install 'cadence[ray]'")
+    return {
+        "address": p.ray_address,
+        "num_cpus": p.ray_num_cpus,
+        "num_cpus_per_worker": p.num_cpus_per_worker,
+        "num_gpus_per_worker": p.num_gpus_per_worker,
+        "weight_sync": p.weight_sync,
+    }
+
+
+def reward_stage(cfg: Config, store: Store, tracer: Tracer) -> RewardStage:
     """The reward workers of `reward.stage = "separate"`, started, scorers loaded."""
     r = cfg.reward
     spec = RewardSpec(
@@ -214,41 +137,6 @@ def reward_stage(cfg: Config, store: SampleStore, tracer: Tracer) -> RewardStage
         batch_size=r.batch_size,
         timeout_s=cfg.pipeline.worker_timeout_s,
     )
-
-
-def make_pool(p: PipelineConfig, spec: WorkerSpec, model) -> Pool:
-    """The workers, on the configured backend (Ray imported only when asked for)."""
-    if p.backend == "local":
-        return WorkerPool(spec, SharedWeights(model), p.num_workers, timeout_s=p.worker_timeout_s)
-    if importlib.util.find_spec("ray") is None:
-        raise ConfigError("pipeline.backend = 'ray' needs Ray: pip install 'cadence[ray]'")
-    from cadence.pipeline.ray_backend import RayPool
-
-    return RayPool(
-        spec,
-        model,
-        p.num_workers,
-        timeout_s=p.worker_timeout_s,
-        address=p.ray_address,
-        num_cpus=p.ray_num_cpus,
-        num_cpus_per_worker=p.num_cpus_per_worker,
-        num_gpus_per_worker=p.num_gpus_per_worker,
-        weight_sync=p.weight_sync,
-    )
-
-
-def make_store(p: PipelineConfig) -> Any:
-    """The sample store: in this process, or in a Ray actor on the Ray backend (same class)."""
-    if p.backend == "local":
-        return SampleStore()
-    from cadence.pipeline.ray_backend import ActorStore
-
-    return ActorStore()
-
-
-def max_staleness(cfg: Config) -> int:
-    """Versions a trained group may lag the learner: 0 except in off-policy mode."""
-    return cfg.pipeline.max_staleness if cfg.pipeline.mode == "offpolicy" else 0
 
 
 def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
@@ -278,18 +166,16 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     fit = prompt_filter(cfg, tokenizer)
     stream = PromptStream(task, cfg.data.prompt_template, cfg.data.task, start=cursor, fit=fit)
     first = resume.iteration if resume else 0
+    heldout = heldout_prompts(
+        task, cfg.data.prompt_template, cfg.data.task, prompt_filter(cfg, tokenizer)
+    )
     return Run(
-        cfg=cfg,
+        params=loop_params(cfg),
         tokenizer=tokenizer,
         learner=learner,
         source=build_source(cfg, model, worker, tracer, stream, first_iteration=first),
-        eval_engine=engine,
-        reward=reward,
-        sampling=sampling,
+        heldout_accuracy=Evaluator(model, engine, tokenizer, reward, heldout, sampling),
         stream=stream,
-        heldout=heldout_prompts(
-            task, cfg.data.prompt_template, cfg.data.task, prompt_filter(cfg, tokenizer)
-        ),
         tracer=tracer,
         resume=resume,
         reference_digest=digest,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
 from cadence.engine import Engine, Request, SamplingParams
 from cadence.rewards import RewardFn, safe_reward
@@ -28,3 +29,21 @@ def evaluate(
         tokens += len(c.token_ids)
     n = max(len(prompts), 1)
     return {"accuracy": correct / n, "response_tokens_mean": tokens / n}
+
+
+@dataclass
+class Evaluator:
+    """Held-out accuracy of the learner's current policy, as the run loop asks for it."""
+
+    model: Any  # the learner's policy: put in eval mode first (the engine may share it)
+    engine: Engine
+    tokenizer: Any
+    reward: RewardFn
+    prompts: list[Prompt]
+    sampling: SamplingParams
+
+    def __call__(self) -> float:
+        self.model.eval()
+        return evaluate(self.engine, self.tokenizer, self.reward, self.prompts, self.sampling)[
+            "accuracy"
+        ]

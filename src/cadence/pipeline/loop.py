@@ -1,40 +1,92 @@
 """The run loop: one screen that calls named steps, and the run's outputs.
 
-Per iteration: draw prompts, start the source on them with the current policy version, let the
-learner consume the groups (checking each was made by that version), record metrics. Around the
-loop: held-out accuracy before and after, and the outputs in `--out DIR`.
+Per iteration: start the source with the current policy version, let the learner consume the
+groups (checking each was made by a version the mode allows), record the figures. Around the
+loop: held-out accuracy before and after, checkpoints, and the outputs in `--out DIR`. The loop
+takes its settings from `LoopParams` and its components from `Run`, both made by the builder
+(pipeline/build.py); it never sees the config.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cadence.config import to_toml
-from cadence.metrics import ConsoleProgress, JsonlSink, MetricsSink, TensorBoardSink, tpspd
+from cadence.dataplane import StaleRowError, check_staleness
+from cadence.learner import Learner
+from cadence.metrics import (
+    ConsoleProgress,
+    JsonlSink,
+    MetricsSink,
+    TensorBoardSink,
+    Tracer,
+    pipeline_figures,
+    sample_figures,
+    stage_figures,
+    summary,
+    tpspd,
+)
 from cadence.metrics.timeline import draw_timeline, write_chrome_trace
-from cadence.metrics.trace import overlap_length
 from cadence.models import save_pretrained
-from cadence.pipeline.build import Run
 from cadence.pipeline.checkpoint import (
     CHECKPOINTS,
+    Checkpoint,
     CheckpointError,
     list_checkpoints,
     save_checkpoint,
     set_rng_state,
 )
-from cadence.pipeline.evaluate import evaluate
-from cadence.pipeline.store import StaleRowError, check_staleness
+from cadence.pipeline.prompts import PromptStream
+from cadence.pipeline.source import GroupSource
 from cadence.rewards import RewardErrorBudget
 from cadence.types import Group
 
 # One staleness rule and one exception, whether the store or the loop sees the group first.
 StaleGroupError = StaleRowError
+
+
+@dataclass(frozen=True)
+class LoopParams:
+    """What the loop needs to know of the configuration (made by `build.loop_params`)."""
+
+    iterations: int
+    prompts_per_iteration: int
+    max_staleness: int = 0  # versions a trained group may lag the learner
+    eval_every: int = 0  # held-out accuracy every N iterations (0: before and after only)
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    max_error_fraction: float = 0.1  # reward errors a run tolerates
+    mode: str = "sync"  # labels for the summary and the timeline
+    placement: str = "colocated"
+    slots: int = 256  # sequences an engine decodes at once: the timeline's scale for them
+    tensorboard: bool = False
+    progress: bool = True
+    reference_path: str = ""  # recorded in checkpoints
+    config_toml: str = ""  # the resolved configuration, written to `config.toml`
+
+
+@dataclass
+class Run:
+    """A run's components, wired (by `build.build_run`)."""
+
+    params: LoopParams
+    tokenizer: Any
+    learner: Learner
+    source: GroupSource
+    heldout_accuracy: Callable[[], float]  # greedy accuracy of the current policy
+    stream: PromptStream
+    tracer: Tracer
+    resume: Checkpoint | None = None  # the checkpoint this run continues from
+    reference_digest: str | None = None  # identity of the reference weights (for checkpoints)
+
+    @property
+    def first_iteration(self) -> int:
+        return self.resume.iteration if self.resume else 0
 
 
 def on_policy(groups: Iterator[Group], version: int, seen: list[Group]) -> Iterator[Group]:
@@ -62,129 +114,41 @@ def within_staleness(
         yield g
 
 
-TRAIN_SPANS = ("forward_backward", "optimizer_step")
-
-
 def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[str, Any]:
-    cfg, learner, tracer = run.cfg, run.learner, run.tracer
+    p, learner, tracer = run.params, run.learner, run.tracer
     start = tracer.now()
-    num_groups, max_staleness = cfg.train.prompts_per_iteration, run.max_staleness
     version = learner.version
-    done_before = run.source.stages()
+    before = run.source.stats()
     run.source.start_iteration(iteration, version)
     seen: list[Group] = []
     dropped: list[Group] = []
-    groups = within_staleness(run.source.groups(), version, max_staleness, seen, dropped)
-    stats = learner.train_iteration(groups, num_groups)
+    groups = within_staleness(run.source.groups(), version, p.max_staleness, seen, dropped)
+    stats = learner.train_iteration(groups, p.prompts_per_iteration)
     wall = tracer.now() - start
-    num_dropped = len(dropped) + run.source.times.dropped_groups  # by the loop or the store
-    if len(seen) + num_dropped != num_groups:
-        raise RuntimeError(f"iteration {iteration} consumed {len(seen)} of {num_groups} groups")
-    staleness = [version - g.policy_version for g in seen]
-    completions = [c for g in seen for c in g.completions]
-    errors = sum(c.reward_error is not None for c in completions)
-    budget.record(len(completions), errors)
-    rewards = [c.reward for c in completions]
+    after = run.source.stats()
+    num_dropped = len(dropped) + after.dropped_groups  # by the loop or the store
+    if len(seen) + num_dropped != p.prompts_per_iteration:
+        raise RuntimeError(
+            f"iteration {iteration} consumed {len(seen)} of {p.prompts_per_iteration} groups"
+        )
+    samples = sample_figures(seen, version, p.max_staleness)
+    rows = sum(g.group_size for g in seen)
+    budget.record(rows, samples["reward_errors"])
     return (
         stats
+        | {"iteration": iteration, "policy_version": version}
+        | samples
         | {
-            "iteration": iteration,
-            "policy_version": version,
-            "reward_mean": sum(rewards) / len(rewards),
-            "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "reward_errors": errors,
-            "response_tokens_mean": sum(len(c.token_ids) for c in completions) / len(completions),
             "wall_s": wall,
             "tpspd": tpspd(stats["num_tokens"], wall),
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": max(staleness),
-            "staleness_hist": [staleness.count(s) for s in range(max_staleness + 1)],
             "dropped_groups": num_dropped,
-            "worker_restarts": sum(run.source.restarts),
-            "prompts_skipped": run.stream.fit.skipped,
-            "prompts_truncated": run.stream.fit.truncated,
+            "worker_restarts": after.worker_restarts,
+            "prompts_skipped": run.stream.prompts_skipped,
+            "prompts_truncated": run.stream.prompts_truncated,
         }
-        | pipeline_figures(run, start, wall)
-        | stage_figures(run, start, wall, done_before, len(completions))
+        | pipeline_figures(tracer, after, start, wall)
+        | stage_figures(tracer, before, after, start, wall, rows)
     )
-
-
-def pipeline_figures(run: Run, start: float, wall: float) -> dict[str, float]:
-    """Busy, idle and overlap times of generation and training over one iteration."""
-    tracer, times = run.tracer, run.source.times
-    gen_spans = tracer.select("worker", since=start)
-    gen = [(s.start, s.end) for s in gen_spans]
-    train = [(s.start, s.end) for s in tracer.select("learner", since=start, names=TRAIN_SPANS)]
-    num_workers = max(len({s.track for s in gen_spans}), 1)
-    gen_busy = sum(b - a for a, b in gen) / num_workers
-    train_busy = sum(b - a for a, b in train)
-    depths = times.queue_depths or [0]
-    return {
-        "gen_s": gen_busy,
-        "train_s": train_busy,
-        "gen_busy_s": gen_busy,
-        "train_busy_s": train_busy,
-        "t_weight_sync": times.weight_sync_s,
-        "t_first_group": times.first_group,
-        "t_last_group": times.last_group,
-        "learner_idle_s": times.learner_wait_s,
-        "worker_idle_s": max(wall - gen_busy, 0.0),
-        "overlap_s": overlap_length(gen, train),
-        "pipeline_efficiency": max(gen_busy, train_busy) / wall,
-        "queue_depth": sum(depths) / len(depths),
-        "queue_depth_max": max(depths),
-    }
-
-
-# stage -> (track prefix of its workers' spans, span names that are its work)
-STAGE_SPANS = {
-    "gen": ("worker", ("generate",)),
-    "reward": ("reward", ("score",)),
-    "train": ("learner", TRAIN_SPANS),
-}
-
-
-def stage_figures(
-    run: Run, start: float, wall: float, done_before: dict[str, tuple[int, int]], rows_trained: int
-) -> dict[str, float]:
-    """Per stage (gen, reward when a reward stage scores, train) over one iteration:
-    `stage_S_busy_s` (work spans, mean per worker, inside the iteration), `stage_S_idle_s`
-    (wall minus busy), `stage_S_rows_per_s` (samples the stage finished / wall) and
-    `stage_S_queue_depth` (rows waiting for the stage, time-weighted mean: prompts x group size
-    not yet generated; rows generated and not yet scored; rows in whole ready groups not yet
-    taken by the learner)."""
-    tracer, end = run.tracer, start + wall
-    done = run.source.stages()
-    stages = {s: (workers, rows - done_before[s][1]) for s, (workers, rows) in done.items()}
-    stages["train"] = (1, rows_trained)
-    figures: dict[str, float] = {}
-    for stage, (workers, rows) in stages.items():
-        prefix, names = STAGE_SPANS[stage]
-        spans = tracer.select(prefix, since=start, names=names)
-        busy = sum(max(min(s.end, end) - s.start, 0.0) for s in spans) / max(workers, 1)
-        figures |= {
-            f"stage_{stage}_busy_s": busy,
-            f"stage_{stage}_idle_s": max(wall - busy, 0.0),
-            f"stage_{stage}_rows_per_s": rows / wall if wall > 0 else 0.0,
-            f"stage_{stage}_queue_depth": tracer.mean_level(f"queue-{stage}", start, end),
-        }
-    return figures
-
-
-def heldout_accuracy(run: Run) -> float:
-    run.learner.model.eval()
-    return evaluate(run.eval_engine, run.tokenizer, run.reward, run.heldout, run.sampling)[
-        "accuracy"
-    ]
-
-
-def _sinks(run: Run, out: Path, extra: list[MetricsSink]) -> list[MetricsSink]:
-    sinks: list[MetricsSink] = [JsonlSink(out / "metrics.jsonl"), *extra]
-    if run.cfg.metrics.tensorboard:
-        sinks.append(TensorBoardSink(out / "tensorboard"))
-    total, done = run.cfg.train.iterations, run.first_iteration
-    sinks.append(ConsoleProgress(total, enabled=run.cfg.metrics.progress, done=done))
-    return sinks
 
 
 def train(
@@ -195,39 +159,25 @@ def train(
 
     `evaluate=False` skips the held-out accuracy before and after (benchmarks time the loop only).
     """
-    cfg = run.cfg
+    p = run.params
     out.mkdir(parents=True, exist_ok=True)
     t_total = time.perf_counter()
-    if run.resume is not None:
-        state = run.resume.state
-        records: list[dict[str, Any]] = list(state["records"])
-        accuracy_before = state["accuracy_before"]
-        with (out / "metrics.jsonl").open("r+b") as f:  # lines after the checkpoint go
-            f.truncate(state["metrics_bytes"])
-        set_rng_state(state["rng"])
-    else:
-        try:
-            start_fresh(out)
-        except CheckpointError:
-            run.source.close()
-            raise
-        records = []
-        accuracy_before = heldout_accuracy(run) if evaluate else float("nan")
-    (out / "config.toml").write_text(to_toml(cfg))
-    budget = RewardErrorBudget(cfg.reward.max_error_fraction)
+    records, accuracy_before = _begin(run, out, evaluate)
+    (out / "config.toml").write_text(p.config_toml)
+    budget = RewardErrorBudget(p.max_error_fraction)
     sinks = _sinks(run, out, extra_sinks or [])
     t_loop = time.perf_counter()
     try:
-        for k in range(run.first_iteration, cfg.train.iterations):
+        for k in range(run.first_iteration, p.iterations):
             with run.tracer.span("iteration", "run"):
                 record = run_iteration(run, k, budget)
-            if cfg.train.eval_every and (k + 1) % cfg.train.eval_every == 0:
-                record["heldout_accuracy"] = heldout_accuracy(run)
+            if p.eval_every and (k + 1) % p.eval_every == 0:
+                record["heldout_accuracy"] = run.heldout_accuracy()
             records.append(record)
             for s in sinks:
                 s.write(record)
-            every = cfg.train.checkpoint_every
-            if every and ((k + 1) % every == 0 or k + 1 == cfg.train.iterations):
+            every = p.checkpoint_every
+            if every and ((k + 1) % every == 0 or k + 1 == p.iterations):
                 checkpoint(run, out, k + 1, records, accuracy_before)
         loop_s = time.perf_counter() - t_loop  # not counting closing workers, drawing the timeline
     finally:
@@ -235,12 +185,40 @@ def train(
             s.close()
         run.source.close()
         write_timeline(run, out)
-    accuracy_after = heldout_accuracy(run) if evaluate else float("nan")
+    accuracy_after = run.heldout_accuracy() if evaluate else float("nan")
     save_pretrained(run.learner.model, run.tokenizer, out / "final")
-    summary = _summary(cfg, records, accuracy_before, accuracy_after, loop_s)
-    summary["total_wall_s"] = time.perf_counter() - t_total
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    result = summary(
+        records, accuracy_before, accuracy_after, loop_s, mode=p.mode, placement=p.placement
+    )
+    result["total_wall_s"] = time.perf_counter() - t_total
+    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _begin(run: Run, out: Path, evaluate: bool) -> tuple[list[dict[str, Any]], float]:
+    """The records so far and the accuracy before RL: from the checkpoint when resuming (the
+    metrics lines after it go, the RNG continues), else fresh (and a finished run's outputs go)."""
+    if run.resume is not None:
+        state = run.resume.state
+        with (out / "metrics.jsonl").open("r+b") as f:
+            f.truncate(state["metrics_bytes"])
+        set_rng_state(state["rng"])
+        return list(state["records"]), state["accuracy_before"]
+    try:
+        start_fresh(out)
+    except CheckpointError:
+        run.source.close()
+        raise
+    return [], run.heldout_accuracy() if evaluate else float("nan")
+
+
+def _sinks(run: Run, out: Path, extra: list[MetricsSink]) -> list[MetricsSink]:
+    p = run.params
+    sinks: list[MetricsSink] = [JsonlSink(out / "metrics.jsonl"), *extra]
+    if p.tensorboard:
+        sinks.append(TensorBoardSink(out / "tensorboard"))
+    sinks.append(ConsoleProgress(p.iterations, enabled=p.progress, done=run.first_iteration))
+    return sinks
 
 
 def check_fresh(out: Path) -> None:
@@ -271,12 +249,12 @@ def checkpoint(run: Run, out: Path, iteration: int, records: list, accuracy_befo
         "metrics_bytes": (out / "metrics.jsonl").stat().st_size,
         "records": records,
         "accuracy_before": accuracy_before,
-        "reference_path": run.cfg.model.path,
+        "reference_path": run.params.reference_path,
         "reference_digest": run.reference_digest,
     }
     with run.tracer.span("checkpoint", "learner"):
         save_checkpoint(
-            out, iteration, run.learner, run.tokenizer, extra, run.cfg.train.keep_checkpoints
+            out, iteration, run.learner, run.tokenizer, extra, run.params.keep_checkpoints
         )
 
 
@@ -288,43 +266,11 @@ def write_timeline(run: Run, out: Path, last_iterations: int = 3) -> None:
     since = starts[-last_iterations] if len(starts) >= last_iterations else 0.0
     shown = [s for s in spans if s.start >= since and s.name != "iteration"]
     marks = [(t, "iteration start") for t in starts if t >= since]
-    title = f"cadence {run.cfg.pipeline.mode} / {run.cfg.pipeline.placement}"
     draw_timeline(
         shown,
         out / "timeline.png",
-        title=title,
+        title=f"cadence {run.params.mode} / {run.params.placement}",
         marks=marks,
         samples=[s for s in samples if s.t >= since],
-        capacity={"slots": run.cfg.rollout.max_num_seqs},  # rows waiting: to their largest
+        capacity={"slots": run.params.slots},  # rows waiting: to their largest
     )
-
-
-def _summary(cfg, records, accuracy_before: float, accuracy_after: float, loop_s: float) -> dict:
-    num_tokens = sum(r["num_tokens"] for r in records)
-    tail = records[-max(1, math.ceil(len(records) / 10)) :]  # last 10% of iterations
-
-    def tail_mean(key: str) -> float:
-        return sum(r[key] for r in tail) / len(tail)
-
-    return {
-        "mode": cfg.pipeline.mode,
-        "placement": cfg.pipeline.placement,
-        "iterations": len(records),
-        "accuracy_before": accuracy_before,
-        "accuracy_after": accuracy_after,
-        "reward_mean_first": records[0]["reward_mean"],
-        "reward_mean_last": tail_mean("reward_mean"),
-        "kl_last": tail_mean("kl"),
-        "num_tokens": num_tokens,
-        "tokens_computed": sum(r["tokens_computed"] for r in records),
-        "forward_passes_per_microbatch": tail_mean("forward_passes_per_microbatch"),
-        "frozen_copies_mb": records[-1]["frozen_copies_mb"],
-        "tpspd_overall": tpspd(num_tokens, loop_s),
-        "gen_s": sum(r["gen_s"] for r in records),
-        "train_s": sum(r["train_s"] for r in records),
-        "pipeline_efficiency": max(
-            sum(r["gen_busy_s"] for r in records), sum(r["train_busy_s"] for r in records)
-        )
-        / loop_s,
-        "wall_s": loop_s,
-    }

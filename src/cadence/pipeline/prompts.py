@@ -63,6 +63,16 @@ class PromptStream:
         self.batch_starts: list[int] = []  # the cursor at each batch's first example
         self._it = task.train_iter(start)
 
+    @property
+    def prompts_skipped(self) -> int:
+        """Prompts left out as longer than the limit, so far."""
+        return self.fit.skipped
+
+    @property
+    def prompts_truncated(self) -> int:
+        """Prompts cut to the limit, so far."""
+        return self.fit.truncated
+
     def next_batch(self, n: int) -> list[Prompt]:
         self.batch_starts.append(self.cursor)
         batch: list[Prompt] = []

@@ -138,10 +138,10 @@ def _throughput(decode: _Decode, train: _Train, train_devices: int, score_s: flo
 
 def _sample_groups(cfg: Config, model, tokenizer, quick: bool):
     """The task's prompts sampled as `cadence train` samples them; seconds to score one."""
+    from cadence.backend import RolloutWorker
     from cadence.engine import make_engine
-    from cadence.pipeline.build import make_task, sampling_params
+    from cadence.pipeline.params import make_task, sampling_params
     from cadence.pipeline.prompts import PromptStream
-    from cadence.pipeline.worker import RolloutWorker
     from cadence.rewards import ConstantReward, load_reward, safe_reward
 
     n = max(2, cfg.train.micro_batch_groups) if quick else max(32, cfg.train.micro_batch_groups)
@@ -212,7 +212,7 @@ def _measure_train(cfg: Config, model_dir: str, pad_id: int, groups, quick: bool
     from cadence.learner import Learner
     from cadence.metrics import Tracer
     from cadence.models import load_model
-    from cadence.pipeline.build import learner_params
+    from cadence.pipeline.params import learner_params
 
     params, loss = learner_params(cfg)
     big = min(cfg.train.micro_batch_groups, len(groups))
@@ -247,7 +247,7 @@ def _measure_train(cfg: Config, model_dir: str, pad_id: int, groups, quick: bool
 
 def _measure_sync(model) -> tuple[float, float]:
     """Seconds to publish into shared memory, and to load from it (median of 3 each)."""
-    from cadence.pipeline.weights import SharedWeights, load_into
+    from cadence.backend import SharedWeights, load_into
 
     shared, other = SharedWeights(model), copy.deepcopy(model)
     publish, load = [], []

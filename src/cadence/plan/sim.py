@@ -1,6 +1,6 @@
 """Discrete-event simulation of the cadence pipeline, one mode on one split of the devices.
 
-It follows the pipeline's rules (pipeline/loop.py, source.py, workers.py, docs/planner.md):
+It follows the pipeline's rules (pipeline/loop.py, producer.py, backend/, docs/planner.md):
 
 - Producer. Iteration k starts (its prompts are queued, behind any earlier iteration's, for the
   engines) with the newest published policy version v as soon as v >= k - N. N = 0 is the

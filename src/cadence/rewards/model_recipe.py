@@ -29,7 +29,7 @@ import torch
 
 from cadence.data import Example, Task, make_prompt, reference_answer
 from cadence.models import load_tokenizer, save_pretrained
-from cadence.models.build import llama_config
+from cadence.models.presets import llama_config
 from cadence.rewards.model import RewardModel, pad_right, text_ids
 
 MARKER = "reward_model.json"

@@ -1,0 +1,85 @@
+"""How work reaches processes and machines, and how weights travel to them.
+
+Rollout workers (`RolloutWorker`, run by `WorkerLoop`) in slots of a `Pool`: spawned processes
+(`LocalPool`), Ray actors (`RayPool`, `backend.ray_pool`) or threads (`backend.fake.ThreadPool`,
+the test double); reward workers (`RewardStage`) on the same process machinery (`procs`); weight
+transports behind `WeightSync` (shared memory, Ray's object store, a torch.distributed
+broadcast; `InMemoryWeights` the fake) and the `WeightGate` that is the version barrier. It must
+not know what an iteration is, nor read the config: the run builder passes plain values. Ray is
+imported only inside the Ray modules' functions, when asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cadence.backend.local import LocalPool
+from cadence.backend.pool import InFlight, Lost, Pool, TaskResult
+from cadence.backend.procs import Processes, WorkerDied, WorkerError
+from cadence.backend.reward_stage import RewardSpec, RewardStage
+from cadence.backend.rollout import RolloutWorker
+from cadence.backend.weights import (
+    InMemoryWeights,
+    SharedWeights,
+    WeightGate,
+    WeightSync,
+    load_into,
+)
+from cadence.backend.worker_loop import WorkerLoop, WorkerSpec, build_worker
+from cadence.dataplane import SampleStore, Store
+
+
+def make_pool(
+    backend: str,
+    spec: WorkerSpec,
+    model: torch.nn.Module,
+    num_workers: int,
+    *,
+    timeout_s: float = 300.0,
+    **ray_options: Any,
+) -> tuple[Pool, Store]:
+    """`num_workers` rollout workers on `backend` ("local" or "ray"), started and ready, and the
+    run's sample store beside them (in this process, or in a Ray actor). `ray_options` are
+    `RayPool`'s keyword arguments (address, num_cpus, per-worker resources, weight_sync)."""
+    if backend == "local":
+        if ray_options:
+            raise ValueError(f"the local backend takes no Ray options; got {sorted(ray_options)}")
+        pool = LocalPool(spec, SharedWeights(model), num_workers, timeout_s=timeout_s)
+        return pool, SampleStore()
+    if backend != "ray":
+        raise ValueError(f"unknown backend {backend!r}; choose 'local' or 'ray'")
+    from cadence.backend.ray_pool import RayPool
+    from cadence.backend.ray_store import ActorStore
+
+    ray_pool = RayPool(spec, model, num_workers, timeout_s=timeout_s, **ray_options)
+    try:
+        return ray_pool, ActorStore()
+    except BaseException:
+        ray_pool.close()
+        raise
+
+
+__all__ = [
+    "InFlight",
+    "InMemoryWeights",
+    "LocalPool",
+    "Lost",
+    "Pool",
+    "Processes",
+    "RewardSpec",
+    "RewardStage",
+    "RolloutWorker",
+    "SharedWeights",
+    "TaskResult",
+    "WeightGate",
+    "WeightSync",
+    "WorkerDied",
+    "WorkerError",
+    "WorkerLoop",
+    "WorkerSpec",
+    "build_worker",
+    "load_into",
+    "make_pool",
+]

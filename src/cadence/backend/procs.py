@@ -1,0 +1,198 @@
+"""Worker processes in fixed slots: the machinery rollout workers and reward workers share.
+
+Each slot holds one spawned process with its own inbox (a queue the owner writes) and its own
+result pipe (the process writes, the owner reads). Its own pipe, not one shared by all: a process
+killed while writing would leave a shared queue locked, or half a message in it, for every other
+process. The owner keeps only the read end, so a dead process's pipe ends in end-of-file, never
+in a read that waits forever.
+
+A process is started as `target(wid, *args(wid), inbox, results)`, says ("ready", wid, None) once
+built, sends ("error", wid, traceback) if anything fails, and ends on ("stop", None). Messages are
+(kind, wid, payload) tuples. Nothing here waits without a timeout; `close()` asks every process to
+stop, then terminates, then kills any that lingers. What the messages mean is the owner's
+business (`LocalPool`, `RewardStage`): this module knows no message but ready, error and stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
+from typing import Any, cast
+
+import torch.multiprocessing as mp
+
+Message = tuple[str, int, Any]  # (kind, worker id, payload)
+
+
+class WorkerError(RuntimeError):
+    """A worker raised; the message holds the worker's own traceback."""
+
+
+class WorkerDied(RuntimeError):
+    """A worker exited without being asked to; `wid` is its slot."""
+
+    def __init__(self, message: str, wid: int = -1) -> None:
+        super().__init__(message)
+        self.wid = wid
+
+
+class Sender:
+    """A worker's end of its result pipe, as the outbox its loop puts into."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def put(self, item: Message) -> None:
+        self.conn.send(item)
+
+
+@dataclass
+class Proc:
+    process: Any
+    inbox: Any
+    results: Any  # the read end of this process's own result pipe
+    closed: bool = False  # its pipe reached end of file: the process is gone
+
+
+class Processes:
+    """The slots of one kind of worker process: `name` in messages ("worker 0 failed"), `tag`
+    in process names (cadence-TAG-0, which a process can read to know what it is)."""
+
+    def __init__(
+        self,
+        name: str,
+        target: Callable[..., None],
+        args: Callable[[int], tuple],
+        timeout_s: float = 300.0,
+        tag: str = "worker",
+    ) -> None:
+        self.name, self.target, self.args, self.timeout_s = name, target, args, timeout_s
+        self.tag = tag
+        self._ctx = mp.get_context("spawn")
+        self.procs: list[Proc] = []
+
+    def __len__(self) -> int:
+        return len(self.procs)
+
+    def start(self, num_workers: int) -> list[Message]:
+        """Spawn `num_workers` processes and wait until each is ready (closing them all if one
+        fails); return the other messages that arrived meanwhile."""
+        try:
+            for wid in range(num_workers):
+                self.procs.append(self._spawn(wid))
+            return self.await_ready(set(range(num_workers)))
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, wid: int) -> Proc:
+        inbox = self._ctx.Queue()
+        reader, writer = self._ctx.Pipe(duplex=False)
+        p = self._ctx.Process(
+            target=self.target,
+            name=f"cadence-{self.tag}-{wid}",
+            daemon=True,
+            args=(wid, *self.args(wid), inbox, writer),
+        )
+        p.start()
+        writer.close()
+        return Proc(p, inbox, reader)
+
+    def send(self, wid: int, message: tuple[str, Any]) -> None:
+        self.procs[wid].inbox.put(message)
+
+    def receive(self, timeout_s: float) -> list[Message]:
+        """Every message that arrives within `timeout_s` (none: an empty list). A pipe at end of
+        file marks its process closed; `dead` reports it."""
+        by_conn = {p.results: wid for wid, p in enumerate(self.procs) if not p.closed}
+        messages = []
+        for conn in mp_connection.wait(list(by_conn), timeout_s):
+            wid = by_conn[conn]
+            try:
+                messages.append(cast(mp_connection.Connection, conn).recv())
+            except (EOFError, OSError):
+                self.procs[wid].closed = True
+        return messages
+
+    def dead(self, wids: set[int] | None = None) -> int | None:
+        """The first slot (of `wids`, or any) whose process is gone, or None."""
+        for wid, p in enumerate(self.procs):
+            if (wids is None or wid in wids) and (p.closed or not p.process.is_alive()):
+                return wid
+        return None
+
+    def exited(self, wid: int) -> str:
+        """'<name> <wid> (pid P) exited with code C', once its exit code is known."""
+        process = self.procs[wid].process
+        process.join(timeout=5)  # its pipe closed as it exited: wait for its code
+        return f"{self.name} {wid} (pid {process.pid}) exited with code {process.exitcode}"
+
+    def failed(self, wid: int, traceback: str) -> WorkerError:
+        return WorkerError(f"{self.name} {wid} failed:\n{traceback}")
+
+    def await_ready(self, pending: set[int]) -> list[Message]:
+        """Wait for "ready" from the slots in `pending`; raise on their "error", death or the
+        timeout. Other messages (from other slots) are returned, in order, for the owner."""
+        pending, kept = set(pending), []
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            messages = self.receive(0.5)
+            for message in messages:
+                kind, wid, payload = message
+                if wid not in pending:
+                    kept.append(message)
+                elif kind == "error":
+                    raise self.failed(wid, payload)
+                else:
+                    pending.discard(wid)
+            if not messages:
+                if (gone := self.dead(pending)) is not None:
+                    raise WorkerDied(self.exited(gone), gone)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{self.name}s {sorted(pending)} did not start within {self.timeout_s:.0f}s"
+                    )
+        return kept
+
+    def stop(self, wid: int) -> None:
+        """Make sure slot `wid`'s process has exited (terminate, then kill); its pipe stays open
+        so that what it sent before it went can still be received."""
+        stop_process(self.procs[wid].process)
+
+    def respawn(self, wid: int) -> None:
+        """Close a stopped slot's channels and start a fresh process in it (`await_ready` it)."""
+        _close_channels(self.procs[wid])
+        self.procs[wid] = self._spawn(wid)
+
+    def close(self) -> None:
+        """Stop every process; terminate, then kill, any that does not exit in time."""
+        for p in self.procs:
+            if p.process.is_alive():
+                with contextlib.suppress(OSError, ValueError):  # its queue may be broken
+                    p.inbox.put(("stop", None))
+        for p in self.procs:
+            stop_process(p.process)
+        for p in self.procs:
+            _close_channels(p)
+        self.procs = []
+
+
+def stop_process(process, grace_s: float = 5.0) -> None:
+    """Join a process that was asked to stop; terminate, then kill, one that does not exit."""
+    process.join(timeout=grace_s)
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout=grace_s)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def _close_channels(p: Proc) -> None:
+    """Close a slot's queue without waiting for its feeder thread to flush, and its pipe."""
+    p.inbox.close()
+    p.inbox.cancel_join_thread()
+    p.results.close()

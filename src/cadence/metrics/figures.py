@@ -1,0 +1,144 @@
+"""The figures every run reports, computed from what was trained, the spans and a source's stats.
+
+Per iteration: the samples' figures (reward, accuracy, staleness, lengths), the pipeline's
+(busy and idle time of generation and training, their overlap, efficiency, queue depth) and each
+stage's (busy, idle, rows per second, rows waiting). Per run: the summary. Everything here is a
+plain function of records; nothing runs the pipeline or reads the config.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from cadence.metrics.trace import Tracer, overlap_length
+from cadence.types import Group, SourceStats
+
+TRAIN_SPANS = ("forward_backward", "optimizer_step")
+
+# stage -> (track prefix of its workers' spans, span names that are its work)
+STAGE_SPANS = {
+    "gen": ("worker", ("generate",)),
+    "reward": ("reward", ("score",)),
+    "train": ("learner", TRAIN_SPANS),
+}
+
+
+def tpspd(num_tokens: float, wall_s: float, num_devices: int = 1) -> float:
+    """Tokens per second per device: trained prompt + response tokens / (wall x devices)."""
+    return num_tokens / max(wall_s, 1e-9) / max(num_devices, 1)
+
+
+def sample_figures(groups: list[Group], version: int, max_staleness: int) -> dict[str, Any]:
+    """Reward, accuracy (reward >= 1), reward errors, response length and staleness of the
+    groups trained at learner `version`."""
+    staleness = [version - g.policy_version for g in groups]
+    completions = [c for g in groups for c in g.completions]
+    rewards = [c.reward for c in completions]
+    n = len(completions)
+    return {
+        "reward_mean": sum(rewards) / n,
+        "accuracy": sum(r >= 1.0 for r in rewards) / n,
+        "reward_errors": sum(c.reward_error is not None for c in completions),
+        "response_tokens_mean": sum(len(c.token_ids) for c in completions) / n,
+        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_max": max(staleness),
+        "staleness_hist": [staleness.count(s) for s in range(max_staleness + 1)],
+    }
+
+
+def pipeline_figures(tracer: Tracer, stats: SourceStats, start: float, wall: float) -> dict:
+    """Busy, idle and overlap times of generation and training over one iteration. `gen_s` and
+    `train_s` are the busy times under their older names."""
+    gen_spans = tracer.select("worker", since=start)
+    gen = [(s.start, s.end) for s in gen_spans]
+    train = [(s.start, s.end) for s in tracer.select("learner", since=start, names=TRAIN_SPANS)]
+    num_workers = max(len({s.track for s in gen_spans}), 1)
+    gen_busy = sum(b - a for a, b in gen) / num_workers
+    train_busy = sum(b - a for a, b in train)
+    depths = stats.queue_depths or [0]
+    return {
+        "gen_s": gen_busy,
+        "train_s": train_busy,
+        "gen_busy_s": gen_busy,
+        "train_busy_s": train_busy,
+        "t_weight_sync": stats.weight_sync_s,
+        "t_first_group": stats.first_group,
+        "t_last_group": stats.last_group,
+        "learner_idle_s": stats.learner_wait_s,
+        "worker_idle_s": max(wall - gen_busy, 0.0),
+        "overlap_s": overlap_length(gen, train),
+        "pipeline_efficiency": max(gen_busy, train_busy) / wall,
+        "queue_depth": sum(depths) / len(depths),
+        "queue_depth_max": max(depths),
+    }
+
+
+def stage_figures(
+    tracer: Tracer,
+    before: SourceStats,
+    after: SourceStats,
+    start: float,
+    wall: float,
+    rows_trained: int,
+) -> dict[str, float]:
+    """Per stage (gen, reward when a reward stage scores, train) over one iteration, from the
+    source's stats before and after it: `stage_S_busy_s` (work spans, mean per worker, inside the
+    iteration), `stage_S_idle_s` (wall minus busy), `stage_S_rows_per_s` (samples the stage
+    finished / wall) and `stage_S_queue_depth` (rows waiting for the stage, time-weighted mean:
+    prompts x group size not yet generated; rows generated and not yet scored; rows in whole
+    ready groups not yet taken by the learner)."""
+    end = start + wall
+    stages = {
+        s: (workers, rows - before.stages.get(s, (0, 0))[1])
+        for s, (workers, rows) in after.stages.items()
+    }
+    stages["train"] = (1, rows_trained)
+    figures: dict[str, float] = {}
+    for stage, (workers, rows) in stages.items():
+        prefix, names = STAGE_SPANS[stage]
+        spans = tracer.select(prefix, since=start, names=names)
+        busy = sum(max(min(s.end, end) - s.start, 0.0) for s in spans) / max(workers, 1)
+        figures |= {
+            f"stage_{stage}_busy_s": busy,
+            f"stage_{stage}_idle_s": max(wall - busy, 0.0),
+            f"stage_{stage}_rows_per_s": rows / wall if wall > 0 else 0.0,
+            f"stage_{stage}_queue_depth": tracer.mean_level(f"queue-{stage}", start, end),
+        }
+    return figures
+
+
+def summary(
+    records: list[dict[str, Any]],
+    accuracy_before: float,
+    accuracy_after: float,
+    loop_s: float,
+    **labels: Any,
+) -> dict[str, Any]:
+    """The run's figures (`summary.json`): `labels` (mode, placement) first, then accuracy,
+    reward, KL and token figures, TPSPD over the loop's wall time, and busy times."""
+    num_tokens = sum(r["num_tokens"] for r in records)
+    tail = records[-max(1, math.ceil(len(records) / 10)) :]  # last 10% of iterations
+
+    def tail_mean(key: str) -> float:
+        return sum(r[key] for r in tail) / len(tail)
+
+    gen = sum(r["gen_busy_s"] for r in records)
+    train = sum(r["train_busy_s"] for r in records)
+    return labels | {
+        "iterations": len(records),
+        "accuracy_before": accuracy_before,
+        "accuracy_after": accuracy_after,
+        "reward_mean_first": records[0]["reward_mean"],
+        "reward_mean_last": tail_mean("reward_mean"),
+        "kl_last": tail_mean("kl"),
+        "num_tokens": num_tokens,
+        "tokens_computed": sum(r["tokens_computed"] for r in records),
+        "forward_passes_per_microbatch": tail_mean("forward_passes_per_microbatch"),
+        "frozen_copies_mb": records[-1]["frozen_copies_mb"],
+        "tpspd_overall": tpspd(num_tokens, loop_s),
+        "gen_s": sum(r["gen_s"] for r in records),
+        "train_s": sum(r["train_s"] for r in records),
+        "pipeline_efficiency": max(gen, train) / loop_s,
+        "wall_s": loop_s,
+    }

@@ -1,0 +1,159 @@
+"""The package's layout holds: no import circle among cadence's modules, no module importing
+another's private names, and layers that point one way.
+
+Every import in a module counts, wherever it stands (module level, inside a function, under
+`TYPE_CHECKING`): a lazy import still ties the two modules together.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import cadence
+
+ROOT = Path(cadence.__file__).parent
+
+# What each top-level part may import of cadence (besides itself): down the layers only.
+ALLOWED = {
+    "types": set(),
+    "config": set(),
+    "algo": {"types"},
+    "data": {"types"},
+    "models": {"types"},
+    "metrics": {"types"},
+    "engine": {"types"},
+    "rewards": {"types", "data", "models"},
+    "learner": {"types", "algo", "data", "metrics", "models"},
+    "dataplane": {"types", "metrics"},
+    "backend": {"types", "dataplane", "engine", "metrics", "models", "rewards"},
+    "pipeline": {
+        "types",
+        "config",
+        "algo",
+        "data",
+        "models",
+        "metrics",
+        "engine",
+        "rewards",
+        "learner",
+        "dataplane",
+        "backend",
+    },
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """(target module, names imported from it) for every cadence import in the module."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names if a.name.split(".")[0] == "cadence"]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            if base.split(".")[0] != "cadence":
+                continue
+            names = [a.name for a in node.names]
+            subs = [n for n in names if f"{base}.{n}" in modules]  # submodules, imported as such
+            found += [(f"{base}.{n}", []) for n in subs]
+            found.append((base, [n for n in names if n not in subs]))
+    return [(t, n) for t, n in found if t in modules and t != name]
+
+
+def _graph() -> dict[str, dict[str, list[str]]]:
+    modules = _modules()
+    graph: dict[str, dict[str, list[str]]] = {}
+    for name, path in modules.items():
+        edges: dict[str, list[str]] = {}
+        for target, names in _imports(name, path, modules):
+            edges.setdefault(target, []).extend(names)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _top(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_import_circle_among_cadence_modules():
+    assert _cycles(_graph()) == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    bad = [
+        f"{name} imports {n} from {target}"
+        for name, edges in _graph().items()
+        for target, names in edges.items()
+        for n in names
+        if n.startswith("_")
+    ]
+    assert bad == []
+
+
+def test_layers_point_one_way():
+    bad = [
+        f"{name} ({_top(name)}) imports {target}"
+        for name, edges in _graph().items()
+        for target in edges
+        if _top(name) in ALLOWED and _top(target) not in ALLOWED[_top(name)] | {_top(name), ""}
+    ]
+    assert bad == []
+
+
+def test_the_checks_see_a_circle_a_private_import_and_a_layer_breach():
+    # the checks themselves can fail: a graph with each fault is caught
+    graph = {
+        "cadence.backend.a": {"cadence.pipeline.b": ["_hidden"]},
+        "cadence.pipeline.b": {"cadence.backend.a": []},
+    }
+    assert _cycles(graph) == [["cadence.backend.a", "cadence.pipeline.b"]]
+    assert _top("cadence.backend.a") == "backend" and "pipeline" not in ALLOWED["backend"]
