@@ -281,6 +281,20 @@ class PipelineConfig(_Section):
         description="periodic: most groups waiting in the sample store for the learner; while "
         "that many wait, the producer hands out no new task (0: no bound).",
     )
+    filter_groups: Literal["none", "zero_variance"] = Field(
+        "none",
+        description="Dynamic sampling (DAPO): zero_variance trains no group whose rewards are all "
+        "equal and draws one more prompt for each such group, until the iteration has "
+        "train.prompts_per_iteration informative groups (or max_oversample extra prompts were "
+        "drawn; then the earliest filtered groups fill the iteration). Periodic still equals "
+        "sync. Counted as filtered_groups and oversampled_prompts in metrics.jsonl.",
+    )
+    max_oversample: int = Field(
+        128,
+        ge=0,
+        description="filter_groups: most prompts drawn beyond train.prompts_per_iteration in one "
+        "iteration.",
+    )
     worker_timeout_s: float = Field(
         300.0, gt=0, description="Longest wait for a worker to start or acknowledge weights."
     )

@@ -106,6 +106,8 @@ class SourceStats:
     learner_wait_s: float = 0.0  # the learner's time waiting for groups
     queue_depths: list[int] = field(default_factory=list)  # groups ready, each time it asked
     dropped_groups: int = 0  # refused by the sample store as staler than allowed
+    filtered_groups: int = 0  # dynamic sampling: groups with equal rewards, not trained
+    oversampled_prompts: int = 0  # dynamic sampling: prompts drawn beyond the iteration's batch
     worker_restarts: int = 0  # workers replaced, over the run
     # stage ("gen", "reward") -> (its workers, samples it finished over the run)
     stages: dict[str, tuple[int, int]] = field(default_factory=dict)

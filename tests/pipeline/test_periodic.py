@@ -206,3 +206,28 @@ def test_one_step_offpolicy_run_end_to_end(model_dir, tmp_path, loss):
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["staleness_hist"] == [0, 6]
     assert not _pids_alive(pids) and not multiprocessing.active_children()
+
+
+def test_periodic_update_equals_sync_update_with_dynamic_sampling(model_dir, tmp_path):
+    # two samples per prompt make constant groups common; each is replaced by the next prompt
+    extra = ("pipeline.filter_groups='zero_variance'", "rollout.group_size=2")
+    sync_grads, per_grads = [], []
+    sync_run, sync_records, _ = _train(
+        _cfg(model_dir, "sync", *extra), tmp_path / "sync", sync_grads
+    )
+    per_run, per_records, pids = _train(
+        _cfg(model_dir, "periodic", *extra), tmp_path / "periodic", per_grads
+    )
+    figures = [(r["filtered_groups"], r["oversampled_prompts"]) for r in sync_records]
+    assert figures == [(r["filtered_groups"], r["oversampled_prompts"]) for r in per_records]
+    assert sum(f for f, _ in figures) > 0  # groups were filtered and replaced
+    assert [r["reward_mean"] for r in sync_records] == [r["reward_mean"] for r in per_records]
+    assert_same_update(
+        per_run.learner.model, sync_run.learner.model, per_grads, sync_grads, grad_rtol=5e-5
+    )
+    assert not _pids_alive(pids) and not multiprocessing.active_children()
+    # generating in the learner's thread draws and keeps the same groups, round by round
+    colocated = _cfg(model_dir, "sync", *extra, "pipeline.placement='colocated'")
+    _, col_records, _ = _train(colocated, tmp_path / "colocated")
+    assert figures == [(r["filtered_groups"], r["oversampled_prompts"]) for r in col_records]
+    assert [r["reward_mean"] for r in col_records] == [r["reward_mean"] for r in sync_records]

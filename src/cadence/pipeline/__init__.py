@@ -9,8 +9,7 @@ held-out evaluation and checkpoints. Process machinery and weight transport live
 
 from cadence.pipeline.build import build_run
 from cadence.pipeline.loop import LoopParams, Run, StaleGroupError, on_policy, run_iteration, train
-from cadence.pipeline.producer import WorkerSource
-from cadence.pipeline.source import ColocatedSource, GroupSource
+from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
 
 __all__ = [
     "ColocatedSource",

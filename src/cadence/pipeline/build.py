@@ -32,9 +32,8 @@ from cadence.pipeline.params import (
     set_threads,
     worker_spec,
 )
-from cadence.pipeline.producer import WorkerSource
 from cadence.pipeline.prompts import PromptStream, heldout_prompts
-from cadence.pipeline.source import ColocatedSource, GroupSource
+from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
 from cadence.rewards import load_reward
 from cadence.types import Prompt
 
@@ -72,8 +71,16 @@ def build_source(
     def next_prompts() -> list[Prompt]:
         return stream.next_batch(cfg.train.prompts_per_iteration)
 
+    filter_groups = p.filter_groups == "zero_variance"
     if p.placement == "colocated":
-        return ColocatedSource(worker, tracer, next_prompts)
+        return ColocatedSource(
+            worker,
+            tracer,
+            next_prompts,
+            filter_groups=filter_groups,
+            max_oversample=p.max_oversample,
+            next_extra=stream.extra,
+        )
     separate = cfg.reward.stage == "separate"
     spec = worker_spec(cfg, worker.sampling)
     pool, store = make_pool(
@@ -100,6 +107,9 @@ def build_source(
         group_size=cfg.rollout.group_size,
         store=store,
         reward_stage=stage,
+        filter_groups=filter_groups,
+        max_oversample=p.max_oversample,
+        next_extra=stream.extra,
     )
 
 

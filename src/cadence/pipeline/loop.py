@@ -127,10 +127,9 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
     wall = tracer.now() - start
     after = run.source.stats()
     num_dropped = len(dropped) + after.dropped_groups  # by the loop or the store
-    if len(seen) + num_dropped != p.prompts_per_iteration:
-        raise RuntimeError(
-            f"iteration {iteration} consumed {len(seen)} of {p.prompts_per_iteration} groups"
-        )
+    drawn = p.prompts_per_iteration + after.oversampled_prompts
+    if len(seen) + num_dropped + after.filtered_groups != drawn:
+        raise RuntimeError(f"iteration {iteration} consumed {len(seen)} of {drawn} groups")
     samples = sample_figures(seen, version, p.max_staleness)
     rows = sum(g.group_size for g in seen)
     budget.record(rows, samples["reward_errors"])
@@ -142,6 +141,8 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
             "wall_s": wall,
             "tpspd": tpspd(stats["num_tokens"], wall),
             "dropped_groups": num_dropped,
+            "filtered_groups": after.filtered_groups,
+            "oversampled_prompts": after.oversampled_prompts,
             "worker_restarts": after.worker_restarts,
             "prompts_skipped": run.stream.prompts_skipped,
             "prompts_truncated": run.stream.prompts_truncated,

@@ -1,5 +1,5 @@
 """The producer: a thread that hands each iteration's prompts to the workers and puts their groups
-in the sample store, and the learner's side of it (`WorkerSource`, a `GroupSource`).
+in the sample store. The learner's side of it is `source.WorkerSource`, a `GroupSource`.
 
 Versions and order. The learner publishes version v at the start of iteration v
 (`start_iteration`) through the `WeightGate`, which writes the weights once every worker has
@@ -28,198 +28,89 @@ worker or reward-stage failure is re-raised in the learner's thread.
 from __future__ import annotations
 
 import collections
-import math
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Callable
 
-from cadence.backend import Pool, RewardStage, WeightGate, WorkerDied
-from cadence.dataplane import (
-    GENERATED,
-    LEARNER,
-    TRAIN,
-    SampleStore,
-    Store,
-    StoreClosed,
-    batch_groups,
-    group_rows,
-    record_depths,
-)
+from cadence.backend import Pool, TaskResult, WeightGate, WorkerDied
+from cadence.dataplane import GENERATED, LEARNER, Store, StoreClosed, group_rows, record_depths
 from cadence.metrics.trace import Span, Tracer
 from cadence.pipeline.recovery import Recovery
-from cadence.types import Group, Prompt, SampleBatch, SourceStats
+from cadence.types import Group, Prompt
 
 
-class WorkerSource:
-    """Worker processes fed by one persistent producer thread, their groups streamed to the
-    learner through a sample store; `stream` and `max_staleness` are the sync / periodic /
-    offpolicy knobs (see the module docstring)."""
+class Producer:
+    """The producer thread (see the module docstring); the learner's side is
+    `source.WorkerSource`, which reads `sizes` (iteration -> its prompts, once begun) under
+    `cond`, asks for extra prompts (`want`), and re-raises `failure`."""
 
     def __init__(
         self,
         pool: Pool,
-        model,
+        store: Store,
         tracer: Tracer,
+        gate: WeightGate,
+        recovery: Recovery,
         next_prompts: Callable[[], list[Prompt]],
         *,
-        stream: bool,
         prompts_per_task: int,
         tasks_in_flight: int,
         max_staleness: int = 0,
         queue_size: int = 0,
         iterations: int | None = None,
         first_iteration: int = 0,
-        max_worker_restarts: int = 0,
-        store: Store | None = None,
-        reward_stage: RewardStage | None = None,
         group_size: int = 1,
+        scored: bool = True,
+        next_extra: Callable[[int], Prompt] | None = None,
+        on_result: Callable[[TaskResult], None] = lambda result: None,
     ) -> None:
-        if queue_size and (max_staleness > 0 or not stream):
-            raise ValueError("pipeline.queue_size must be 0 (unbounded) unless mode is periodic")
-        self.pool, self.model, self.tracer = pool, model, tracer
-        self.next_prompts = next_prompts
-        self.stream = stream
+        self.pool, self.store, self.tracer = pool, store, tracer
+        self.gate, self.recovery = gate, recovery
+        self.next_prompts, self.next_extra = next_prompts, next_extra
         self.prompts_per_task, self.tasks_in_flight = prompts_per_task, tasks_in_flight
         self.max_staleness = max_staleness
         self.queue_size = queue_size  # most groups waiting for the learner before tasks pause
         self.iterations = iterations  # None: begin iterations for as long as admission allows
         self.first_iteration = first_iteration  # a resumed run begins where it stopped
-        self.store: Store = store if store is not None else SampleStore()
-        self.reward_stage = reward_stage  # scores the rows when the workers do not
         self.group_size = group_size  # samples per prompt: the generation queue's depth in rows
-        self.gate = WeightGate(pool.weights, pool.num_workers, pool.timeout_s, self._raise_failure)
-        self.recovery = Recovery(pool, self.gate, max_worker_restarts)
-        self.times = SourceStats()
-        self._cond = threading.Condition()  # guards the iteration bookkeeping below
-        self._sizes: dict[int, int] = {}  # iteration -> its groups, once begun
-        self._current, self._version = -1, -1  # the learner's iteration and version
+        self.scored = scored  # the workers score; else a reward stage writes the rewards
+        self.on_result = on_result  # told of every worker result, as it arrives
+        self.cond = threading.Condition()  # guards `sizes` and `_wanted`
+        self.sizes: dict[int, int] = {}  # iteration -> its prompts, once begun
+        self.failure: BaseException | None = None
+        self.rows_generated = 0  # rows put in the store, over the run
+        self._wanted: list[tuple[int, int]] = []  # (iteration, position) of extra prompts
         self._next_group, self._next_row = 0, 0  # store ids, in arrival order
-        self._rows_generated, self._gen_waiting = 0, 0  # rows put; rows begun, not yet put
-        self._failure: BaseException | None = None
+        self._gen_waiting = 0  # rows begun, not yet put
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    @property
-    def restarts(self) -> list[int]:
-        return self.recovery.restarts
-
-    @property
-    def duplicates(self) -> int:
-        return self.recovery.duplicates
-
-    def stats(self) -> SourceStats:
-        stages = {"gen": (self.pool.num_workers, self._rows_generated)}
-        if self.reward_stage is not None:
-            stages["reward"] = (self.reward_stage.num_workers, self.reward_stage.rows_scored)
-        return replace(
-            self.times,
-            queue_depths=list(self.times.queue_depths),
-            worker_restarts=sum(self.restarts),
-            stages=stages,
-        )
-
-    # --- learner thread ------------------------------------------------------------------
-
-    def start_iteration(self, iteration: int, version: int) -> None:
+    def start(self) -> None:
+        """Start the thread, once."""
         if self._thread is None:
-            if self.reward_stage is not None:
-                self.reward_stage.start()
             self._thread = threading.Thread(
                 target=self._produce, name="cadence-producer", daemon=True
             )
             self._thread.start()
-        self.times = SourceStats(start=self.tracer.now())
-        with self.tracer.span("weight_sync", "learner"):
-            self.barrier(version)
-        self.times.weight_sync_s = self.tracer.now() - self.times.start
-        self.gate.release(version)
-        with self._cond:
-            self._current, self._version = iteration, version
-            self._cond.notify_all()
 
-    def barrier(self, version: int) -> None:
-        """Make `version` reach the workers; with max_staleness = 0, wait until all have it."""
-        self.gate.publish(self.model, version, wait=self.max_staleness == 0)
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
-    def _raise_failure(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-        if self.reward_stage is not None and self.reward_stage.failure is not None:
-            raise self.reward_stage.failure
+    def want(self, iteration: int, position: int) -> None:
+        """One more prompt for `iteration`, at `position` in it (dynamic sampling)."""
+        with self.cond:
+            self._wanted.append((iteration, position))
+            self.cond.notify_all()
 
-    def groups(self) -> Iterator[Group]:
-        """The current iteration's groups: as they become ready (stream) or once all are."""
-        k, version = self._current, self._version
-        deadline = time.monotonic() + self.pool.timeout_s
-        with self._cond:
-            while k not in self._sizes:
-                self._raise_failure()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"workers did not begin iteration {k} within {self.pool.timeout_s:.0f}s"
-                    )
-                self._cond.wait(timeout=0.5)
-            left = self._sizes[k]
-        while left > 0:
-            batch = self._take(k, version, left)
-            self.times.dropped_groups += batch.num_dropped_units
-            left -= batch.num_dropped_units
-            for group in batch_groups(batch):
-                left -= 1
-                yield group
-        self.store.clear(k)
-        with self._cond:
-            del self._sizes[k]
-
-    def _take(self, iteration: int, version: int, left: int) -> SampleBatch:
-        """The next group (stream) or all `left` (sync) of `iteration` from the store, waiting
-        as long as they are generated and scored; raises whatever stopped a stage meanwhile."""
-        n = 1 if self.stream else left
-        start = self.tracer.now()
-        ready = self.store.depth(TRAIN, LEARNER, groups=True, iteration=iteration, units=True)
-        self.times.queue_depths.append(ready)
-        try:
-            while True:
-                self._raise_failure()
-                batch = self.store.get(
-                    TRAIN,
-                    n,
-                    LEARNER,
-                    timeout=0.5,
-                    min_size=n,
-                    iteration=iteration,
-                    version=version,
-                    max_staleness=self.max_staleness,
-                )
-                if batch.rows or batch.num_dropped:
-                    self._raise_failure()  # a store closed by a failure hands out what it has
-                    record_depths(self.store, self.tracer, self.reward_stage is not None)
-                    return batch
-                if self._thread is None or not self._thread.is_alive():
-                    raise RuntimeError("producer thread ended without finishing")
-        except StoreClosed:
-            self._raise_failure()
-            raise
-        finally:
-            self.times.learner_wait_s += self.tracer.now() - start
-
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Stop the thread (before the workers, so that it cannot mistake stopped ones for dead)."""
         self._stop.set()
-        self.gate.wake()
-        with self._cond:
-            self._cond.notify_all()
-        self.store.close()  # wakes the reward stage's driver and any waiting get
-        if self._thread is not None:  # first, so that it cannot mistake stopped workers for dead
+        with self.cond:
+            self.cond.notify_all()
+        if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
-        try:
-            if self.reward_stage is not None:
-                self.reward_stage.close()
-        finally:
-            self.pool.close()
-
-    # --- producer thread -----------------------------------------------------------------
 
     def _produce(self) -> None:
         try:
@@ -227,10 +118,10 @@ class WorkerSource:
         except StoreClosed:  # closed by close() or by a failing reward stage, which says why
             return
         except BaseException as e:  # surfaces in the learner's thread
-            self._failure = e
+            self.failure = e
             self.gate.wake()
-            with self._cond:
-                self._cond.notify_all()
+            with self.cond:
+                self.cond.notify_all()
             self.store.close()
 
     def _produce_loop(self) -> None:
@@ -240,6 +131,8 @@ class WorkerSource:
             new_versions, admit = self.gate.take()
             for v in new_versions:
                 dispatch.sync(v)
+            for iteration, position in self._take_wanted():
+                dispatch.add(iteration, [[self._draw_extra(position)]])
             while admit >= max(0, begun - self.max_staleness) and (
                 self.iterations is None or begun < self.iterations
             ):
@@ -272,17 +165,27 @@ class WorkerSource:
             if payload.task_done and (k := dispatch.done(wid, payload.task_id)) is not None:
                 self.recovery.finished(k)
 
+    def _take_wanted(self) -> list[tuple[int, int]]:
+        with self.cond:
+            wanted, self._wanted = self._wanted, []
+        return wanted
+
+    def _draw_extra(self, position: int) -> Prompt:
+        assert self.next_extra is not None
+        self._gen_waiting += self.group_size
+        self._sample_gen_waiting()
+        return self.next_extra(position)
+
     def _put(self, group: Group) -> None:
         """The group's rows into the store, scored or waiting for the reward stage."""
-        scored = self.reward_stage is None
-        rows, fields = group_rows(group, self._next_group, self._next_row, scored=scored)
+        rows, fields = group_rows(group, self._next_group, self._next_row, scored=self.scored)
         self.store.put(rows, fields)
         self._next_group += 1
         self._next_row += len(rows)
-        self._rows_generated += len(rows)
+        self.rows_generated += len(rows)
         self._gen_waiting = max(self._gen_waiting - len(rows), 0)
         self._sample_gen_waiting()
-        record_depths(self.store, self.tracer, not scored)
+        record_depths(self.store, self.tracer, not self.scored)
 
     def _sample_gen_waiting(self) -> None:
         self.tracer.add_samples(
@@ -291,9 +194,9 @@ class WorkerSource:
 
     def _begin(self, iteration: int) -> list[list[Prompt]]:
         prompts = self.next_prompts()
-        with self._cond:
-            self._sizes[iteration] = len(prompts)
-            self._cond.notify_all()
+        with self.cond:
+            self.sizes[iteration] = len(prompts)
+            self.cond.notify_all()
         self._gen_waiting += len(prompts) * self.group_size
         self._sample_gen_waiting()
         return [
@@ -307,15 +210,11 @@ class WorkerSource:
         waiting = self.store.depth(GENERATED, LEARNER, groups=True, units=True)
         return waiting >= self.queue_size
 
-    def _record(self, result) -> None:
+    def _record(self, result: TaskResult) -> None:
         origin, track = self.tracer.origin, f"worker-{result.worker}"
         self.tracer.add(Span("generate", track, result.start - origin, result.end - origin))
         self.tracer.add_samples("slots", track, result.occupancy)
-        now = self.tracer.now()
-        if result.groups and all(g.iteration == self._current for g in result.groups):
-            if math.isnan(self.times.first_group):
-                self.times.first_group = now - self.times.start
-            self.times.last_group = now - self.times.start
+        self.on_result(result)
 
 
 class Dispatch:
@@ -335,7 +234,7 @@ class Dispatch:
         self.fifo.append(("sync", version))
 
     def add(self, iteration: int, tasks: list[list[Prompt]]) -> None:
-        self.remaining[iteration] = len(tasks)
+        self.remaining[iteration] = self.remaining.get(iteration, 0) + len(tasks)
         for prompts in tasks:
             self.fifo.append(("task", iteration, self.next_id, prompts))
             self.next_id += 1

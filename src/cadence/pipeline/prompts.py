@@ -1,7 +1,8 @@
 """The data cursor: hands out each iteration's prompts from a task's training stream.
 
 The cursor is a plain integer so a run can be resumed exactly; prompt `index` is the position in
-the iteration's batch, which (with the run seed and iteration) fixes the sampling seeds.
+the iteration's batch, which (with the run seed and iteration) fixes the sampling seeds. Dynamic
+sampling draws more prompts for an iteration (`extra`), positioned after its batch.
 
 A prompt longer than `max_tokens` is skipped (the next example takes its place) or truncated to
 its last `max_tokens` tokens (the end, where the question's template hands over to the answer, is
@@ -74,26 +75,30 @@ class PromptStream:
         return self.fit.truncated
 
     def next_batch(self, n: int) -> list[Prompt]:
+        """The next iteration's `n` prompts, indexed 0..n-1."""
         self.batch_starts.append(self.cursor)
-        batch: list[Prompt] = []
+        return [self._next(index) for index in range(n)]
+
+    def extra(self, index: int) -> Prompt:
+        """One more prompt for the current iteration (dynamic sampling), at position `index`."""
+        return self._next(index)
+
+    def _next(self, index: int) -> Prompt:
         skipped_in_a_row = 0
-        while len(batch) < n:
+        while True:
             example = next(self._it)
             uid = f"{self.name}:{self.cursor}"
             self.cursor += 1
-            prompt = self.fit(to_prompt(example, uid, len(batch), self.template))
-            if prompt is None:
-                skipped_in_a_row += 1
-                if skipped_in_a_row >= MAX_SKIPS_IN_A_ROW:
-                    raise DataError(
-                        f"{skipped_in_a_row} prompts in a row are longer than "
-                        f"rollout.max_prompt_tokens = {self.fit.max_tokens}: raise it, or set "
-                        "rollout.on_long_prompt = 'truncate'"
-                    )
-                continue
-            skipped_in_a_row = 0
-            batch.append(prompt)
-        return batch
+            prompt = self.fit(to_prompt(example, uid, index, self.template))
+            if prompt is not None:
+                return prompt
+            skipped_in_a_row += 1
+            if skipped_in_a_row >= MAX_SKIPS_IN_A_ROW:
+                raise DataError(
+                    f"{skipped_in_a_row} prompts in a row are longer than "
+                    f"rollout.max_prompt_tokens = {self.fit.max_tokens}: raise it, or set "
+                    "rollout.on_long_prompt = 'truncate'"
+                )
 
 
 def heldout_prompts(

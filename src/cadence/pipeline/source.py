@@ -4,19 +4,35 @@ A `GroupSource` is told to start an iteration (with the learner's policy version
 that iteration's groups; it takes each iteration's prompts from `next_prompts` itself, since with
 off-policy asynchrony it begins iterations before the learner reaches them. The colocated source
 generates everything in the learner's thread first, so `sync` is the only mode it can offer;
-the producer (`producer.WorkerSource`) streams groups from workers as they finish. The learner
-consumes any of them the same way, and the run loop reads what each measured from `stats()`.
+`WorkerSource` takes the groups that worker processes made (the producer thread, producer.py,
+puts them in the sample store) as they finish. The learner consumes any of them the same way,
+and the run loop reads what each measured from `stats()`. With dynamic sampling both keep only
+groups whose rewards differ (oversample.py).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Protocol
 
-from cadence.backend import RolloutWorker
+from cadence.backend import Pool, RewardStage, RolloutWorker, TaskResult, WeightGate
+from cadence.dataplane import (
+    LEARNER,
+    TRAIN,
+    SampleStore,
+    Store,
+    StoreClosed,
+    batch_groups,
+    record_depths,
+)
 from cadence.metrics.trace import Tracer
-from cadence.types import Group, Prompt, SourceStats
+from cadence.pipeline.oversample import Oversampler
+from cadence.pipeline.producer import Producer
+from cadence.pipeline.recovery import Recovery
+from cadence.types import Group, Prompt, SampleBatch, SourceStats
 
 
 class GroupSource(Protocol):
@@ -37,11 +53,22 @@ class ColocatedSource:
     """Generation in the learner's thread, with the learner's own (current) weights."""
 
     def __init__(
-        self, worker: RolloutWorker, tracer: Tracer, next_prompts: Callable[[], list[Prompt]]
+        self,
+        worker: RolloutWorker,
+        tracer: Tracer,
+        next_prompts: Callable[[], list[Prompt]],
+        *,
+        filter_groups: bool = False,
+        max_oversample: int = 0,
+        next_extra: Callable[[int], Prompt] | None = None,
     ) -> None:
+        if filter_groups and next_extra is None:
+            raise ValueError("filter_groups needs next_extra, the source of extra prompts")
         self.worker = worker
         self.tracer = tracer
         self.next_prompts = next_prompts
+        self.filter_groups, self.max_oversample = filter_groups, max_oversample
+        self.next_extra = next_extra
         self.times = SourceStats()
         self._pending: list[Group] = []
         self._rows = 0
@@ -50,12 +77,28 @@ class ColocatedSource:
         return replace(self.times, stages={"gen": (1, self._rows)})
 
     def start_iteration(self, iteration: int, version: int) -> None:
+        """Generate the iteration's groups; with dynamic sampling, in rounds: each round draws
+        one more prompt per group filtered in the last (pipeline/oversample.py)."""
         self.times = SourceStats(start=self.tracer.now())
         prompts = self.next_prompts()
-        with self.tracer.span("generate", "worker-0"):
-            self._pending = self.worker.rollout(prompts, iteration, version)
-        self._rows += sum(g.group_size for g in self._pending)
-        self.tracer.add_samples("slots", "worker-0", self.worker.take_occupancy())
+        size = len(prompts)
+        sampler = Oversampler(size, self.max_oversample, self.filter_groups)
+        self._pending = []
+        while prompts:
+            with self.tracer.span("generate", "worker-0"):
+                groups = self.worker.rollout(prompts, iteration, version)
+            self._rows += sum(g.group_size for g in groups)
+            self.tracer.add_samples("slots", "worker-0", self.worker.take_occupancy())
+            prompts = []
+            for group in groups:
+                train, more = sampler.offer(group)
+                if train:
+                    self._pending.append(group)
+                if more and self.next_extra is not None:
+                    prompts.append(self.next_extra(size + sampler.extra - 1))
+        self._pending += sampler.top_up()
+        self.times.filtered_groups = sampler.filtered
+        self.times.oversampled_prompts = sampler.extra
         self.times.first_group = self.times.last_group = self.tracer.now() - self.times.start
 
     def groups(self) -> Iterator[Group]:
@@ -64,3 +107,191 @@ class ColocatedSource:
 
     def close(self) -> None:
         self._pending = []
+
+
+class WorkerSource:
+    """The learner's side of worker processes fed by the producer thread: publishes each version
+    through the weight gate, then takes the iteration's groups from the sample store as they
+    become ready (`stream`) or all at once (sync). `stream` and `max_staleness` are the sync /
+    periodic / offpolicy knobs (producer.py says how versions, admission and the store work)."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        model,
+        tracer: Tracer,
+        next_prompts: Callable[[], list[Prompt]],
+        *,
+        stream: bool,
+        prompts_per_task: int,
+        tasks_in_flight: int,
+        max_staleness: int = 0,
+        queue_size: int = 0,
+        iterations: int | None = None,
+        first_iteration: int = 0,
+        max_worker_restarts: int = 0,
+        store: Store | None = None,
+        reward_stage: RewardStage | None = None,
+        group_size: int = 1,
+        filter_groups: bool = False,
+        max_oversample: int = 0,
+        next_extra: Callable[[int], Prompt] | None = None,
+    ) -> None:
+        if queue_size and (max_staleness > 0 or not stream):
+            raise ValueError("pipeline.queue_size must be 0 (unbounded) unless mode is periodic")
+        if filter_groups and next_extra is None:
+            raise ValueError("filter_groups needs next_extra, the source of extra prompts")
+        self.pool, self.model, self.tracer = pool, model, tracer
+        self.stream, self.max_staleness = stream, max_staleness
+        self.store: Store = store if store is not None else SampleStore()
+        self.reward_stage = reward_stage  # scores the rows when the workers do not
+        self.filter_groups, self.max_oversample = filter_groups, max_oversample
+        self.gate = WeightGate(pool.weights, pool.num_workers, pool.timeout_s, self._raise_failure)
+        self.recovery = Recovery(pool, self.gate, max_worker_restarts)
+        self.producer = Producer(
+            pool,
+            self.store,
+            tracer,
+            self.gate,
+            self.recovery,
+            next_prompts,
+            prompts_per_task=prompts_per_task,
+            tasks_in_flight=tasks_in_flight,
+            max_staleness=max_staleness,
+            queue_size=queue_size,
+            iterations=iterations,
+            first_iteration=first_iteration,
+            group_size=group_size,
+            scored=reward_stage is None,
+            next_extra=next_extra,
+            on_result=self._arrived,
+        )
+        self.times = SourceStats()
+        self._current, self._version = -1, -1  # the learner's iteration and version
+
+    @property
+    def restarts(self) -> list[int]:
+        return self.recovery.restarts
+
+    @property
+    def duplicates(self) -> int:
+        return self.recovery.duplicates
+
+    def stats(self) -> SourceStats:
+        stages = {"gen": (self.pool.num_workers, self.producer.rows_generated)}
+        if self.reward_stage is not None:
+            stages["reward"] = (self.reward_stage.num_workers, self.reward_stage.rows_scored)
+        return replace(
+            self.times,
+            queue_depths=list(self.times.queue_depths),
+            worker_restarts=sum(self.restarts),
+            stages=stages,
+        )
+
+    def start_iteration(self, iteration: int, version: int) -> None:
+        if self.reward_stage is not None:
+            self.reward_stage.start()
+        self.producer.start()
+        self.times = SourceStats(start=self.tracer.now())
+        with self.tracer.span("weight_sync", "learner"):
+            self.barrier(version)
+        self.times.weight_sync_s = self.tracer.now() - self.times.start
+        self._current, self._version = iteration, version
+        self.gate.release(version)
+
+    def barrier(self, version: int) -> None:
+        """Make `version` reach the workers; with max_staleness = 0, wait until all have it."""
+        self.gate.publish(self.model, version, wait=self.max_staleness == 0)
+
+    def _raise_failure(self) -> None:
+        if self.producer.failure is not None:
+            raise self.producer.failure
+        if self.reward_stage is not None and self.reward_stage.failure is not None:
+            raise self.reward_stage.failure
+
+    def _arrived(self, result: TaskResult) -> None:
+        """A worker's result reached the producer: the iteration's first and last arrivals."""
+        now = self.tracer.now()
+        if result.groups and all(g.iteration == self._current for g in result.groups):
+            if math.isnan(self.times.first_group):
+                self.times.first_group = now - self.times.start
+            self.times.last_group = now - self.times.start
+
+    def groups(self) -> Iterator[Group]:
+        """The current iteration's groups: as they become ready (stream) or once all are; with
+        dynamic sampling, only those whose rewards differ (oversample.py)."""
+        k, version = self._current, self._version
+        size = self._begun(k)
+        sampler = Oversampler(size, self.max_oversample, self.filter_groups)
+        while sampler.outstanding > 0:
+            batch = self._take(k, version, sampler.outstanding)
+            self.times.dropped_groups += batch.num_dropped_units
+            for _ in range(batch.num_dropped_units):
+                sampler.forget()
+            for group in batch_groups(batch):
+                train, more = sampler.offer(group)
+                if more:
+                    self.producer.want(k, size + sampler.extra - 1)
+                if train:
+                    yield group
+        yield from sampler.top_up()
+        self.times.filtered_groups = sampler.filtered
+        self.times.oversampled_prompts = sampler.extra
+        self.store.clear(k)
+        with self.producer.cond:
+            del self.producer.sizes[k]
+
+    def _begun(self, k: int) -> int:
+        """Wait until the producer has begun iteration `k`; its number of prompts."""
+        deadline = time.monotonic() + self.pool.timeout_s
+        with self.producer.cond:
+            while k not in self.producer.sizes:
+                self._raise_failure()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"workers did not begin iteration {k} within {self.pool.timeout_s:.0f}s"
+                    )
+                self.producer.cond.wait(timeout=0.5)
+            return self.producer.sizes[k]
+
+    def _take(self, iteration: int, version: int, left: int) -> SampleBatch:
+        """The next group (stream) or all `left` (sync) of `iteration` from the store, waiting
+        as long as they are generated and scored; raises whatever stopped a stage meanwhile."""
+        n = 1 if self.stream else left
+        start = self.tracer.now()
+        ready = self.store.depth(TRAIN, LEARNER, groups=True, iteration=iteration, units=True)
+        self.times.queue_depths.append(ready)
+        try:
+            while True:
+                self._raise_failure()
+                batch = self.store.get(
+                    TRAIN,
+                    n,
+                    LEARNER,
+                    timeout=0.5,
+                    min_size=n,
+                    iteration=iteration,
+                    version=version,
+                    max_staleness=self.max_staleness,
+                )
+                if batch.rows or batch.num_dropped:
+                    self._raise_failure()  # a store closed by a failure hands out what it has
+                    record_depths(self.store, self.tracer, self.reward_stage is not None)
+                    return batch
+                if not self.producer.alive:
+                    raise RuntimeError("producer thread ended without finishing")
+        except StoreClosed:
+            self._raise_failure()
+            raise
+        finally:
+            self.times.learner_wait_s += self.tracer.now() - start
+
+    def close(self) -> None:
+        self.gate.wake()
+        self.store.close()  # wakes the reward stage's driver and any waiting get
+        self.producer.stop()
+        try:
+            if self.reward_stage is not None:
+                self.reward_stage.close()
+        finally:
+            self.pool.close()
