@@ -214,21 +214,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_study(args: argparse.Namespace) -> int:
-    from cadence.study import LOSSES, parse_list, study_offpolicy
+    from cadence.study import LOSSES, parse_list, study_offpolicy, study_seeds
 
-    try:
-        losses = parse_list(args.losses, LOSSES, "loss(es)")
-        staleness = [int(n) for n in parse_list(args.staleness, None, "staleness")]
-    except ValueError as e:
-        raise ConfigError(f"cadence study: {e}") from None
-    if any(n < 0 for n in staleness):
-        raise ConfigError(f"--staleness values must be >= 0; got {staleness}")
     overrides = list(args.set) + (
         [f"train.iterations={args.iterations}"] if args.iterations else []
     )
-    load_config(args.config, overrides)  # fail early on a bad config, before any run starts
-    rows = study_offpolicy(args.config, overrides, losses, staleness, Path(args.out))
-    print((Path(args.out) / "study.md").read_text())
+    out = Path(args.out)
+    try:
+        if args.study == "seeds":
+            seeds = [int(n) for n in parse_list(args.seeds, None, "seed(s)")]
+        else:
+            losses = parse_list(args.losses, LOSSES, "loss(es)")
+            staleness = [int(n) for n in parse_list(args.staleness, None, "staleness")]
+    except ValueError as e:
+        raise ConfigError(f"cadence study: {e}") from None
+    if args.study == "seeds":
+        config = args.config or "configs/default.toml"
+        load_config(config, overrides)  # fail early on a bad config, before any run starts
+        rows = study_seeds(config, overrides, seeds, out)
+    else:
+        if any(n < 0 for n in staleness):
+            raise ConfigError(f"--staleness values must be >= 0; got {staleness}")
+        config = args.config or "configs/study-offpolicy.toml"
+        load_config(config, overrides)
+        rows = study_offpolicy(config, overrides, losses, staleness, out)
+    print((out / "study.md").read_text())
     return 0 if rows else 1
 
 
@@ -240,8 +250,14 @@ def print_summary(summary: dict, out: Path) -> None:
     table.add_column("figure")
     table.add_column("value", justify="right")
     rows = [
-        ("held-out accuracy before RL", f"{summary['accuracy_before']:.3f}"),
-        ("held-out accuracy after RL", f"{summary['accuracy_after']:.3f}"),
+        (
+            f"held-out accuracy before RL ({summary['num_heldout']} problems)",
+            f"{summary['accuracy_before']:.3f} ± {summary['accuracy_before_stderr']:.3f}",
+        ),
+        (
+            "held-out accuracy after RL",
+            f"{summary['accuracy_after']:.3f} ± {summary['accuracy_after_stderr']:.3f}",
+        ),
         (
             "reward (first -> last)",
             f"{summary['reward_mean_first']:.3f} -> {summary['reward_mean_last']:.3f}",
@@ -379,12 +395,22 @@ def parser() -> argparse.ArgumentParser:
     with_config(sp, required=False)
     sp.set_defaults(fn=cmd_plan)
 
-    sp = sub.add_parser("study", help="experiments over a grid of runs (offpolicy)")
-    sp.add_argument("study", choices=["offpolicy"], help="offpolicy: losses x staleness bound")
+    sp = sub.add_parser("study", help="experiments over many runs (offpolicy, seeds)")
+    sp.add_argument(
+        "study",
+        choices=["offpolicy", "seeds"],
+        help="offpolicy: losses x staleness bound; seeds: the config over several seeds",
+    )
     sp.add_argument("--losses", default="grpo,rloo,online_dpo", help="comma-separated losses")
     sp.add_argument("--staleness", default="0,1,2,4,8", help="comma-separated N (0: periodic)")
+    sp.add_argument("--seeds", default="0,1,2", help="seeds: comma-separated train.seed values")
     sp.add_argument("--out", required=True, help="output directory (study.json, study.png)")
-    sp.add_argument("--config", default="configs/study-offpolicy.toml", help="workload config")
+    sp.add_argument(
+        "--config",
+        default=None,
+        help="workload config (default: configs/study-offpolicy.toml for offpolicy, "
+        "configs/default.toml for seeds)",
+    )
     sp.add_argument("--iterations", type=int, default=0, help="iterations per run (0: config)")
     with_config(sp, required=False)
     sp.set_defaults(fn=cmd_study)

@@ -41,6 +41,11 @@ class DataConfig(_Section):
         None, ge=2, description="Largest arithmetic operand (default: the difficulty's range)."
     )
     num_heldout: int = Field(200, ge=1, description="Held-out examples for accuracy.")
+    seed: int = Field(
+        0,
+        description="Seed of the held-out split (task 'arithmetic'): fixed whatever train.seed, "
+        "so runs with different seeds are measured on the same problems.",
+    )
     prompt_template: str = Field(
         "Question: {question}\nAnswer: ", description="Prompt text; {question} is replaced."
     )

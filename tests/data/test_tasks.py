@@ -203,3 +203,16 @@ def test_max_operand_bounds_every_number() -> None:
         assert all(0 <= x <= 10 for x in drawn), ex
     with pytest.raises(ValueError, match="max_operand"):
         ArithmeticTask(max_operand=1)
+
+
+def test_the_heldout_split_follows_its_own_seed_not_the_run_seed() -> None:
+    a = ArithmeticTask(difficulty=1, seed=0, num_heldout=50, heldout_seed=7)
+    b = ArithmeticTask(difficulty=1, seed=12345, num_heldout=50, heldout_seed=7)
+    assert a.heldout() == b.heldout()  # one yardstick for both runs
+    assert a.train_examples(20) != b.train_examples(20)  # each run draws its own stream
+    held = {e.question for e in a.heldout()}
+    assert not any(e.question in held for e in b.train_examples(300))
+    # without a held-out seed the split follows the task's seed, as before
+    assert ArithmeticTask(seed=3, num_heldout=5).heldout() == ArithmeticTask(
+        seed=9, num_heldout=5, heldout_seed=3
+    ).heldout()

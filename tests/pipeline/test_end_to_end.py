@@ -26,7 +26,16 @@ METRIC_FIELDS = [
     "forward_passes_per_microbatch",
     "frozen_copies_mb",
 ]
-SUMMARY_FIELDS = ["accuracy_before", "accuracy_after", "tpspd_overall", "wall_s", "mode"]
+SUMMARY_FIELDS = [
+    "accuracy_before",
+    "accuracy_after",
+    "accuracy_before_stderr",
+    "accuracy_after_stderr",
+    "num_heldout",
+    "tpspd_overall",
+    "wall_s",
+    "mode",
+]
 
 
 def _overrides(model_dir):
@@ -62,6 +71,10 @@ def test_two_iterations_change_the_parameters_and_write_every_output(model_dir, 
         assert field in summary
     assert json.loads((tmp_path / "summary.json").read_text())["mode"] == "sync"
     assert (tmp_path / "config.toml").is_file() and (tmp_path / "final" / "config.json").is_file()
+    assert summary["num_heldout"] == 8  # stderr of p on 8 problems: sqrt(p(1-p)/8)
+    p = summary["accuracy_after"]
+    assert math.isclose(summary["accuracy_after_stderr"], math.sqrt(p * (1 - p) / 8))
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow

@@ -69,6 +69,9 @@ class ArithmeticTask:
     most one multiplication by 2..5; `max_operand` overrides the level's operand range. The start
     value is drawn from 0..max; each later operand from 1..max, and a subtraction never takes more
     than the running total, so no result is negative.
+
+    `seed` draws the training stream; `heldout_seed` (default: `seed`) draws the held-out split,
+    so runs with different seeds can be measured on the same held-out problems.
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class ArithmeticTask:
         seed: int = 0,
         num_heldout: int = 200,
         max_operand: int | None = None,
+        heldout_seed: int | None = None,
     ) -> None:
         if difficulty not in _DIFFICULTY or isinstance(difficulty, bool):
             raise ValueError(f"difficulty must be 1, 2 or 3, got {difficulty!r}")
@@ -87,6 +91,7 @@ class ArithmeticTask:
             raise ValueError(f"num_heldout must be >= 0, got {num_heldout}")
         self.difficulty = difficulty
         self.seed = seed
+        self.heldout_seed = seed if heldout_seed is None else heldout_seed
         self.num_heldout = num_heldout
         self._heldout: list[Example] | None = None
         self._heldout_questions: frozenset[str] = frozenset()
@@ -95,7 +100,8 @@ class ArithmeticTask:
         """The raw i-th example of `split`; train examples may collide with held-out ones."""
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        return self._draw(f"{self.seed}:{split}:{i}")
+        seed = self.heldout_seed if split == "heldout" else self.seed
+        return self._draw(f"{seed}:{split}:{i}")
 
     def heldout(self) -> list[Example]:
         """The first `num_heldout` distinct held-out questions (computed once)."""

@@ -2,6 +2,7 @@
 the summary). Nothing here runs the pipeline or reads the config."""
 
 from cadence.metrics.figures import (
+    binomial_stderr,
     pipeline_figures,
     sample_figures,
     stage_figures,
@@ -26,6 +27,7 @@ __all__ = [
     "Span",
     "TensorBoardSink",
     "Tracer",
+    "binomial_stderr",
     "pipeline_figures",
     "sample_figures",
     "stage_figures",

@@ -29,6 +29,13 @@ def tpspd(num_tokens: float, wall_s: float, num_devices: int = 1) -> float:
     return num_tokens / max(wall_s, 1e-9) / max(num_devices, 1)
 
 
+def binomial_stderr(accuracy: float, n: int) -> float:
+    """Standard error of an accuracy measured on `n` independent problems: sqrt(p(1-p)/n)."""
+    if n <= 0 or math.isnan(accuracy):
+        return math.nan
+    return math.sqrt(accuracy * (1.0 - accuracy) / n)
+
+
 def sample_figures(groups: list[Group], version: int, max_staleness: int) -> dict[str, Any]:
     """Reward, accuracy (reward >= 1), reward errors, response length and staleness of the
     groups trained at learner `version`."""
@@ -113,10 +120,12 @@ def summary(
     accuracy_before: float,
     accuracy_after: float,
     loop_s: float,
+    num_heldout: int = 0,
     **labels: Any,
 ) -> dict[str, Any]:
-    """The run's figures (`summary.json`): `labels` (mode, placement) first, then accuracy,
-    reward, KL and token figures, TPSPD over the loop's wall time, and busy times."""
+    """The run's figures (`summary.json`): `labels` (mode, placement) first, then held-out
+    accuracy with its standard error on `num_heldout` problems, reward, KL and token figures,
+    TPSPD over the loop's wall time, and busy times."""
     num_tokens = sum(r["num_tokens"] for r in records)
     tail = records[-max(1, math.ceil(len(records) / 10)) :]  # last 10% of iterations
 
@@ -129,6 +138,9 @@ def summary(
         "iterations": len(records),
         "accuracy_before": accuracy_before,
         "accuracy_after": accuracy_after,
+        "accuracy_before_stderr": binomial_stderr(accuracy_before, num_heldout),
+        "accuracy_after_stderr": binomial_stderr(accuracy_after, num_heldout),
+        "num_heldout": num_heldout,
         "reward_mean_first": records[0]["reward_mean"],
         "reward_mean_last": tail_mean("reward_mean"),
         "kl_last": tail_mean("kl"),

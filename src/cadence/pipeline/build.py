@@ -185,6 +185,7 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
         learner=learner,
         source=build_source(cfg, model, worker, tracer, stream, first_iteration=first),
         heldout_accuracy=Evaluator(model, engine, tokenizer, reward, heldout, sampling),
+        num_heldout=len(heldout),
         stream=stream,
         tracer=tracer,
         resume=resume,

@@ -25,12 +25,14 @@ from cadence.metrics import (
     MetricsSink,
     TensorBoardSink,
     Tracer,
+    binomial_stderr,
     pipeline_figures,
     sample_figures,
     stage_figures,
     summary,
     tpspd,
 )
+from cadence.metrics.curves import draw_curves
 from cadence.metrics.timeline import draw_timeline, write_chrome_trace
 from cadence.models import save_pretrained
 from cadence.pipeline.checkpoint import (
@@ -79,6 +81,7 @@ class Run:
     learner: Learner
     source: GroupSource
     heldout_accuracy: Callable[[], float]  # greedy accuracy of the current policy
+    num_heldout: int  # problems it is measured on (for its standard error)
     stream: PromptStream
     tracer: Tracer
     resume: Checkpoint | None = None  # the checkpoint this run continues from
@@ -173,7 +176,9 @@ def train(
             with run.tracer.span("iteration", "run"):
                 record = run_iteration(run, k, budget)
             if p.eval_every and (k + 1) % p.eval_every == 0:
-                record["heldout_accuracy"] = run.heldout_accuracy()
+                accuracy = run.heldout_accuracy()
+                record["heldout_accuracy"] = accuracy
+                record["heldout_accuracy_stderr"] = binomial_stderr(accuracy, run.num_heldout)
             records.append(record)
             for s in sinks:
                 s.write(record)
@@ -189,7 +194,20 @@ def train(
     accuracy_after = run.heldout_accuracy() if evaluate else float("nan")
     save_pretrained(run.learner.model, run.tokenizer, out / "final")
     result = summary(
-        records, accuracy_before, accuracy_after, loop_s, mode=p.mode, placement=p.placement
+        records,
+        accuracy_before,
+        accuracy_after,
+        loop_s,
+        run.num_heldout,
+        mode=p.mode,
+        placement=p.placement,
+    )
+    draw_curves(
+        records,
+        out / "curves.png",
+        before=(accuracy_before, result["accuracy_before_stderr"]),
+        after=(accuracy_after, result["accuracy_after_stderr"]),
+        title=f"cadence {p.mode} / {p.placement}",
     )
     result["total_wall_s"] = time.perf_counter() - t_total
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -24,7 +24,8 @@ def set_threads(threads: int) -> None:
 
 
 def make_task(cfg: Config):
-    """The configured task (procedural, or a JSONL file), seeded by the run seed."""
+    """The configured task (procedural, or a JSONL file): its training stream seeded by the run
+    seed, its held-out split by `data.seed`."""
     d = cfg.data
     if d.task == "gsm8k":
         return load_task(
@@ -41,6 +42,7 @@ def make_task(cfg: Config):
         seed=cfg.train.seed,
         num_heldout=d.num_heldout,
         max_operand=d.max_operand,
+        heldout_seed=d.seed,
     )
 
 

@@ -14,20 +14,14 @@ import json
 import time
 from pathlib import Path
 
+from cadence.study.runs import train_or_resume
+
 # study loss name -> config overrides
 LOSSES: dict[str, list[str]] = {
     "grpo": ["algo.loss='ppo_clip'", "algo.advantage='grpo'"],
     "rloo": ["algo.loss='rloo'", "algo.advantage='rloo'"],
     "online_dpo": ["algo.loss='online_dpo'", "algo.kl_coef=0.0"],
 }
-
-
-def parse_list(text: str, allowed: dict | None, kind: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [x for x in items if allowed is not None and x not in allowed]
-    if not items or unknown:
-        raise ValueError(f"unknown {kind} {unknown}; allowed: {', '.join(allowed or [])}")
-    return items
 
 
 def cell_overrides(loss: str, staleness: int) -> list[str]:
@@ -43,11 +37,7 @@ def cell_overrides(loss: str, staleness: int) -> list[str]:
 
 
 def run_cell(config: str | None, overrides: list[str], loss: str, staleness: int, out: Path):
-    from cadence.config import load_config
-    from cadence.pipeline import build_run, train
-
-    cfg = load_config(config, [*overrides, *cell_overrides(loss, staleness)])
-    summary = train(build_run(cfg), out)
+    summary = train_or_resume(config, [*overrides, *cell_overrides(loss, staleness)], out)
     return {
         "loss": loss,
         "staleness": staleness,

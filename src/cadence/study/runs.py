@@ -1,0 +1,29 @@
+"""What every study shares: run one configuration into its own directory, resuming a run an
+interrupted study left unfinished, and read lists from the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def parse_list(text: str, allowed: dict | None, kind: str) -> list[str]:
+    """Comma-separated items, each in `allowed` (when given); none, or an unknown one, raises."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [x for x in items if allowed is not None and x not in allowed]
+    if not items or unknown:
+        raise ValueError(f"unknown {kind} {unknown}; allowed: {', '.join(allowed or [])}")
+    return items
+
+
+def train_or_resume(config: str | None, overrides: list[str], out: Path) -> dict[str, Any]:
+    """Train `config` with `overrides` into `out`, from its newest checkpoint if an earlier
+    attempt stopped there; the run's summary."""
+    from cadence.config import load_config
+    from cadence.pipeline import build_run, train
+    from cadence.pipeline.checkpoint import find_checkpoint, list_checkpoints
+
+    cfg = load_config(config, overrides)
+    unfinished = list_checkpoints(out) and not (out / "summary.json").exists()
+    resume = find_checkpoint(out) if unfinished else None
+    return train(build_run(cfg, resume=resume), out)
