@@ -213,6 +213,7 @@ def test_the_heldout_split_follows_its_own_seed_not_the_run_seed() -> None:
     held = {e.question for e in a.heldout()}
     assert not any(e.question in held for e in b.train_examples(300))
     # without a held-out seed the split follows the task's seed, as before
-    assert ArithmeticTask(seed=3, num_heldout=5).heldout() == ArithmeticTask(
-        seed=9, num_heldout=5, heldout_seed=3
-    ).heldout()
+    assert (
+        ArithmeticTask(seed=3, num_heldout=5).heldout()
+        == ArithmeticTask(seed=9, num_heldout=5, heldout_seed=3).heldout()
+    )
