@@ -136,7 +136,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate(
         engine,
         tokenizer,
-        load_reward(cfg.reward.function),
+        load_reward(cfg.reward.function, cfg.reward.timeout_s),
         prompts,
         sampling_params(cfg, tokenizer),
     )
@@ -404,11 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     from cadence.learner import BadStepsError
     from cadence.models import ModelLoadError
     from cadence.pipeline.checkpoint import CheckpointError
-    from cadence.rewards import RewardBudgetExceeded
+    from cadence.rewards import RewardBudgetExceeded, RewardLoadError
 
     try:
         return args.fn(args)
-    except (ConfigError, ModelLoadError, DataError, CheckpointError) as e:
+    except (ConfigError, ModelLoadError, DataError, CheckpointError, RewardLoadError) as e:
         print(f"cadence: error: {e}", file=sys.stderr)
         return 2
     except (BadStepsError, WorkerDied, WorkerError, RewardBudgetExceeded) as e:

@@ -114,7 +114,19 @@ class RewardConfig(_Section):
         "whatever has arrived, up to this); kind 'model': also responses per forward pass.",
     )
     max_error_fraction: float = Field(
-        0.1, ge=0.0, le=1.0, description="Stop the run when more samples than this fail scoring."
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Stop the run (exit 1) when more reward calls than this fraction fail (raise, "
+        "return NaN or time out): checked after each iteration once 64 calls were made, and at "
+        "the end of the run however few; a run whose every call so far failed stops after its "
+        "first iteration. 1 tolerates every failure.",
+    )
+    timeout_s: float = Field(
+        10.0,
+        ge=0.0,
+        description="Longest a rule reward call may take, in any process or thread: past it the "
+        "call scores 0 and counts as a reward error (and in reward_timeouts); 0: no limit.",
     )
 
     @model_validator(mode="before")

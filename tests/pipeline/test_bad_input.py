@@ -194,3 +194,58 @@ def test_empty_dataset_and_a_model_that_is_not_a_causal_lm_exit_2(model_dir, tmp
     (tmp_path / "not-a-model" / "config.json").write_text(json.dumps({"model_type": "bert"}))
     assert main([*args, *_sets(tmp_path / "not-a-model")]) == 2
     assert "not-a-model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
+def test_a_reward_call_that_hangs_times_out_scores_0_and_the_run_goes_on(
+    model_dir, tmp_path, placement
+):
+    # Before: a sleeping reward hung a colocated run forever; a separate one too, in the held-out
+    # evaluation (the learner's process), and workers only failed after worker_timeout_s.
+    extra = [
+        "reward.function='fixtures_rewards:hang_on_odd_length'",
+        "reward.timeout_s=0.3",
+        "reward.max_error_fraction=0.9",
+        f"pipeline.placement='{placement}'",
+    ]
+    if placement == "separate":
+        extra.append("pipeline.mode='periodic'")
+    args = ["train", "configs/default.toml", "--out", str(tmp_path)]
+    assert main([*args, *_sets(model_dir, *extra)]) == 0
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in lines] == [0, 1]
+    assert all(0 < r["reward_timeouts"] == r["reward_errors"] < 16 for r in lines)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["reward_timeouts"] == sum(r["reward_timeouts"] for r in lines)
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.slow
+def test_a_short_run_whose_every_reward_call_fails_stops_with_exit_1(model_dir, tmp_path, capsys):
+    # Before: 3 iterations of 16 samples, every call raising, finished with final/ and exit 0
+    # (the budget waited for 64 samples).
+    extra = ("reward.function='fixtures_rewards:always_raises'", "train.iterations=3")
+    args = ["train", "configs/default.toml", "--out", str(tmp_path)]
+    assert main([*args, *_sets(model_dir, *extra)]) == 1
+    err = capsys.readouterr().err
+    assert "cadence: run stopped: 16 of 16 reward calls failed" in err
+    assert "every reward call failed so far" in err
+    assert "RuntimeError: the grader is down" in err
+    assert not (tmp_path / "final").exists()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 1  # stopped after its first iteration
+
+
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
+def test_a_reward_that_cannot_be_imported_is_bad_input_exit_2(
+    model_dir, tmp_path, capsys, placement
+):
+    extra = ["reward.function='nosuchmod:fn'", f"pipeline.placement='{placement}'"]
+    args = ["train", "configs/default.toml", "--out", str(tmp_path)]
+    assert main([*args, *_sets(model_dir, *extra)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cadence: error: reward spec 'nosuchmod:fn': cannot import module")
+    assert "Traceback" not in err
+    assert not multiprocessing.active_children()

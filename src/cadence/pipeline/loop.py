@@ -133,7 +133,8 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
         )
     samples = sample_figures(seen, version, p.max_staleness)
     rows = sum(g.group_size for g in seen)
-    budget.record(rows, samples["reward_errors"])
+    errors = (c.reward_error for g in seen for c in g.completions if c.reward_error)
+    budget.count(rows, samples["reward_errors"], next(errors, None))
     return (
         stats
         | {"iteration": iteration, "policy_version": version}
@@ -176,10 +177,12 @@ def train(
             records.append(record)
             for s in sinks:
                 s.write(record)
+            budget.check()  # after the line is written: it shows the errors that stopped the run
             every = p.checkpoint_every
             if every and ((k + 1) % every == 0 or k + 1 == p.iterations):
                 checkpoint(run, out, k + 1, records, accuracy_before)
         loop_s = time.perf_counter() - t_loop  # not counting closing workers, drawing the timeline
+        budget.finish()  # a short run over its reward error budget writes no final model
     finally:
         for s in sinks:
             s.close()
