@@ -7,7 +7,9 @@ directory that is missing or not a causal LM, malformed data), with a message na
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -417,6 +419,38 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("cadence: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" while writing {e.filename}" if e.filename else ""
+        print(
+            f"cadence: run stopped: no space left on {device_of(e.filename)}{where}",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def device_of(path: str | None) -> str:
+    """'SOURCE (mounted on MOUNTPOINT)' of the filesystem holding `path` (or its nearest existing
+    parent), from /proc/self/mountinfo; 'device' where that cannot be told."""
+    if not path:
+        return "device"
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    dev = os.stat(p).st_dev
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return "device"
+    for line in lines:  # ID PARENT MAJOR:MINOR ROOT MOUNTPOINT OPTIONS ... - FSTYPE SOURCE ...
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        major, minor = (int(x) for x in parts[2].split(":"))
+        if os.makedev(major, minor) == dev:
+            source = rest.split()[1] if len(rest.split()) > 1 else "device"
+            return f"{source} (mounted on {parts[4]})"
+    return "device"
 
 
 if __name__ == "__main__":

@@ -71,6 +71,8 @@ class ArithmeticTask:
     than the running total, so no result is negative.
     """
 
+    num_skipped = 0  # generated, never read from a file: nothing is ever malformed
+
     def __init__(
         self,
         difficulty: int = 1,
