@@ -100,3 +100,8 @@ def hang_on_odd_length(prompt: str, completion: str, answer: str) -> float:
 def always_raises(prompt: str, completion: str, answer: str) -> float:
     """A reward that cannot score anything."""
     raise RuntimeError("the grader is down")
+
+
+def always_one(prompt: str, completion: str, answer: str) -> float:
+    """The same reward for every completion: no group has a learning signal."""
+    return 1.0

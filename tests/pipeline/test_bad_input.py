@@ -249,3 +249,54 @@ def test_a_reward_that_cannot_be_imported_is_bad_input_exit_2(
     assert err.startswith("cadence: error: reward spec 'nosuchmod:fn': cannot import module")
     assert "Traceback" not in err
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize(
+    "algo, named",
+    [
+        (("algo.advantage='grpo'",), "algo.advantage = 'grpo' trains nothing"),
+        (("algo.loss='rloo'", "algo.advantage='rloo'"), "algo.advantage = 'rloo' trains nothing"),
+        (("algo.loss='online_dpo'", "algo.kl_coef=0"), "algo.loss = 'online_dpo' pairs"),
+    ],
+)
+def test_one_sample_per_prompt_with_a_group_relative_algorithm_is_refused_exit_2(
+    model_dir, tmp_path, capsys, algo, named
+):
+    # Before: rollout.group_size = 1 with GRPO trained with loss 0 and grad norm 0, exit 0.
+    args = ["train", "configs/default.toml", "--out", str(tmp_path)]
+    assert main([*args, *_sets(model_dir, "rollout.group_size=1", *algo)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cadence: error: ") and named in err
+    if "online_dpo" not in named:
+        assert "an advantage that works with group_size = 1: 'reinforce'" in err
+
+
+def test_one_sample_per_prompt_works_with_an_advantage_that_needs_no_group():
+    from cadence.pipeline.params import check_group_size, learns_from_one_sample
+
+    check_group_size(load_config(None, ["rollout.group_size=1", "algo.advantage='reinforce'"]))
+    assert learns_from_one_sample("reinforce")
+    assert not learns_from_one_sample("grpo") and not learns_from_one_sample("rloo")
+
+
+@pytest.mark.slow
+def test_iterations_whose_every_group_has_equal_rewards_are_counted_and_warned_about(
+    model_dir, tmp_path, caplog
+):
+    cfg = load_config(
+        None,
+        _overrides(
+            model_dir,
+            "reward.function='fixtures_rewards:always_one'",
+            "train.iterations=3",
+            "train.prompts_per_iteration=2",
+            "rollout.group_size=2",
+            "rollout.max_new_tokens=6",
+        ),
+    )
+    memory = MemorySink()
+    result = train(build_run(cfg), tmp_path, extra_sinks=[memory], evaluate=False)
+    assert [(r["constant_reward_groups"], r["num_groups"]) for r in memory.records] == [(2, 2)] * 3
+    assert result["constant_reward_iterations"] == 3
+    assert "in each of the last 3 iterations (up to iteration 2" in caplog.text
+    assert "every group's rewards were all equal" in caplog.text

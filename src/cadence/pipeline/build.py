@@ -23,6 +23,7 @@ from cadence.pipeline.checkpoint import Checkpoint, restore_learner, weights_dig
 from cadence.pipeline.evaluate import Evaluator
 from cadence.pipeline.loop import LoopParams, Run
 from cadence.pipeline.params import (
+    check_group_size,
     learner_params,
     learner_threads,
     make_task,
@@ -142,6 +143,7 @@ def reward_stage(cfg: Config, store: Store, tracer: Tracer) -> RewardStage:
 
 def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     """Every component of a run, wired; from `resume` on, if given (see pipeline/checkpoint.py)."""
+    check_group_size(cfg)
     set_threads(learner_threads(cfg))
     torch.manual_seed(cfg.train.seed)
     dtype, device = DTYPES[cfg.model.dtype], cfg.model.device

@@ -9,9 +9,9 @@ import os
 
 import torch
 
-from cadence.algo import LossParams
+from cadence.algo import ADVANTAGES, AdvantageContext, LossParams, get_advantage, is_pair_loss
 from cadence.backend import WorkerSpec
-from cadence.config import Config
+from cadence.config import Config, ConfigError
 from cadence.data import load_task
 from cadence.engine import SamplingParams
 from cadence.learner import LearnerParams
@@ -96,6 +96,37 @@ def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
         dpo_loss=a.dpo_loss,
     )
     return params, loss
+
+
+def check_group_size(cfg: Config) -> None:
+    """Refuse `rollout.group_size = 1` with an advantage or loss that compares the samples of a
+    group with each other: every advantage would be 0 (loss 0, grad norm 0) and the run would
+    train nothing while looking healthy."""
+    if cfg.rollout.group_size > 1:
+        return
+    a = cfg.algo
+    works = ", ".join(f"'{name}'" for name in ADVANTAGES if learns_from_one_sample(name))
+    if is_pair_loss(a.loss):
+        raise ConfigError(
+            f"algo.loss = '{a.loss}' pairs each group's best and worst response: it needs "
+            "rollout.group_size >= 2 (got 1)"
+        )
+    if not learns_from_one_sample(a.advantage):
+        raise ConfigError(
+            f"rollout.group_size = 1 with algo.advantage = '{a.advantage}' trains nothing: a "
+            "group-relative advantage is 0 for a group of one sample. Raise rollout.group_size "
+            f"to 2 or more, or use an advantage that works with group_size = 1: {works}"
+        )
+
+
+def learns_from_one_sample(advantage: str) -> bool:
+    """Whether `advantage` gives a one-sample group a non-zero advantage (asked of the registered
+    function itself, reward 1 and the default context: no list of names to keep in step)."""
+    try:
+        value = get_advantage(advantage)(torch.ones(1, 1), AdvantageContext())
+    except ValueError:  # refuses a group of one outright (rloo)
+        return False
+    return bool(value.abs().sum() > 0)
 
 
 def learner_threads(cfg: Config) -> int:
