@@ -123,9 +123,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from cadence.engine import make_engine
-    from cadence.models import load_model, load_tokenizer
+    from cadence.models import load_model, load_tokenizer, max_positions
     from cadence.pipeline.evaluate import evaluate
-    from cadence.pipeline.params import make_task, sampling_params, set_threads
+    from cadence.pipeline.params import make_task, prompt_filter, sampling_params, set_threads
     from cadence.pipeline.prompts import heldout_prompts
     from cadence.rewards import load_reward
 
@@ -134,7 +134,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model_dir)
     model = load_model(args.model_dir)
     engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
-    prompts = heldout_prompts(make_task(cfg), cfg.data.prompt_template, cfg.data.task)
+    fit = prompt_filter(cfg, tokenizer, max_positions(model))
+    prompts = heldout_prompts(make_task(cfg), cfg.data.prompt_template, cfg.data.task, fit)
     result = evaluate(
         engine,
         tokenizer,

@@ -62,7 +62,11 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always).")
     max_prompt_tokens: int = Field(
-        0, ge=0, description="Longest prompt, in tokens (0: no limit); see on_long_prompt."
+        0,
+        ge=0,
+        description="Longest prompt, in tokens; see on_long_prompt. 0: what the model takes "
+        "(its max_position_embeddings) minus max_new_tokens. A value over that is refused: "
+        "prompt and response always fit in the model's positions.",
     )
     on_long_prompt: Literal["skip", "truncate"] = Field(
         "skip",

@@ -300,3 +300,60 @@ def test_iterations_whose_every_group_has_equal_rewards_are_counted_and_warned_a
     assert result["constant_reward_iterations"] == 3
     assert "in each of the last 3 iterations (up to iteration 2" in caplog.text
     assert "every group's rewards were all equal" in caplog.text
+
+
+def test_the_prompt_limit_defaults_to_what_the_model_takes_and_refuses_more():
+    from cadence.config import ConfigError
+    from cadence.pipeline.params import max_prompt_tokens
+
+    cfg = load_config(None, ["rollout.max_new_tokens=48"])
+    assert max_prompt_tokens(cfg, 1024) == 1024 - 48  # 0: the model's positions minus the reply
+    assert max_prompt_tokens(cfg, None) == 0  # a model that states no limit
+    assert max_prompt_tokens(load_config(None, ["rollout.max_prompt_tokens=500"]), 1024) == 500
+    with pytest.raises(ConfigError, match=r"max_prompt_tokens = 1000 plus .* 1024 positions"):
+        max_prompt_tokens(load_config(None, ["rollout.max_prompt_tokens=1000"]), 1024)
+    with pytest.raises(ConfigError, match=r"max_new_tokens = 1024 leaves no room"):
+        max_prompt_tokens(load_config(None, ["rollout.max_new_tokens=1024"]), 1024)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_long", ["skip", "truncate"])
+def test_a_prompt_longer_than_the_model_takes_is_never_fed_to_it(model_dir, tmp_path, on_long):
+    # Before: a 10,000-token prompt (model limit 1,024 positions) ran with no warning, 5 GB RSS
+    # and 59 s for one iteration.
+    tokenizer = load_tokenizer(model_dir)
+    long_question = "What is " + "12 + " * 3000 + "1?"
+    assert len(tokenizer(long_question)["input_ids"]) > 10_000
+    rows = [
+        {"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"}
+        for i in range(9)
+    ]
+    rows.insert(3, {"question": long_question, "answer": "#### 36001"})
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extra = (
+        "data.task='gsm8k'",
+        f"data.path='{data}'",
+        "data.num_heldout=2",
+        "train.iterations=1",
+        "train.prompts_per_iteration=8",  # every training example, the long one included
+        "rollout.group_size=2",
+        f"rollout.on_long_prompt='{on_long}'",
+    )
+    run = build_run(load_config(None, _overrides(model_dir, *extra)))
+    seen = []
+    original = run.source.worker.rollout
+
+    def spy(prompts, iteration, version):
+        groups = original(prompts, iteration, version)
+        seen.extend(groups)
+        return groups
+
+    run.source.worker.rollout = spy
+    memory = MemorySink()
+    train(run, tmp_path / "run", extra_sinks=[memory], evaluate=False)
+    (record,) = memory.records
+    limit = run.learner.model.config.max_position_embeddings - 12  # minus max_new_tokens
+    assert max(len(g.prompt_ids) for g in seen) <= limit
+    assert record[f"prompts_{'skipped' if on_long == 'skip' else 'truncated'}"] == 1
+    assert record["wall_s"] < 30

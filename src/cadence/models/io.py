@@ -95,6 +95,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     return model.to(device).eval()
 
 
+def max_positions(model) -> int | None:
+    """The most positions `model` takes (prompt + response), or None where its config states no
+    limit (`max_position_embeddings`: absent from, say, a state-space model's config)."""
+    return getattr(model.config, "max_position_embeddings", None)
+
+
 def check_causal_lm(p: Path):
     """The directory's config, if it describes a causal LM (else `ModelLoadError`)."""
     from transformers import AutoConfig

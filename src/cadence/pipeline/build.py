@@ -18,7 +18,7 @@ from cadence.dataplane import Store
 from cadence.engine import make_engine
 from cadence.learner import Learner
 from cadence.metrics import Tracer
-from cadence.models import DTYPES, load_model, load_tokenizer
+from cadence.models import DTYPES, load_model, load_tokenizer, max_positions
 from cadence.pipeline.checkpoint import Checkpoint, restore_learner, weights_digest
 from cadence.pipeline.evaluate import Evaluator
 from cadence.pipeline.loop import LoopParams, Run
@@ -166,11 +166,12 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     )
     task = make_task(cfg)
     cursor = resume.state["cursor"] if resume else 0
-    fit = prompt_filter(cfg, tokenizer)
+    positions = max_positions(model)
+    fit = prompt_filter(cfg, tokenizer, positions)
     stream = PromptStream(task, cfg.data.prompt_template, cfg.data.task, start=cursor, fit=fit)
     first = resume.iteration if resume else 0
     heldout = heldout_prompts(
-        task, cfg.data.prompt_template, cfg.data.task, prompt_filter(cfg, tokenizer)
+        task, cfg.data.prompt_template, cfg.data.task, prompt_filter(cfg, tokenizer, positions)
     )
     return Run(
         params=loop_params(cfg),

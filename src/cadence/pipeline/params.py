@@ -56,13 +56,39 @@ def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
     )
 
 
-def prompt_filter(cfg: Config, tokenizer) -> PromptFilter:
-    """`rollout.max_prompt_tokens` and `rollout.on_long_prompt`, on the tokenizer's counts."""
+def prompt_filter(cfg: Config, tokenizer, max_positions: int | None = None) -> PromptFilter:
+    """`rollout.max_prompt_tokens` (see `max_prompt_tokens`) and `rollout.on_long_prompt`, on
+    the tokenizer's counts."""
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    return PromptFilter(encode, cfg.rollout.max_prompt_tokens, cfg.rollout.on_long_prompt)
+    limit = max_prompt_tokens(cfg, max_positions)
+    return PromptFilter(encode, limit, cfg.rollout.on_long_prompt)
+
+
+def max_prompt_tokens(cfg: Config, max_positions: int | None) -> int:
+    """The longest prompt a run feeds the model: `rollout.max_prompt_tokens`, or when it is 0 the
+    model's positions (`max_positions`) minus `rollout.max_new_tokens`, so that prompt and
+    response always fit; a setting that would not fit is a `ConfigError`. 0 (no limit) only for
+    a model that states no limit."""
+    r = cfg.rollout
+    if max_positions is None:
+        return r.max_prompt_tokens
+    room = max_positions - r.max_new_tokens
+    if room < 1:
+        raise ConfigError(
+            f"rollout.max_new_tokens = {r.max_new_tokens} leaves no room for a prompt in the "
+            f"model's {max_positions} positions (max_position_embeddings): lower it"
+        )
+    if r.max_prompt_tokens > room:
+        raise ConfigError(
+            f"rollout.max_prompt_tokens = {r.max_prompt_tokens} plus rollout.max_new_tokens = "
+            f"{r.max_new_tokens} exceeds the model's {max_positions} positions "
+            f"(max_position_embeddings): set rollout.max_prompt_tokens <= {room}, or 0 for "
+            "that limit"
+        )
+    return r.max_prompt_tokens or room
 
 
 def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
