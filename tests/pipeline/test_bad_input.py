@@ -357,3 +357,30 @@ def test_a_prompt_longer_than_the_model_takes_is_never_fed_to_it(model_dir, tmp_
     assert max(len(g.prompt_ids) for g in seen) <= limit
     assert record[f"prompts_{'skipped' if on_long == 'skip' else 'truncated'}"] == 1
     assert record["wall_s"] < 30
+
+
+@pytest.mark.slow
+def test_skipped_bad_lines_are_counted_in_metrics_and_summary(model_dir, tmp_path, caplog):
+    # Before: data.on_bad_line = "skip" never said how many lines it skipped.
+    good = [
+        {"question": f"What is {i} + 2?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"}
+        for i in range(8)
+    ]
+    lines = [json.dumps(r) for r in good]
+    lines[2:2] = ["not json", json.dumps({"question": "no answer"})]
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    extra = (
+        "data.task='gsm8k'",
+        f"data.path='{data}'",
+        "data.on_bad_line='skip'",
+        "data.num_heldout=2",
+        "train.prompts_per_iteration=2",
+        "rollout.group_size=2",
+    )
+    args = ["train", "configs/default.toml", "--out", str(tmp_path / "run")]
+    assert main([*args, *_sets(model_dir, *extra)]) == 0
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["bad_lines_skipped"] for r in records] == [2, 2]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["bad_lines_skipped"] == 2
+    assert f"skipped 2 malformed line(s) of {data}" in caplog.text
