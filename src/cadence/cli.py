@@ -402,6 +402,15 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    try:  # Ctrl-C while the libraries import (seconds) is an interrupt too, not a traceback
+        return _run(args)
+    except KeyboardInterrupt:
+        print("cadence: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command, with every error it can meet mapped to its exit code and one line."""
     from cadence.backend import WorkerDied, WorkerError
     from cadence.data import DataError
     from cadence.learner import BadStepsError
@@ -417,9 +426,6 @@ def main(argv: list[str] | None = None) -> int:
     except (BadStepsError, WorkerDied, WorkerError, RewardBudgetExceeded) as e:
         print(f"cadence: run stopped: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("cadence: interrupted", file=sys.stderr)
-        return 130
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise

@@ -27,7 +27,6 @@ import os
 import queue
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -149,7 +148,7 @@ def reward_worker_main(wid: int, spec: RewardSpec, inbox, results) -> None:
             result = ScoreResult(job, rewards, errors, start, time.perf_counter())
             outbox.put(("scored", wid, result))
     except BaseException:
-        outbox.put(("error", wid, traceback.format_exc()))
+        outbox.report_error(wid)
 
 
 class RewardStage:
