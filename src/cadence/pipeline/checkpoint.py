@@ -151,14 +151,16 @@ def _write_directory(tmp: Path, model, tokenizer, state: dict[str, Any]) -> None
         shutil.rmtree(tmp)
     tmp.mkdir()
     save_pretrained(model, tokenizer, tmp / "policy")
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    _write_file(tmp / "state.pt", buffer.getvalue())
     files = {
         p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
         for p in sorted(tmp.rglob("*"))
         if p.is_file()
     }
+    buffer = io.BytesIO()
+    torch.save(state, buffer)  # in memory: a full disk then fails in our write, with its errno
+    data = buffer.getvalue()
+    _write_file(tmp / "state.pt", data)
+    files["state.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     manifest = {"format": FORMAT, "iteration": state["iteration"], "files": files}
     _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
     _fsync_tree(tmp)
@@ -259,9 +261,12 @@ def load_checkpoint(path: Path) -> Checkpoint:
     """The checkpoint at `path`, every file checked against its manifest and the state loaded
     without unpickling any object; `CheckpointError` says what is wrong."""
     manifest = _read_manifest(path)
+    try:
+        data = (path / "state.pt").read_bytes()  # read once: checked, then loaded
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: state.pt is missing") from None
     for name, want in manifest["files"].items():
-        _check_file(path, name, want)
-    data = (path / "state.pt").read_bytes()
+        _check_file(path, name, want, data if name == "state.pt" else None)
     try:
         state = torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError as e:
@@ -298,16 +303,19 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def _check_file(root: Path, name: str, want: dict[str, Any]) -> None:
+def _check_file(root: Path, name: str, want: dict[str, Any], data: bytes | None = None) -> None:
+    """Raise unless file `name` (whose bytes are `data`, if read already) has the size and
+    sha256 the manifest recorded."""
     p = root / name
-    if not p.is_file():
+    if data is None and not p.is_file():
         raise CheckpointError(f"{root}: {name} is missing")
-    size = p.stat().st_size
+    size = p.stat().st_size if data is None else len(data)
     if size != want["bytes"]:
         raise CheckpointError(
             f"{root}: {name} is {size} bytes, {want['bytes']} when written (truncated?)"
         )
-    if _sha256(p) != want["sha256"]:
+    digest = _sha256(p) if data is None else hashlib.sha256(data).hexdigest()
+    if digest != want["sha256"]:
         raise CheckpointError(f"{root}: {name} differs from what was written (sha256)")
 
 
