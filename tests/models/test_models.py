@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from cadence.models import ModelLoadError, load_model, load_tokenizer
+from tiny_models import classifier_dir
 
 
 def test_default_model_loads_with_the_auto_classes(model_dir):
@@ -37,32 +38,6 @@ def test_missing_directory_and_non_causal_lm_are_clear_errors(tmp_path, model_di
         load_model(tmp_path / "t5")
 
 
-def _classifier_dir(model_dir, out, arch: str):
-    """A random sequence classifier beside `model_dir`'s tokenizer (untied embeddings)."""
-    import shutil
-
-    from transformers import (
-        BertConfig,
-        BertForSequenceClassification,
-        LlamaConfig,
-        LlamaForSequenceClassification,
-    )
-
-    small = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
-    if arch == "llama":
-        cfg = LlamaConfig(
-            **small, num_attention_heads=2, num_labels=1, tie_word_embeddings=False, pad_token_id=0
-        )
-        LlamaForSequenceClassification(cfg).save_pretrained(out)
-    else:
-        BertForSequenceClassification(BertConfig(**small, num_attention_heads=2)).save_pretrained(
-            out
-        )
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_dir / name, out / name)
-    return out
-
-
 @pytest.mark.parametrize(
     "arch, name",
     [("llama", "LlamaForSequenceClassification"), ("bert", "BertForSequenceClassification")],
@@ -72,13 +47,13 @@ def test_a_sequence_classifier_is_refused_instead_of_loaded_with_a_random_head(
 ):
     # Before: the Llama classifier loaded as LlamaForCausalLM with a random lm_head and trained;
     # the BERT one ended in an AttributeError traceback.
-    path = _classifier_dir(model_dir, tmp_path / arch, arch)
+    path = classifier_dir(model_dir, tmp_path / arch, arch)
     with pytest.raises(ModelLoadError, match=rf"holds a {name} .*not a causal language model"):
         load_model(path)
 
 
 def test_a_directory_lacking_a_weight_of_the_causal_lm_is_refused(model_dir, tmp_path):
-    path = _classifier_dir(model_dir, tmp_path / "classifier", "llama")
+    path = classifier_dir(model_dir, tmp_path / "classifier", "llama")
     config = json.loads((path / "config.json").read_text())
     del config["architectures"]  # nothing names the class: only the weights tell
     (path / "config.json").write_text(json.dumps(config))

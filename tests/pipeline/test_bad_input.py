@@ -384,3 +384,28 @@ def test_skipped_bad_lines_are_counted_in_metrics_and_summary(model_dir, tmp_pat
     assert [r["bad_lines_skipped"] for r in records] == [2, 2]
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["bad_lines_skipped"] == 2
     assert f"skipped 2 malformed line(s) of {data}" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["llama classifier", "bert classifier", "needs its own code"])
+def test_a_model_directory_it_would_load_wrong_is_bad_input_exit_2(
+    model_dir, tmp_path, capsys, kind
+):
+    # Before: a Llama classifier trained with a random lm_head (exit 0); a BERT one and a model
+    # that needs trust_remote_code ended in tracebacks (exit 1).
+    import shutil
+
+    from tiny_models import classifier_dir
+
+    path = tmp_path / "model"
+    if kind == "needs its own code":
+        shutil.copytree(model_dir, path)
+        config = json.loads((path / "config.json").read_text())
+        config |= {"model_type": "mystery", "auto_map": {"AutoConfig": "x.MysteryConfig"}}
+        (path / "config.json").write_text(json.dumps(config))
+    else:
+        classifier_dir(model_dir, path, kind.split()[0])
+    args = ["train", "configs/default.toml", "--out", str(tmp_path / "run")]
+    assert main([*args, *_sets(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cadence: error: '{path}'") and "Traceback" not in err
+    assert ("not a causal language model" in err) != (kind == "needs its own code")
