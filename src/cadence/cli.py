@@ -426,6 +426,9 @@ def _run(args: argparse.Namespace) -> int:
     except (BadStepsError, WorkerDied, WorkerError, RewardBudgetExceeded) as e:
         print(f"cadence: run stopped: {e}", file=sys.stderr)
         return 1
+    except TimeoutError as e:  # workers that stopped answering (pipeline.worker_timeout_s)
+        print(f"cadence: run stopped: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise

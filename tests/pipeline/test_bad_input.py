@@ -409,3 +409,18 @@ def test_a_model_directory_it_would_load_wrong_is_bad_input_exit_2(
     err = capsys.readouterr().err
     assert err.startswith(f"cadence: error: '{path}'") and "Traceback" not in err
     assert ("not a causal language model" in err) != (kind == "needs its own code")
+
+
+def test_workers_that_stop_answering_end_the_run_in_one_line(monkeypatch, capsys):
+    import cadence.cli
+
+    def stuck(args):
+        raise TimeoutError("no word from the workers for 300s (pipeline.worker_timeout_s)")
+
+    monkeypatch.setattr(cadence.cli, "cmd_train", stuck)
+    assert main(["train", "configs/default.toml"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "cadence: run stopped: no word from the workers for 300s (pipeline.worker_timeout_s)\n"
+    )
