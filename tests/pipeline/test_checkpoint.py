@@ -188,3 +188,14 @@ def test_a_full_disk_stops_the_run_in_one_line_and_leaves_every_file_whole(
     assert _resume(run_dir, "--set", "train.iterations=5") == 0
     assert f"removed {stale}" in caplog.text
     assert not stale.exists() and _iterations(run_dir) == [0, 1, 2, 3, 4]
+
+
+def test_a_resume_with_another_reference_model_is_refused_with_exit_2(run_dir, tmp_path, capsys):
+    from cadence.data import ArithmeticTask
+    from cadence.models import init_model
+
+    other = tmp_path / "other-model"  # same shapes and tokenizer, other weights
+    init_model("test", other, ArithmeticTask(difficulty=1, seed=0).corpus(2000), seed=1)
+    assert _resume(run_dir, "--set", f"model.path='{other}'") == 2
+    err = capsys.readouterr().err
+    assert "was taken with another reference model" in err and "Traceback" not in err
