@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -85,7 +85,8 @@ def start_ray(address: str | None = None, num_cpus: int = 0) -> bool:
         _temp_dir=os.path.join(tempfile.gettempdir(), f"cadence-ray-{os.getuid()}"),
         logging_level=logging.WARNING,
     )
-    _reaper = ray_reaper.start(context.address_info["session_dir"], os.path.dirname(ray.__file__))
+    session_dir = cast(Any, context).address_info["session_dir"]  # a RayContext, locally
+    _reaper = ray_reaper.start(session_dir, os.path.dirname(ray.__file__))
     return True
 
 

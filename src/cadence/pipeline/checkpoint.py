@@ -40,7 +40,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -96,7 +96,7 @@ def weights_digest(model: torch.nn.Module | None) -> str | None:
 
 def rng_state() -> dict[str, Any]:
     """The RNG states as tensors and plain values (numpy's key array becomes an int64 tensor)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    name, keys, pos, has_gauss, cached = cast(tuple, np.random.get_state(legacy=True))
     return {
         "torch": torch.get_rng_state(),
         "random": random.getstate(),

@@ -202,7 +202,7 @@ def train(
         sinks = _sinks(run, out, extra_sinks or [])
         loop_s = _loop(run, out, sinks, records, accuracy_before)
     except BaseException as e:
-        _close(run, out, sinks, error=e)
+        _close(run, out, sinks, error=e, timeline=bool(sinks))  # none: another run's outputs
         raise
     _close(run, out, sinks, error=None)
     accuracy_after = run.heldout_accuracy() if evaluate else float("nan")
@@ -243,11 +243,19 @@ def _loop(
     return loop_s
 
 
-def _close(run: Run, out: Path, sinks: list[MetricsSink], error: BaseException | None) -> None:
+def _close(
+    run: Run,
+    out: Path,
+    sinks: list[MetricsSink],
+    error: BaseException | None,
+    timeline: bool = True,
+) -> None:
     """Close the sinks and the source (which stops the workers), then write the timeline. Every
     step runs whatever the others do. While `error` propagates, a failure here is logged in one
     line (not at all if both are the same full disk) rather than put in its place."""
-    steps = [*(s.close for s in sinks), run.source.close, lambda: write_timeline(run, out)]
+    steps = [*(s.close for s in sinks), run.source.close]
+    if timeline:
+        steps.append(lambda: write_timeline(run, out))
     first: Exception | None = None
     for step in steps:
         try:
