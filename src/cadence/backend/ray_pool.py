@@ -35,7 +35,7 @@ from typing import Any, cast
 
 import torch
 
-from cadence.backend import ray_reaper
+import cadence.backend.ray_reaper as ray_reaper
 from cadence.backend.pool import InFlight, Lost, TaskResult
 from cadence.backend.procs import WorkerDied, WorkerError
 from cadence.backend.ray_weights import (
