@@ -356,7 +356,6 @@ def test_a_prompt_longer_than_the_model_takes_is_never_fed_to_it(model_dir, tmp_
     limit = run.learner.model.config.max_position_embeddings - 12  # minus max_new_tokens
     assert max(len(g.prompt_ids) for g in seen) <= limit
     assert record[f"prompts_{'skipped' if on_long == 'skip' else 'truncated'}"] == 1
-    assert record["wall_s"] < 30
 
 
 @pytest.mark.slow
