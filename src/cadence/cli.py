@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import errno
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -414,6 +413,7 @@ def _run(args: argparse.Namespace) -> int:
     from cadence.backend import WorkerDied, WorkerError
     from cadence.data import DataError
     from cadence.learner import BadStepsError
+    from cadence.metrics.files import device_of
     from cadence.models import ModelLoadError
     from cadence.pipeline.checkpoint import CheckpointError
     from cadence.rewards import RewardBudgetExceeded, RewardLoadError
@@ -438,29 +438,6 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-
-
-def device_of(path: str | None) -> str:
-    """'SOURCE (mounted on MOUNTPOINT)' of the filesystem holding `path` (or its nearest existing
-    parent), from /proc/self/mountinfo; 'device' where that cannot be told."""
-    if not path:
-        return "device"
-    p = Path(os.path.abspath(path))
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    dev = os.stat(p).st_dev
-    try:
-        lines = Path("/proc/self/mountinfo").read_text().splitlines()
-    except OSError:
-        return "device"
-    for line in lines:  # ID PARENT MAJOR:MINOR ROOT MOUNTPOINT OPTIONS ... - FSTYPE SOURCE ...
-        fields, _, rest = line.partition(" - ")
-        parts = fields.split()
-        major, minor = (int(x) for x in parts[2].split(":"))
-        if os.makedev(major, minor) == dev:
-            source = rest.split()[1] if len(rest.split()) > 1 else "device"
-            return f"{source} (mounted on {parts[4]})"
-    return "device"
 
 
 if __name__ == "__main__":

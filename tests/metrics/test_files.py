@@ -79,3 +79,15 @@ def test_only_a_dead_writers_temporaries_are_stale(tmp_path):
     assert not is_stale_temporary(tmp_path / f".iter-000004.tmp-{os.getppid()}")  # alive
     assert not is_stale_temporary(tmp_path / "iter-000004")
     assert not is_stale_temporary(tmp_path / "notes.tmp-12")  # not one of ours: no leading dot
+
+
+def test_the_device_is_named_by_its_source_and_mount_point(tmp_path):
+    import re
+
+    from cadence.metrics.files import device_of
+
+    named = device_of(str(tmp_path / "run" / "not-yet" / "trace.json"))  # nearest existing parent
+    match = re.fullmatch(r"(\S+) \(mounted on (\S+)\)", named)
+    assert match, named
+    assert str(tmp_path).startswith(match.group(2))
+    assert device_of(None) == "device"

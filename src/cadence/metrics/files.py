@@ -85,3 +85,26 @@ def is_stale_temporary(path: Path) -> bool:
     except PermissionError:  # a live process of another user
         return False
     return False
+
+
+def device_of(path: str | None) -> str:
+    """'SOURCE (mounted on MOUNTPOINT)' of the filesystem holding `path` (or its nearest existing
+    parent), from /proc/self/mountinfo; 'device' where that cannot be told."""
+    if not path:
+        return "device"
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    dev = os.stat(p).st_dev
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return "device"
+    for line in lines:  # ID PARENT MAJOR:MINOR ROOT MOUNTPOINT OPTIONS ... - FSTYPE SOURCE ...
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        major, minor = (int(x) for x in parts[2].split(":"))
+        if os.makedev(major, minor) == dev:
+            source = rest.split()[1] if len(rest.split()) > 1 else "device"
+            return f"{source} (mounted on {parts[4]})"
+    return "device"
