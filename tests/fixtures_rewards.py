@@ -86,3 +86,22 @@ def exit_in_reward_worker(prompt: str, completion: str, answer: str) -> float:
         if _calls == 3:
             os._exit(3)
     return 0.0
+
+
+def hang_on_odd_length(prompt: str, completion: str, answer: str) -> float:
+    """Never returns for a completion of odd length (a reward call that hangs); else 1."""
+    import threading
+
+    if len(completion) % 2:
+        threading.Event().wait()
+    return 1.0
+
+
+def always_raises(prompt: str, completion: str, answer: str) -> float:
+    """A reward that cannot score anything."""
+    raise RuntimeError("the grader is down")
+
+
+def always_one(prompt: str, completion: str, answer: str) -> float:
+    """The same reward for every completion: no group has a learning signal."""
+    return 1.0

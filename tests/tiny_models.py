@@ -26,3 +26,29 @@ def tiny_causal_lm(
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**kw)).eval()
     return Qwen2ForCausalLM(Qwen2Config(**kw)).eval()
+
+
+def classifier_dir(model_dir, out, arch: str):
+    """A random sequence classifier beside `model_dir`'s tokenizer (untied embeddings)."""
+    import shutil
+
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        LlamaConfig,
+        LlamaForSequenceClassification,
+    )
+
+    small = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    if arch == "llama":
+        cfg = LlamaConfig(
+            **small, num_attention_heads=2, num_labels=1, tie_word_embeddings=False, pad_token_id=0
+        )
+        LlamaForSequenceClassification(cfg).save_pretrained(out)
+    else:
+        BertForSequenceClassification(BertConfig(**small, num_attention_heads=2)).save_pretrained(
+            out
+        )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, out / name)
+    return out

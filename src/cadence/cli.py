@@ -7,6 +7,7 @@ directory that is missing or not a causal LM, malformed data), with a message na
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from pathlib import Path
@@ -121,9 +122,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from cadence.engine import make_engine
-    from cadence.models import load_model, load_tokenizer
+    from cadence.models import load_model, load_tokenizer, max_positions
     from cadence.pipeline.evaluate import evaluate
-    from cadence.pipeline.params import make_task, sampling_params, set_threads
+    from cadence.pipeline.params import make_task, prompt_filter, sampling_params, set_threads
     from cadence.pipeline.prompts import heldout_prompts
     from cadence.rewards import load_reward
 
@@ -132,11 +133,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model_dir)
     model = load_model(args.model_dir)
     engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
-    prompts = heldout_prompts(make_task(cfg), cfg.data.prompt_template, cfg.data.task)
+    fit = prompt_filter(cfg, tokenizer, max_positions(model))
+    prompts = heldout_prompts(make_task(cfg), cfg.data.prompt_template, cfg.data.task, fit)
     result = evaluate(
         engine,
         tokenizer,
-        load_reward(cfg.reward.function),
+        load_reward(cfg.reward.function, cfg.reward.timeout_s),
         prompts,
         sampling_params(cfg, tokenizer),
     )
@@ -425,24 +427,43 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    try:  # Ctrl-C while the libraries import (seconds) is an interrupt too, not a traceback
+        return _run(args)
+    except KeyboardInterrupt:
+        print("cadence: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command, with every error it can meet mapped to its exit code and one line."""
     from cadence.backend import WorkerDied, WorkerError
     from cadence.data import DataError
     from cadence.learner import BadStepsError
+    from cadence.metrics.files import device_of
     from cadence.models import ModelLoadError
     from cadence.pipeline.checkpoint import CheckpointError
-    from cadence.rewards import RewardBudgetExceeded
+    from cadence.rewards import RewardBudgetExceeded, RewardLoadError
 
     try:
         return args.fn(args)
-    except (ConfigError, ModelLoadError, DataError, CheckpointError) as e:
+    except (ConfigError, ModelLoadError, DataError, CheckpointError, RewardLoadError) as e:
         print(f"cadence: error: {e}", file=sys.stderr)
         return 2
     except (BadStepsError, WorkerDied, WorkerError, RewardBudgetExceeded) as e:
         print(f"cadence: run stopped: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("cadence: interrupted", file=sys.stderr)
-        return 130
+    except TimeoutError as e:  # workers that stopped answering (pipeline.worker_timeout_s)
+        print(f"cadence: run stopped: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" while writing {e.filename}" if e.filename else ""
+        print(
+            f"cadence: run stopped: no space left on {device_of(e.filename)}{where}",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

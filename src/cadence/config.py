@@ -67,7 +67,11 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always).")
     max_prompt_tokens: int = Field(
-        0, ge=0, description="Longest prompt, in tokens (0: no limit); see on_long_prompt."
+        0,
+        ge=0,
+        description="Longest prompt, in tokens; see on_long_prompt. 0: what the model takes "
+        "(its max_position_embeddings) minus max_new_tokens. A value over that is refused: "
+        "prompt and response always fit in the model's positions.",
     )
     on_long_prompt: Literal["skip", "truncate"] = Field(
         "skip",
@@ -119,7 +123,19 @@ class RewardConfig(_Section):
         "whatever has arrived, up to this); kind 'model': also responses per forward pass.",
     )
     max_error_fraction: float = Field(
-        0.1, ge=0.0, le=1.0, description="Stop the run when more samples than this fail scoring."
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Stop the run (exit 1) when more reward calls than this fraction fail (raise, "
+        "return NaN or time out): checked after each iteration once 64 calls were made, and at "
+        "the end of the run however few; a run whose every call so far failed stops after its "
+        "first iteration. 1 tolerates every failure.",
+    )
+    timeout_s: float = Field(
+        10.0,
+        ge=0.0,
+        description="Longest a rule reward call may take, in any process or thread: past it the "
+        "call scores 0 and counts as a reward error (and in reward_timeouts); 0: no limit.",
     )
 
     @model_validator(mode="before")

@@ -25,6 +25,10 @@ class Prompt:
     token_ids: tuple[int, ...] | None = None  # set when the text was truncated to fit: use these
 
 
+# How `safe_reward` records a call past its deadline: "RewardTimeout: reward 'mod:fn' did not ..."
+REWARD_TIMEOUT = "RewardTimeout:"
+
+
 @dataclass
 class Completion:
     """One sampled response to a prompt."""
@@ -35,6 +39,11 @@ class Completion:
     finish_reason: str = "length"  # "eos" | "stop" | "length"
     reward: float = 0.0
     reward_error: str | None = None  # set when the reward function raised or returned NaN
+
+    @property
+    def reward_timed_out(self) -> bool:
+        """The reward call ran past `reward.timeout_s` (its error names `RewardTimeout`)."""
+        return self.reward_error is not None and self.reward_error.startswith(REWARD_TIMEOUT)
 
 
 @dataclass

@@ -32,14 +32,14 @@ def test_importing_cadence_does_not_import_ray():
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from cadence.backend.ray_pool import start_ray
+    from cadence.backend.ray_pool import shutdown_ray, start_ray
 
     started = start_ray(None, num_cpus=2)
     import ray
 
     yield ray
     if started:
-        ray.shutdown()
+        shutdown_ray()
 
 
 def _cfg(model_dir, mode, *extra, backend="ray"):
@@ -282,6 +282,76 @@ def test_cli_run_on_ray_leaves_no_ray_process(model_dir, tmp_path):
         time.sleep(0.2)
     assert _processes(proc.pid) == []
     assert (tmp_path / "metrics.jsonl").read_text().strip()
+
+
+@pytest.mark.slow
+def test_a_sigkilled_learner_leaves_no_ray_process_behind(model_dir, tmp_path):
+    # Before: Ray's dashboard and runtime-env agents outlived the learner by 60-95 s, waiting on
+    # a timeout of Ray's to report the raylet's death to a GCS that had died with it.
+    overrides = [
+        f"model.path='{model_dir}'",
+        "pipeline.placement='separate'",
+        "pipeline.backend='ray'",
+        "pipeline.mode='periodic'",
+        "pipeline.ray_num_cpus=2",
+        "train.iterations=1000",
+        "train.prompts_per_iteration=4",
+        "rollout.max_new_tokens=8",
+        "data.num_heldout=2",
+        "metrics.progress=false",
+    ]
+    args = [sys.executable, "-m", "cadence.cli", "train", "configs/default.toml"]
+    args += ["--out", str(tmp_path)] + [a for o in overrides for a in ("--set", o)]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen(
+        args, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not metrics.exists() or not metrics.stat().st_size:
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    ray_processes = [c for c in _processes(proc.pid) if "ray::" in c or "raylet" in c]
+    assert any("DashboardAgent" in c for c in ray_processes), ray_processes
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 15  # the reaper's grace is 3 s; Ray's own timeout 60 s
+    while _processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes(proc.pid) == []
+
+
+def test_the_reaper_stops_the_processes_of_its_ray_session_and_no_other(tmp_path):
+    from cadence.backend import ray_reaper
+
+    session = tmp_path / "session_1"
+    (session / "logs").mkdir(parents=True)
+    holds_a_log = "import sys, time; f = open(sys.argv[1], 'a'); print(flush=True); time.sleep(60)"
+    python = subprocess.Popen(  # like a Ray agent: the interpreter, a log of the session open
+        [sys.executable, "-c", holds_a_log, str(session / "logs" / "agent.log")],
+        stdout=subprocess.PIPE,
+    )
+    other = subprocess.Popen(  # like `tail -f` of a log: another program, left alone
+        ["sh", "-c", f"exec 3>>{session}/logs/tail.log; exec sleep 60"]
+    )
+    elsewhere = subprocess.Popen(  # the interpreter, but no file of the session open
+        [sys.executable, "-c", holds_a_log, str(tmp_path / "other.log")], stdout=subprocess.PIPE
+    )
+    try:
+        python.stdout.readline()
+        elsewhere.stdout.readline()
+        time.sleep(0.2)  # sh has exec'd sleep with the log open
+        ray_dir = str(tmp_path / "no-ray-here")
+        assert ray_reaper.ray_processes(str(session), ray_dir) == [python.pid]
+        assert ray_reaper.ray_processes(str(session), ray_dir, spare=(python.pid,)) == []
+        assert ray_reaper.reap(str(session), ray_dir, grace_s=3.0) == 1
+        assert python.wait(timeout=5) == -15  # SIGTERM
+        assert other.poll() is None and elsewhere.poll() is None
+    finally:
+        for p in (python, other, elsewhere):
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.gpu

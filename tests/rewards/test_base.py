@@ -92,12 +92,34 @@ def test_table_reward() -> None:
     assert TableReward({}, default=0.5)("", "x", "") == 0.5
 
 
-def test_budget_waits_for_min_samples() -> None:
+def test_budget_waits_for_min_samples_while_some_calls_succeed() -> None:
     budget = RewardErrorBudget(max_error_fraction=0.1, min_samples=64)
-    budget.record(32, 32)  # 100% errors, but only 32 samples seen
-    assert budget.num_errors == 32 and budget.error_fraction == 1.0
-    with pytest.raises(RewardBudgetExceeded, match=r"40 of 64 reward calls failed \(62\.5%"):
+    budget.record(32, 8)  # 25% errors, but only 32 samples seen
+    assert budget.num_errors == 8 and budget.error_fraction == 0.25
+    with pytest.raises(RewardBudgetExceeded, match=r"16 of 64 reward calls failed \(25\.0%"):
         budget.record(32, 8)
+
+
+def test_a_reward_that_always_fails_stops_at_once_however_few_calls() -> None:
+    budget = RewardErrorBudget(max_error_fraction=0.1, min_samples=64)
+    with pytest.raises(
+        RewardBudgetExceeded,
+        match=r"16 of 16 reward calls failed \(100\.0%\): every reward call failed so far; "
+        r"first error: ValueError: boom",
+    ):
+        budget.record(16, 16, "ValueError: boom")
+    RewardErrorBudget(max_error_fraction=1.0).record(16, 16)  # 1 tolerates everything
+
+
+def test_the_end_of_the_run_checks_the_budget_however_few_calls() -> None:
+    budget = RewardErrorBudget(max_error_fraction=0.1, min_samples=64)
+    budget.record(16, 2)
+    budget.record(16, 2)  # 4 of 32 (12.5%): over 10%, under min_samples
+    with pytest.raises(RewardBudgetExceeded, match=r"4 of 32 .*more than max_error_fraction=0\.1"):
+        budget.finish()
+    within = RewardErrorBudget(max_error_fraction=0.1)
+    within.record(30, 3)
+    within.finish()  # exactly 10% is within
 
 
 def test_budget_allows_exactly_the_max_fraction() -> None:
@@ -125,8 +147,11 @@ def test_public_surface() -> None:
         "RewardBudgetExceeded",
         "RewardErrorBudget",
         "RewardFn",
+        "RewardLoadError",
         "RewardResult",
+        "RewardTimeout",
         "TableReward",
+        "TimedReward",
         "extract_prediction",
         "load_reward",
         "safe_reward",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ def worker_main(wid: int, spec: WorkerSpec, tensors: dict, inbox, results) -> No
         model, worker = build_worker(spec)
         WorkerLoop(wid, worker, lambda version: load_into(model, tensors), inbox, outbox).run()
     except BaseException:
-        outbox.put(("error", wid, traceback.format_exc()))
+        outbox.report_error(wid)
 
 
 class LocalPool:

@@ -16,8 +16,11 @@ business (`LocalPool`, `RewardStage`): this module knows no message but ready, e
 from __future__ import annotations
 
 import contextlib
+import signal
+import threading
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
 from typing import Any, cast
@@ -47,6 +50,13 @@ class Sender:
 
     def put(self, item: Message) -> None:
         self.conn.send(item)
+
+    def report_error(self, wid: int) -> None:
+        """From an `except` block: send the exception's traceback to the owner. An owner that is
+        gone (its end of the pipe closed: it stopped, or died) has no one to tell it to, and the
+        process ends quietly instead of printing a second traceback about the pipe."""
+        with contextlib.suppress(BrokenPipeError, EOFError, OSError):
+            self.put(("error", wid, traceback.format_exc()))
 
 
 @dataclass
@@ -97,7 +107,8 @@ class Processes:
             daemon=True,
             args=(wid, *self.args(wid), inbox, writer),
         )
-        p.start()
+        with _ignoring_ctrl_c():
+            p.start()
         writer.close()
         return Proc(p, inbox, reader)
 
@@ -178,6 +189,23 @@ class Processes:
         for p in self.procs:
             _close_channels(p)
         self.procs = []
+
+
+@contextlib.contextmanager
+def _ignoring_ctrl_c() -> Iterator[None]:
+    """Ignore SIGINT while a process is started, so that it starts ignoring it too (an ignored
+    signal stays ignored through exec, and Python leaves it so). Ctrl-C reaches every process of
+    the terminal's group; the learner stops its workers itself, and workers that caught it would
+    each print a traceback. Only the main thread can change it; a process started from another
+    thread (a replacement) ignores SIGINT from its first import of cadence on (cadence/__init__)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def stop_process(process, grace_s: float = 5.0) -> None:

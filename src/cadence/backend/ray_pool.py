@@ -25,15 +25,17 @@ import logging
 import os
 import queue
 import secrets
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+import cadence.backend.ray_reaper as ray_reaper
 from cadence.backend.pool import InFlight, Lost, TaskResult
 from cadence.backend.procs import WorkerDied, WorkerError
 from cadence.backend.ray_weights import (
@@ -47,6 +49,7 @@ from cadence.backend.worker_loop import WorkerLoop, WorkerSpec, build_worker
 from cadence.types import Prompt
 
 _DRAIN_S = 1.0  # longest a `drain` call waits for a message before returning none
+_reaper: subprocess.Popen | None = None  # of the Ray this process started (ray_reaper.py)
 
 
 def _local_ray_env() -> None:
@@ -74,14 +77,28 @@ def start_ray(address: str | None = None, num_cpus: int = 0) -> bool:
     if address:
         ray.init(address=address, logging_level=logging.WARNING)
         return True
-    ray.init(
+    global _reaper
+    context = ray.init(
         address="local",
         num_cpus=num_cpus or os.cpu_count() or 1,
         include_dashboard=False,
         _temp_dir=os.path.join(tempfile.gettempdir(), f"cadence-ray-{os.getuid()}"),
         logging_level=logging.WARNING,
     )
+    session_dir = cast(Any, context).address_info["session_dir"]  # a RayContext, locally
+    _reaper = ray_reaper.start(session_dir, os.path.dirname(ray.__file__))
     return True
+
+
+def shutdown_ray() -> None:
+    """Shut down the Ray that `start_ray` started or joined (the reaper then sweeps up any
+    straggler of a local one)."""
+    global _reaper
+    import ray
+
+    ray.shutdown()
+    ray_reaper.stop(_reaper)
+    _reaper = None
 
 
 class _Outbox:
@@ -386,4 +403,4 @@ class RayPool:
             ray.kill(actor)
         self.weights.close()
         if self._started:
-            ray.shutdown()
+            shutdown_ray()

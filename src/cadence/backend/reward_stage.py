@@ -27,7 +27,6 @@ import os
 import queue
 import threading
 import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -54,6 +53,7 @@ class RewardSpec:
     batch_size: int = 32  # kind "model": responses per forward pass
     threads: int = 1  # torch threads of each reward worker
     dtype: str = "float32"
+    timeout_s: float = 0.0  # kind "rule": longest one call may take (0: no limit)
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -71,8 +71,8 @@ class Scorer(Protocol):
 class RuleScorer:
     """A rule reward function over (prompt text, response text, reference answer)."""
 
-    def __init__(self, function: str) -> None:
-        self.fn = load_reward(function)
+    def __init__(self, function: str, timeout_s: float = 0.0) -> None:
+        self.fn = load_reward(function, timeout_s)
 
     def __call__(self, data: dict[str, list]) -> Scores:
         results = [
@@ -112,7 +112,7 @@ def build_scorer(spec: RewardSpec) -> Scorer:
         if not spec.model_path:
             raise ValueError("a reward model stage needs reward.model_path")
         return ModelScorer(spec.model_path, spec.batch_size, spec.dtype)
-    return RuleScorer(spec.function)
+    return RuleScorer(spec.function, spec.timeout_s)
 
 
 @dataclass
@@ -148,7 +148,7 @@ def reward_worker_main(wid: int, spec: RewardSpec, inbox, results) -> None:
             result = ScoreResult(job, rewards, errors, start, time.perf_counter())
             outbox.put(("scored", wid, result))
     except BaseException:
-        outbox.put(("error", wid, traceback.format_exc()))
+        outbox.report_error(wid)
 
 
 class RewardStage:

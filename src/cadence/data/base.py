@@ -27,6 +27,8 @@ class Example:
 class Task(Protocol):
     """What the pipeline needs from a task family."""
 
+    num_skipped: int  # malformed source lines left out (`data.on_bad_line = "skip"`)
+
     def heldout(self) -> list[Example]: ...
 
     def train_iter(self, start: int = 0) -> Iterator[Example]: ...

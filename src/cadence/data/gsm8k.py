@@ -10,6 +10,7 @@ This module must not download anything: the path is local. It reads JSON only (n
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Iterator
 from itertools import count, islice
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from cadence.data.base import Example, make_prompt, stable_seed
 
+log = logging.getLogger(__name__)
 ON_BAD_LINE = ("error", "skip")
 
 
@@ -97,6 +99,13 @@ class JsonlTask:
                 )
             split = len(examples) - num_heldout
             examples, held = examples[:split], examples[split:]
+        if self.num_skipped:
+            log.warning(
+                "cadence: skipped %d malformed line(s) of %s (data.on_bad_line = 'skip'); "
+                "counted as bad_lines_skipped in metrics.jsonl and summary.json",
+                self.num_skipped,
+                ", ".join(str(p) for p in (path, heldout_path) if p),
+            )
         questions = {e.question for e in held}
         self._train = [e for e in examples if e.question not in questions]
         if not self._train:

@@ -74,6 +74,8 @@ class ArithmeticTask:
     so runs with different seeds can be measured on the same held-out problems.
     """
 
+    num_skipped = 0  # generated, never read from a file: nothing is ever malformed
+
     def __init__(
         self,
         difficulty: int = 1,

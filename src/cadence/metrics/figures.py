@@ -47,6 +47,11 @@ def sample_figures(groups: list[Group], version: int, max_staleness: int) -> dic
         "reward_mean": sum(rewards) / n,
         "accuracy": sum(r >= 1.0 for r in rewards) / n,
         "reward_errors": sum(c.reward_error is not None for c in completions),
+        "reward_timeouts": sum(c.reward_timed_out for c in completions),
+        "num_groups": len(groups),
+        "constant_reward_groups": sum(
+            len({c.reward for c in g.completions}) == 1 for g in groups
+        ),  # no learning signal for group-relative advantages
         "response_tokens_mean": sum(len(c.token_ids) for c in completions) / n,
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": max(staleness),
@@ -146,6 +151,11 @@ def summary(
         "kl_last": tail_mean("kl"),
         "num_tokens": num_tokens,
         "tokens_computed": sum(r["tokens_computed"] for r in records),
+        "reward_errors": sum(r["reward_errors"] for r in records),
+        "reward_timeouts": sum(r["reward_timeouts"] for r in records),
+        "constant_reward_iterations": sum(
+            r["constant_reward_groups"] == r["num_groups"] for r in records
+        ),
         "forward_passes_per_microbatch": tail_mean("forward_passes_per_microbatch"),
         "frozen_copies_mb": records[-1]["frozen_copies_mb"],
         "tpspd_overall": tpspd(num_tokens, loop_s),

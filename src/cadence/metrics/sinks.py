@@ -6,10 +6,14 @@ as `staleness_hist`, which sinks that only plot scalars skip) and `close()`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Protocol
+
+from cadence.metrics.files import write_all, writing
 
 
 class MetricsSink(Protocol):
@@ -19,21 +23,33 @@ class MetricsSink(Protocol):
 
 
 class JsonlSink:
-    """One JSON object per line, flushed per record so a crash loses nothing already written."""
+    """One JSON object per line, each written straight to the file (no buffer) so a crash loses
+    nothing already written. A line is whole or absent: a write that fails (a full disk) is cut
+    back off the file, and raises `OSError(ENOSPC, ..., path)` if the disk was full."""
 
     def __init__(self, path: str | Path) -> None:
-        self._f = Path(path).open("a", encoding="utf-8")  # noqa: SIM115 (held until close)
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {
             k: (v if not isinstance(v, float) or math.isfinite(v) else None)
             for k, v in record.items()
         }
-        self._f.write(json.dumps(clean) + "\n")
-        self._f.flush()
+        line = (json.dumps(clean) + "\n").encode()
+        size = os.fstat(self._fd).st_size
+        with writing(self.path):
+            try:
+                write_all(self._fd, line)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, size)  # no half line for a reader, or a resume
+                raise
 
     def close(self) -> None:
-        self._f.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class MemorySink:

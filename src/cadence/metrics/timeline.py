@@ -9,6 +9,7 @@ state (no pyplot, no backend switch), so drawing is safe from any thread and ins
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -19,6 +20,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from cadence.metrics.files import atomic_write
 from cadence.metrics.trace import Sample, Span
 
 __all__ = ["chrome_trace", "draw_timeline", "order_tracks", "write_chrome_trace"]
@@ -98,9 +100,7 @@ def write_chrome_trace(spans: list[Span], path: str | Path, samples: list[Sample
     """Write `chrome_trace(spans, samples)` as compact JSON; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        json.dump(chrome_trace(spans, samples), f, separators=(",", ":"))
-    return path
+    return atomic_write(path, json.dumps(chrome_trace(spans, samples), separators=(",", ":")))
 
 
 # The pipeline's own span names keep one colour in every picture; other names take the rest.
@@ -202,5 +202,6 @@ def draw_timeline(
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
+    image = io.BytesIO()
+    fig.savefig(image, format="png")
+    return atomic_write(path, image.getvalue())

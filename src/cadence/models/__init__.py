@@ -1,6 +1,13 @@
 """Model and tokenizer I/O: the embedded default builder and loaders for any local HF directory."""
 
-from cadence.models.io import DTYPES, ModelLoadError, load_model, load_tokenizer, save_pretrained
+from cadence.models.io import (
+    DTYPES,
+    ModelLoadError,
+    load_model,
+    load_tokenizer,
+    max_positions,
+    save_pretrained,
+)
 from cadence.models.presets import PRESETS, init_model, train_tokenizer
 
 __all__ = [
@@ -10,6 +17,7 @@ __all__ = [
     "init_model",
     "load_model",
     "load_tokenizer",
+    "max_positions",
     "save_pretrained",
     "train_tokenizer",
 ]

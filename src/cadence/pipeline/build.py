@@ -18,11 +18,12 @@ from cadence.dataplane import Store
 from cadence.engine import make_engine
 from cadence.learner import Learner
 from cadence.metrics import Tracer
-from cadence.models import DTYPES, load_model, load_tokenizer
+from cadence.models import DTYPES, load_model, load_tokenizer, max_positions
 from cadence.pipeline.checkpoint import Checkpoint, restore_learner, weights_digest
 from cadence.pipeline.evaluate import Evaluator
 from cadence.pipeline.loop import LoopParams, Run
 from cadence.pipeline.params import (
+    check_group_size,
     learner_params,
     learner_threads,
     make_task,
@@ -138,6 +139,7 @@ def reward_stage(cfg: Config, store: Store, tracer: Tracer) -> RewardStage:
         batch_size=r.batch_size,
         threads=r.threads_per_worker,
         dtype=cfg.model.dtype,
+        timeout_s=r.timeout_s,
     )
     return RewardStage(
         spec,
@@ -151,6 +153,7 @@ def reward_stage(cfg: Config, store: Store, tracer: Tracer) -> RewardStage:
 
 def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     """Every component of a run, wired; from `resume` on, if given (see pipeline/checkpoint.py)."""
+    check_group_size(cfg)
     set_threads(learner_threads(cfg))
     torch.manual_seed(cfg.train.seed)
     dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
@@ -166,18 +169,19 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     if resume is not None:
         restore_learner(learner, resume, digest)
     engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
-    reward = load_reward(cfg.reward.function)
+    reward = load_reward(cfg.reward.function, cfg.reward.timeout_s)
     sampling = sampling_params(cfg, tokenizer)
     worker = RolloutWorker(
         engine, tokenizer, reward, sampling, cfg.rollout.group_size, cfg.train.seed
     )
     task = make_task(cfg)
     cursor = resume.state["cursor"] if resume else 0
-    fit = prompt_filter(cfg, tokenizer)
+    positions = max_positions(model)
+    fit = prompt_filter(cfg, tokenizer, positions)
     stream = PromptStream(task, cfg.data.prompt_template, cfg.data.task, start=cursor, fit=fit)
     first = resume.iteration if resume else 0
     heldout = heldout_prompts(
-        task, cfg.data.prompt_template, cfg.data.task, prompt_filter(cfg, tokenizer)
+        task, cfg.data.prompt_template, cfg.data.task, prompt_filter(cfg, tokenizer, positions)
     )
     return Run(
         params=loop_params(cfg),

@@ -3,39 +3,72 @@
 A checkpoint is taken between iterations, after iteration k - 1 is trained and its metrics line
 written, and is named after k, the next iteration to run (`checkpoints/iter-00000k/`):
 
-    policy/       the policy in the Hugging Face layout (loadable by `cadence eval` as it is)
-    state.pt      optimizer and learning-rate schedule, policy version, advantage baseline,
-                  bad-step count, RNG states (torch, random, numpy), data cursor, the metrics
-                  file's length, the records so far, held-out accuracy before RL, and the
-                  reference model's identity (its path and a digest of its weights)
+    policy/        the policy in the Hugging Face layout (loadable by `cadence eval` as it is)
+    state.pt       optimizer and learning-rate schedule, policy version, advantage baseline,
+                   bad-step count, RNG states (torch, random, numpy), data cursor, the metrics
+                   file's length, the records so far, held-out accuracy before RL, and the
+                   reference model's identity (its path and a digest of its weights)
+    manifest.json  the checkpoint format, and the size and sha256 of every file above
 
-It is written to a temporary directory that is renamed into place only when complete, so a crash
-while saving leaves the previous checkpoint intact and no half-written one that looks whole; the
-last `keep` are kept. Resuming reads the newest, truncates `metrics.jsonl` to the length it
-records (lines of the interrupted iteration go) and rebuilds the run from it.
+Loading a checkpoint never runs code: `state.pt` holds tensors and plain containers only (numpy's
+RNG state is kept as a tensor) and is read with `torch.load(weights_only=True)`, which refuses
+any other object; a file that holds one is refused with `UnsafeCheckpointError` (exit code 2),
+and no other checkpoint of that run is tried; so is a checkpoint of an older format. Before a
+checkpoint is used, every file is checked against the manifest and the state is loaded and
+checked for every key: a run directory whose newest checkpoint is damaged resumes from the
+newest intact one, saying so, and one with none intact is refused with the list of what is
+wrong with each.
+
+A checkpoint is written to a temporary directory (`.iter-00000k.tmp-PID`) that is renamed into
+place only when complete, so a crash or a full disk while saving leaves the previous checkpoint
+intact and no half-written one that looks whole (the temporary is removed on failure, and a dead
+process's at the next start). The newest `keep` are kept. Resuming reads the newest, truncates
+`metrics.jsonl` to the length it records (lines of the interrupted iteration go) and rebuilds the
+run from it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
+import json
+import logging
 import os
+import pickle
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from cadence.models import load_model, save_pretrained
+from cadence.metrics.files import is_stale_temporary, write_all, writing
+from cadence.models import ModelLoadError, load_model, save_pretrained
+
+log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+FORMAT = 2  # 2: state.pt of plain tensors and containers, and manifest.json
 _PREFIX = "iter-"
+_NAME = re.compile(r"iter-(\d+)")
+STATE_KEYS = (  # what restoring needs of state.pt: by save_checkpoint, then by the loop (extra)
+    *("format", "iteration", "optimizer", "scheduler", "version", "baseline"),
+    *("bad_steps_in_a_row", "rng", "cursor", "metrics_bytes", "records", "accuracy_before"),
+    *("reference_path", "reference_digest"),
+)
 
 
 class CheckpointError(ValueError):
     """No usable checkpoint where one was asked for, or one that does not fit the run."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint whose files are as written but hold objects that loading could run: the
+    directory is not to be trusted, so no other checkpoint of it is tried either."""
 
 
 @dataclass
@@ -62,32 +95,34 @@ def weights_digest(model: torch.nn.Module | None) -> str | None:
 
 
 def rng_state() -> dict[str, Any]:
+    """The RNG states as tensors and plain values (numpy's key array becomes an int64 tensor)."""
+    name, keys, pos, has_gauss, cached = cast(tuple, np.random.get_state(legacy=True))
     return {
         "torch": torch.get_rng_state(),
         "random": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
     }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
 def save_checkpoint(
     out: Path, iteration: int, learner, tokenizer, extra: dict[str, Any], keep: int
 ) -> Path:
-    """Write `out/checkpoints/iter-<iteration>` atomically; keep the newest `keep`."""
+    """Write `out/checkpoints/iter-<iteration>` atomically; keep the newest `keep`.
+
+    A full disk raises `OSError(ENOSPC, ..., checkpoint path)` and leaves no temporary behind."""
     root = out / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{iteration:06d}"
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_pretrained(learner.model, tokenizer, tmp / "policy")
     state = {
+        "format": FORMAT,
         "iteration": iteration,
         "optimizer": learner.optimizer.state_dict(),
         "scheduler": learner.scheduler.state_dict(),
@@ -97,44 +132,207 @@ def save_checkpoint(
         "rng": rng_state(),
         **extra,
     }
-    torch.save(state, tmp / "state.pt")
-    _fsync_tree(tmp)
+    try:
+        with writing(final):
+            _write_directory(tmp, learner.model, tokenizer, _plain(state))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():  # the same iteration saved by an earlier attempt of this run
         shutil.rmtree(final)
     tmp.rename(final)
     _fsync_dir(root)
-    for old in list_checkpoints(out)[:-keep]:
-        shutil.rmtree(old)
+    _prune(out, iteration, keep)
     return final
 
 
+def _write_directory(tmp: Path, model, tokenizer, state: dict[str, Any]) -> None:
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_pretrained(model, tokenizer, tmp / "policy")
+    files = {
+        p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(tmp.rglob("*"))
+        if p.is_file()
+    }
+    buffer = io.BytesIO()
+    torch.save(state, buffer)  # in memory: a full disk then fails in our write, with its errno
+    data = buffer.getvalue()
+    _write_file(tmp / "state.pt", data)
+    files["state.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest = {"format": FORMAT, "iteration": state["iteration"], "files": files}
+    _write_file(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    _fsync_tree(tmp)
+
+
+def _plain(obj: Any) -> Any:
+    """`obj` as tensors, str, int, float, bool, None, and dicts, lists and tuples of them (numpy
+    scalars become Python numbers): what `torch.load(weights_only=True)` reads back. Anything
+    else is a bug, caught here when saving rather than when resuming."""
+    if obj is None or isinstance(obj, str | bool | torch.Tensor):
+        return obj
+    if isinstance(obj, int | np.integer):
+        return int(obj)
+    if isinstance(obj, float | np.floating):
+        return float(obj)
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_plain(v) for v in obj)
+    raise TypeError(f"checkpoint state holds a {type(obj).__name__}: not a plain value")
+
+
+def _prune(out: Path, iteration: int, keep: int) -> None:
+    """Keep the newest `keep` checkpoints up to `iteration`; any later one is of the run's
+    continuation before it was resumed from an earlier checkpoint (damaged, or abandoned)."""
+    found = list_checkpoints(out)
+    later = [p for p in found if _iteration(p) > iteration]
+    for old in later + [p for p in found if p not in later][:-keep]:
+        shutil.rmtree(old)
+
+
 def list_checkpoints(out: Path) -> list[Path]:
-    """Complete checkpoints under `out`, oldest first (temporary directories are not listed)."""
+    """Checkpoints under `out`, oldest first (temporary directories are not listed); whether
+    each is intact is for `find_checkpoint` to tell."""
     root = out / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.name.startswith(_PREFIX) and p.is_dir()]
-    return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
+    found = [p for p in root.iterdir() if _NAME.fullmatch(p.name) and p.is_dir()]
+    return sorted(found, key=_iteration)
+
+
+def _iteration(path: Path) -> int:
+    return int(path.name[len(_PREFIX) :])
+
+
+def remove_stale_temporaries(out: Path) -> list[Path]:
+    """Remove what a process that died while writing left in `out` (a checkpoint being saved,
+    `final.tmp`, an output file being replaced); returns what went."""
+    stale = [p for d in (out, out / CHECKPOINTS) if d.is_dir() for p in d.iterdir()]
+    gone = [p for p in stale if is_stale_temporary(p) or p.name == "final.tmp"]
+    for p in gone:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return gone
 
 
 def find_checkpoint(path: str | Path) -> Checkpoint:
-    """The checkpoint at `path`, or the newest under `path/checkpoints` (a run directory)."""
+    """The checkpoint at `path`, or the newest intact one under `path/checkpoints` (a run
+    directory), each checked in full first (see the module docstring). A damaged checkpoint is
+    passed over for the next newest; an unsafe one stops the search (`UnsafeCheckpointError`)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"--resume {p}: no such directory")
-    if not (p / "state.pt").is_file():
-        found = list_checkpoints(p)
-        if not found:
-            raise CheckpointError(
-                f"--resume {p}: no checkpoint in it (is train.checkpoint_every > 0 for that run, "
-                "and did it reach its first checkpoint?)"
+    if _NAME.fullmatch(p.name) or (p / "state.pt").exists() or (p / MANIFEST).exists():
+        return load_checkpoint(p)
+    found = list_checkpoints(p)
+    if not found:
+        raise CheckpointError(
+            f"--resume {p}: no checkpoint in it (is train.checkpoint_every > 0 for that run, "
+            "and did it reach its first checkpoint?)"
+        )
+    damaged: list[str] = []
+    for candidate in reversed(found):
+        try:
+            ckpt = load_checkpoint(candidate)
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError as e:
+            damaged.append(f"  {e}")
+            continue
+        if damaged:
+            log.warning(
+                "cadence: the newest checkpoint(s) cannot be used:\n%s\nresuming from the newest "
+                "intact one, %s (iteration %d)",
+                "\n".join(damaged),
+                candidate,
+                ckpt.iteration,
             )
-        p = found[-1]
+        return ckpt
+    raise CheckpointError(
+        f"--resume {p}: none of its {len(found)} checkpoint(s) is intact:\n" + "\n".join(damaged)
+    )
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """The checkpoint at `path`, every file checked against its manifest and the state loaded
+    without unpickling any object; `CheckpointError` says what is wrong."""
+    manifest = _read_manifest(path)
     try:
-        state = torch.load(p / "state.pt", weights_only=False)
-    except (OSError, RuntimeError, EOFError) as e:
-        raise CheckpointError(f"checkpoint {p} is unreadable: {e}") from e
-    return Checkpoint(p, state)
+        data = (path / "state.pt").read_bytes()  # read once: checked, then loaded
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: state.pt is missing") from None
+    for name, want in manifest["files"].items():
+        _check_file(path, name, want, data if name == "state.pt" else None)
+    try:
+        state = torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        what = next((x for x in lines if "GLOBAL" in x), lines[-1] if lines else "")
+        raise UnsafeCheckpointError(
+            f"{path}: state.pt holds objects other than tensors and plain containers; it is "
+            f"refused, since loading it could run code ({what})"
+        ) from None
+    except (RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{path}: state.pt is unreadable: {e}") from None
+    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing or state["format"] != FORMAT:
+        raise CheckpointError(f"{path}: state.pt lacks {', '.join(missing) or 'its format'}")
+    return Checkpoint(path, state)
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path}: no {MANIFEST}: not a checkpoint, or one written before checkpoint format "
+            f"{FORMAT} (whose state loads without unpickling objects), which cannot be resumed "
+            "safely: start the run again"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: {MANIFEST} is unreadable: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise CheckpointError(f"{path}: checkpoint format {found}, not {FORMAT}")
+    if "state.pt" not in manifest.get("files", {}):
+        raise CheckpointError(f"{path}: {MANIFEST} lists no state.pt")
+    return manifest
+
+
+def _check_file(root: Path, name: str, want: dict[str, Any], data: bytes | None = None) -> None:
+    """Raise unless file `name` (whose bytes are `data`, if read already) has the size and
+    sha256 the manifest recorded."""
+    p = root / name
+    if data is None and not p.is_file():
+        raise CheckpointError(f"{root}: {name} is missing")
+    size = p.stat().st_size if data is None else len(data)
+    if size != want["bytes"]:
+        raise CheckpointError(
+            f"{root}: {name} is {size} bytes, {want['bytes']} when written (truncated?)"
+        )
+    digest = _sha256(p) if data is None else hashlib.sha256(data).hexdigest()
+    if digest != want["sha256"]:
+        raise CheckpointError(f"{root}: {name} differs from what was written (sha256)")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_all(fd, data)
+    finally:
+        os.close(fd)
 
 
 @torch.no_grad()
@@ -146,7 +344,10 @@ def restore_learner(learner, ckpt: Checkpoint, reference_digest: str | None) -> 
             f"checkpoint {ckpt.path} was taken with another reference model "
             f"({ckpt.state.get('reference_path')}): the digest of the reference weights differs"
         )
-    saved = load_model(ckpt.path / "policy", dtype=next(learner.model.parameters()).dtype)
+    try:
+        saved = load_model(ckpt.path / "policy", dtype=next(learner.model.parameters()).dtype)
+    except ModelLoadError as e:
+        raise CheckpointError(f"{ckpt.path}: its policy cannot be loaded: {e}") from e
     learner.model.load_state_dict(saved.state_dict())
     learner.optimizer.load_state_dict(ckpt.state["optimizer"])
     learner.scheduler.load_state_dict(ckpt.state["scheduler"])

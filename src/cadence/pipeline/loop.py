@@ -10,6 +10,7 @@ takes its settings from `LoopParams` and its components from `Run`, both made by
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +34,7 @@ from cadence.metrics import (
     tpspd,
 )
 from cadence.metrics.curves import draw_curves
+from cadence.metrics.files import atomic_write, is_disk_full, writing
 from cadence.metrics.timeline import draw_timeline, write_chrome_trace
 from cadence.models import save_pretrained
 from cadence.pipeline.checkpoint import (
@@ -40,6 +42,7 @@ from cadence.pipeline.checkpoint import (
     Checkpoint,
     CheckpointError,
     list_checkpoints,
+    remove_stale_temporaries,
     save_checkpoint,
     set_rng_state,
 )
@@ -47,6 +50,8 @@ from cadence.pipeline.prompts import PromptStream
 from cadence.pipeline.source import GroupSource
 from cadence.rewards import RewardErrorBudget
 from cadence.types import Group
+
+log = logging.getLogger(__name__)
 
 # One staleness rule and one exception, whether the store or the loop sees the group first.
 StaleGroupError = StaleRowError
@@ -135,7 +140,8 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
         raise RuntimeError(f"iteration {iteration} consumed {len(seen)} of {drawn} groups")
     samples = sample_figures(seen, version, p.max_staleness)
     rows = sum(g.group_size for g in seen)
-    budget.record(rows, samples["reward_errors"])
+    errors = (c.reward_error for g in seen for c in g.completions if c.reward_error)
+    budget.count(rows, samples["reward_errors"], next(errors, None))
     return (
         stats
         | {"iteration": iteration, "policy_version": version}
@@ -149,10 +155,37 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
             "worker_restarts": after.worker_restarts,
             "prompts_skipped": run.stream.prompts_skipped,
             "prompts_truncated": run.stream.prompts_truncated,
+            "bad_lines_skipped": run.stream.bad_lines_skipped,
         }
         | pipeline_figures(tracer, after, start, wall)
         | stage_figures(tracer, before, after, start, wall, rows)
     )
+
+
+class ConstantRewards:
+    """Warns when every group's G rewards were equal for `warn_after` iterations in a row: a
+    group-relative advantage (grpo, rloo) is then 0 for every sample and online DPO has no pair,
+    so the policy does not move (`constant_reward_groups` in each metrics line)."""
+
+    def __init__(self, warn_after: int = 3) -> None:
+        self.warn_after = warn_after
+        self.streak = 0
+
+    def update(self, record: dict[str, Any]) -> None:
+        if record["constant_reward_groups"] < record["num_groups"]:
+            self.streak = 0
+            return
+        self.streak += 1
+        if self.streak == self.warn_after:
+            log.warning(
+                "cadence: in each of the last %d iterations (up to iteration %d, reward_mean "
+                "%.3f) every group's rewards were all equal: group-relative advantages are 0 and "
+                "the policy is not learning; check the reward function, rollout.group_size and "
+                "the task's difficulty",
+                self.streak,
+                record["iteration"],
+                record["reward_mean"],
+            )
 
 
 def train(
@@ -166,33 +199,19 @@ def train(
     p = run.params
     out.mkdir(parents=True, exist_ok=True)
     t_total = time.perf_counter()
-    records, accuracy_before = _begin(run, out, evaluate)
-    (out / "config.toml").write_text(p.config_toml)
-    budget = RewardErrorBudget(p.max_error_fraction)
-    sinks = _sinks(run, out, extra_sinks or [])
-    t_loop = time.perf_counter()
+    sinks: list[MetricsSink] = []
     try:
-        for k in range(run.first_iteration, p.iterations):
-            with run.tracer.span("iteration", "run"):
-                record = run_iteration(run, k, budget)
-            if p.eval_every and (k + 1) % p.eval_every == 0:
-                accuracy = run.heldout_accuracy()
-                record["heldout_accuracy"] = accuracy
-                record["heldout_accuracy_stderr"] = binomial_stderr(accuracy, run.num_heldout)
-            records.append(record)
-            for s in sinks:
-                s.write(record)
-            every = p.checkpoint_every
-            if every and ((k + 1) % every == 0 or k + 1 == p.iterations):
-                checkpoint(run, out, k + 1, records, accuracy_before)
-        loop_s = time.perf_counter() - t_loop  # not counting closing workers, drawing the timeline
-    finally:
-        for s in sinks:
-            s.close()
-        run.source.close()
-        write_timeline(run, out)
+        records, accuracy_before = _begin(run, out, evaluate)
+        atomic_write(out / "config.toml", p.config_toml)
+        sinks = _sinks(run, out, extra_sinks or [])
+        loop_s = _loop(run, out, sinks, records, accuracy_before)
+    except BaseException as e:
+        _close(run, out, sinks, error=e, timeline=bool(sinks))  # none: another run's outputs
+        raise
+    _close(run, out, sinks, error=None)
     accuracy_after = run.heldout_accuracy() if evaluate else float("nan")
-    save_pretrained(run.learner.model, run.tokenizer, out / "final")
+    with writing(out / "final"):
+        save_pretrained(run.learner.model, run.tokenizer, out / "final")
     result = summary(
         records,
         accuracy_before,
@@ -210,24 +229,78 @@ def train(
         title=f"cadence {p.mode} / {p.placement}",
     )
     result["total_wall_s"] = time.perf_counter() - t_total
-    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    result["bad_lines_skipped"] = run.stream.bad_lines_skipped
+    atomic_write(out / "summary.json", json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _loop(
+    run: Run, out: Path, sinks: list[MetricsSink], records: list, accuracy_before: float
+) -> float:
+    """Every iteration from the first one this process runs; returns the loop's wall time."""
+    p = run.params
+    budget = RewardErrorBudget(p.max_error_fraction)
+    constant = ConstantRewards()
+    t_loop = time.perf_counter()
+    for k in range(run.first_iteration, p.iterations):
+        with run.tracer.span("iteration", "run"):
+            record = run_iteration(run, k, budget)
+        if p.eval_every and (k + 1) % p.eval_every == 0:
+            accuracy = run.heldout_accuracy()
+            record["heldout_accuracy"] = accuracy
+            record["heldout_accuracy_stderr"] = binomial_stderr(accuracy, run.num_heldout)
+        constant.update(record)
+        records.append(record)
+        for s in sinks:
+            s.write(record)
+        budget.check()  # after the line is written: it shows the errors that stopped the run
+        every = p.checkpoint_every
+        if every and ((k + 1) % every == 0 or k + 1 == p.iterations):
+            checkpoint(run, out, k + 1, records, accuracy_before)
+    loop_s = time.perf_counter() - t_loop  # not counting closing workers, drawing the timeline
+    budget.finish()  # a short run over its reward error budget writes no final model
+    return loop_s
+
+
+def _close(
+    run: Run,
+    out: Path,
+    sinks: list[MetricsSink],
+    error: BaseException | None,
+    timeline: bool = True,
+) -> None:
+    """Close the sinks and the source (which stops the workers), then write the timeline. Every
+    step runs whatever the others do. While `error` propagates, a failure here is logged in one
+    line (not at all if both are the same full disk) rather than put in its place."""
+    steps = [*(s.close for s in sinks), run.source.close]
+    if timeline:
+        steps.append(lambda: write_timeline(run, out))
+    first: Exception | None = None
+    for step in steps:
+        try:
+            step()
+        except Exception as e:
+            if error is None:
+                first = first or e
+            elif not (is_disk_full(e) and is_disk_full(error)):
+                log.warning("cadence: while stopping: %s: %s", type(e).__name__, e)
+    if first is not None:
+        raise first
 
 
 def _begin(run: Run, out: Path, evaluate: bool) -> tuple[list[dict[str, Any]], float]:
     """The records so far and the accuracy before RL: from the checkpoint when resuming (the
-    metrics lines after it go, the RNG continues), else fresh (and a finished run's outputs go)."""
+    metrics lines after it go, the RNG continues), else fresh (and a finished run's outputs go).
+    Either way, what a process that died while writing left behind goes first."""
+    for p in remove_stale_temporaries(out):
+        log.warning("cadence: removed %s, left by a run that stopped while writing it", p)
     if run.resume is not None:
         state = run.resume.state
         with (out / "metrics.jsonl").open("r+b") as f:
             f.truncate(state["metrics_bytes"])
         set_rng_state(state["rng"])
         return list(state["records"]), state["accuracy_before"]
-    try:
-        start_fresh(out)
-    except CheckpointError:
-        run.source.close()
-        raise
+    start_fresh(out)
     return [], run.heldout_accuracy() if evaluate else float("nan")
 
 

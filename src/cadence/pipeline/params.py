@@ -9,9 +9,9 @@ import os
 
 import torch
 
-from cadence.algo import LossParams
+from cadence.algo import ADVANTAGES, AdvantageContext, LossParams, get_advantage, is_pair_loss
 from cadence.backend import WorkerSpec
-from cadence.config import Config
+from cadence.config import Config, ConfigError
 from cadence.data import load_task
 from cadence.engine import SamplingParams
 from cadence.learner import LearnerParams
@@ -58,13 +58,39 @@ def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
     )
 
 
-def prompt_filter(cfg: Config, tokenizer) -> PromptFilter:
-    """`rollout.max_prompt_tokens` and `rollout.on_long_prompt`, on the tokenizer's counts."""
+def prompt_filter(cfg: Config, tokenizer, max_positions: int | None = None) -> PromptFilter:
+    """`rollout.max_prompt_tokens` (see `max_prompt_tokens`) and `rollout.on_long_prompt`, on
+    the tokenizer's counts."""
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    return PromptFilter(encode, cfg.rollout.max_prompt_tokens, cfg.rollout.on_long_prompt)
+    limit = max_prompt_tokens(cfg, max_positions)
+    return PromptFilter(encode, limit, cfg.rollout.on_long_prompt)
+
+
+def max_prompt_tokens(cfg: Config, max_positions: int | None) -> int:
+    """The longest prompt a run feeds the model: `rollout.max_prompt_tokens`, or when it is 0 the
+    model's positions (`max_positions`) minus `rollout.max_new_tokens`, so that prompt and
+    response always fit; a setting that would not fit is a `ConfigError`. 0 (no limit) only for
+    a model that states no limit."""
+    r = cfg.rollout
+    if max_positions is None:
+        return r.max_prompt_tokens
+    room = max_positions - r.max_new_tokens
+    if room < 1:
+        raise ConfigError(
+            f"rollout.max_new_tokens = {r.max_new_tokens} leaves no room for a prompt in the "
+            f"model's {max_positions} positions (max_position_embeddings): lower it"
+        )
+    if r.max_prompt_tokens > room:
+        raise ConfigError(
+            f"rollout.max_prompt_tokens = {r.max_prompt_tokens} plus rollout.max_new_tokens = "
+            f"{r.max_new_tokens} exceeds the model's {max_positions} positions "
+            f"(max_position_embeddings): set rollout.max_prompt_tokens <= {room}, or 0 for "
+            "that limit"
+        )
+    return r.max_prompt_tokens or room
 
 
 def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
@@ -100,6 +126,37 @@ def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
     return params, loss
 
 
+def check_group_size(cfg: Config) -> None:
+    """Refuse `rollout.group_size = 1` with an advantage or loss that compares the samples of a
+    group with each other: every advantage would be 0 (loss 0, grad norm 0) and the run would
+    train nothing while looking healthy."""
+    if cfg.rollout.group_size > 1:
+        return
+    a = cfg.algo
+    works = ", ".join(f"'{name}'" for name in ADVANTAGES if learns_from_one_sample(name))
+    if is_pair_loss(a.loss):
+        raise ConfigError(
+            f"algo.loss = '{a.loss}' pairs each group's best and worst response: it needs "
+            "rollout.group_size >= 2 (got 1)"
+        )
+    if not learns_from_one_sample(a.advantage):
+        raise ConfigError(
+            f"rollout.group_size = 1 with algo.advantage = '{a.advantage}' trains nothing: a "
+            "group-relative advantage is 0 for a group of one sample. Raise rollout.group_size "
+            f"to 2 or more, or use an advantage that works with group_size = 1: {works}"
+        )
+
+
+def learns_from_one_sample(advantage: str) -> bool:
+    """Whether `advantage` gives a one-sample group a non-zero advantage (asked of the registered
+    function itself, reward 1 and the default context: no list of names to keep in step)."""
+    try:
+        value = get_advantage(advantage)(torch.ones(1, 1), AdvantageContext())
+    except ValueError:  # refuses a group of one outright (rloo)
+        return False
+    return bool(value.abs().sum() > 0)
+
+
 def learner_threads(cfg: Config) -> int:
     """torch threads of the learner: the cores the workers leave it, unless set."""
     p = cfg.pipeline
@@ -129,4 +186,5 @@ def worker_spec(cfg: Config, sampling: SamplingParams) -> WorkerSpec:
         threads=cfg.pipeline.threads_per_worker,
         max_num_seqs=cfg.rollout.max_num_seqs,
         engine=cfg.rollout.engine,
+        reward_timeout_s=cfg.reward.timeout_s,
     )

@@ -151,7 +151,10 @@ class Producer:
                 if self.pool.has_in_flight() and (
                     time.monotonic() - last_word > self.pool.timeout_s
                 ):
-                    raise TimeoutError(f"no word from the workers for {self.pool.timeout_s:.0f}s")
+                    raise TimeoutError(
+                        f"no word from the workers for {self.pool.timeout_s:.0f}s "
+                        "(pipeline.worker_timeout_s) with prompts in flight: a worker is stuck"
+                    )
                 continue
             last_word = time.monotonic()
             kind, wid, payload = message

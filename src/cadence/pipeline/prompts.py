@@ -57,6 +57,7 @@ class PromptStream:
         start: int = 0,
         fit: PromptFilter | None = None,
     ) -> None:
+        self.task = task
         self.template = template
         self.name = name
         self.cursor = start
@@ -68,6 +69,11 @@ class PromptStream:
     def prompts_skipped(self) -> int:
         """Prompts left out as longer than the limit, so far."""
         return self.fit.skipped
+
+    @property
+    def bad_lines_skipped(self) -> int:
+        """Malformed lines of the task's files left out (`data.on_bad_line = "skip"`)."""
+        return self.task.num_skipped
 
     @property
     def prompts_truncated(self) -> int:

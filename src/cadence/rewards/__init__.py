@@ -9,12 +9,14 @@ from cadence.rewards.base import (
     RewardBudgetExceeded,
     RewardErrorBudget,
     RewardFn,
+    RewardLoadError,
     RewardResult,
     TableReward,
     load_reward,
     safe_reward,
 )
 from cadence.rewards.math import MathReward, extract_prediction
+from cadence.rewards.timeout import RewardTimeout, TimedReward
 
 __all__ = [
     "ConstantReward",
@@ -22,8 +24,11 @@ __all__ = [
     "RewardBudgetExceeded",
     "RewardErrorBudget",
     "RewardFn",
+    "RewardLoadError",
     "RewardResult",
+    "RewardTimeout",
     "TableReward",
+    "TimedReward",
     "extract_prediction",
     "load_reward",
     "safe_reward",

@@ -17,6 +17,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Protocol
 
+from cadence.rewards.timeout import TimedReward
+
 
 class RewardFn(Protocol):
     def __call__(self, prompt: str, completion: str, answer: str) -> float: ...
@@ -32,24 +34,39 @@ class RewardResult:
     error: str | None = None  # "ExcType: message" or "non-finite reward: ..."; None when fine
 
 
-def load_reward(spec: str) -> RewardFn:
-    """ "math" gives `MathReward()`; "package.module:name" imports a function or callable object."""
+class RewardLoadError(ValueError):
+    """`reward.function` names nothing loadable: bad input (exit code 2), the spec named."""
+
+
+def load_reward(spec: str, timeout_s: float = 0.0) -> RewardFn:
+    """ "math" gives `MathReward()`; "package.module:name" imports a function or callable object.
+
+    With `timeout_s` > 0 every call returns within it or raises `RewardTimeout` (`TimedReward`).
+    """
+    fn = _import_reward(spec)
+    return TimedReward(fn, timeout_s, spec) if timeout_s > 0 else fn
+
+
+def _import_reward(spec: str) -> RewardFn:
     if spec == "math":
         from cadence.rewards.math import MathReward
 
         return MathReward()
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"reward spec {spec!r} must be 'math' or 'package.module:function'")
+        raise RewardLoadError(f"reward spec {spec!r} must be 'math' or 'package.module:function'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward spec {spec!r}: cannot import module {module_name!r}: {e}") from e
+    except Exception as e:  # not found, or its own import failed (a SyntaxError, say)
+        raise RewardLoadError(
+            f"reward spec {spec!r}: cannot import module {module_name!r}: "
+            f"{type(e).__name__}: {e} (is it on PYTHONPATH?)"
+        ) from e
     fn = getattr(module, attr, None)
     if fn is None:
-        raise ValueError(f"reward spec {spec!r}: module {module_name!r} has no {attr!r}")
+        raise RewardLoadError(f"reward spec {spec!r}: module {module_name!r} has no {attr!r}")
     if isinstance(fn, type) or not callable(fn):
-        raise ValueError(
+        raise RewardLoadError(
             f"reward spec {spec!r}: {attr!r} is a {type(fn).__name__}, not a function or a "
             "callable instance (prompt, completion, answer) -> float"
         )
@@ -72,7 +89,18 @@ def safe_reward(fn: RewardFn, prompt: str, completion: str, answer: str) -> Rewa
 
 
 class RewardErrorBudget:
-    """Raise once errors / samples > `max_error_fraction`, after `min_samples` were seen."""
+    """Stops a run whose reward fails too often (`RewardBudgetExceeded`, exit code 1).
+
+    The rule, over every reward call of the run so far (a call fails when it raises, returns a
+    non-finite or non-numeric value, or runs past `reward.timeout_s`):
+    - after each iteration, stop if every call so far failed: a reward that scores nothing stops
+      the run after its first iteration, however small;
+    - after each iteration, stop if more than `max_error_fraction` of the calls failed, once at
+      least `min_samples` calls were made (a few failures in a small first iteration are noise);
+    - at the end of the run (`finish`, before the final model is written), stop if more than
+      `max_error_fraction` failed, however few calls there were.
+    `max_error_fraction = 1` tolerates every failure.
+    """
 
     def __init__(self, max_error_fraction: float = 0.1, min_samples: int = 64) -> None:
         if not 0.0 <= max_error_fraction <= 1.0:
@@ -83,22 +111,49 @@ class RewardErrorBudget:
         self.min_samples = min_samples
         self.num_samples = 0
         self.num_errors = 0
+        self.example: str | None = None  # the first error seen, quoted when the run stops
 
     @property
     def error_fraction(self) -> float:
         return self.num_errors / self.num_samples if self.num_samples else 0.0
 
-    def record(self, n_samples: int, n_errors: int) -> None:
+    def record(self, n_samples: int, n_errors: int, example: str | None = None) -> None:
+        """`count`, then `check`."""
+        self.count(n_samples, n_errors, example)
+        self.check()
+
+    def count(self, n_samples: int, n_errors: int, example: str | None = None) -> None:
+        """Count an iteration's calls and failures (`example`: one failure's error)."""
         if n_samples < 0 or not 0 <= n_errors <= n_samples:
             raise ValueError(f"need 0 <= n_errors <= n_samples, got {n_errors} and {n_samples}")
         self.num_samples += n_samples
         self.num_errors += n_errors
-        if self.num_samples >= self.min_samples and self.error_fraction > self.max_error_fraction:
-            raise RewardBudgetExceeded(
-                f"{self.num_errors} of {self.num_samples} reward calls failed "
-                f"({self.error_fraction:.1%} > max_error_fraction={self.max_error_fraction}); "
-                "fix the reward function (see each completion's reward_error) or raise the budget"
-            )
+        self.example = self.example or example
+
+    def check(self) -> None:
+        """The check after an iteration (the first two rules): raise if the budget is spent."""
+        if self.max_error_fraction >= 1.0 or not self.num_errors:
+            return
+        if self.num_errors == self.num_samples:
+            raise self._exceeded("every reward call failed so far")
+        if self.num_samples >= self.min_samples:
+            self._check()
+
+    def finish(self) -> None:
+        """The end-of-run check: over budget however few calls were made."""
+        if self.max_error_fraction < 1.0:
+            self._check()
+
+    def _check(self) -> None:
+        if self.error_fraction > self.max_error_fraction:
+            raise self._exceeded(f"more than max_error_fraction={self.max_error_fraction} failed")
+
+    def _exceeded(self, why: str) -> RewardBudgetExceeded:
+        return RewardBudgetExceeded(
+            f"{self.num_errors} of {self.num_samples} reward calls failed "
+            f"({self.error_fraction:.1%}): {why}; first error: {self.example or '?'}. Fix the "
+            "reward function, or raise reward.max_error_fraction (1 tolerates every failure)"
+        )
 
 
 class ConstantReward:

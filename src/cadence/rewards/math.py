@@ -14,6 +14,7 @@ beyond the parse cache.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import threading
 from typing import Any
@@ -24,6 +25,18 @@ from cadence.data.base import reference_answer
 
 _CACHE_SIZE = 1 << 16
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")  # 12, -3, 1,000, 2.5, .5
+
+
+class _NoDisabledTimeoutWarning(logging.Filter):
+    """math-verify warns, once per process, that it runs without a timeout outside the main
+    thread; cadence's callers put a deadline of their own on every call (`TimedReward`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.grader", "math_verify.parser"):
+    logging.getLogger(_name).addFilter(_NoDisabledTimeoutWarning())
 
 
 def _in_main_thread() -> bool:
@@ -58,8 +71,8 @@ class MathReward:
 
     math-verify's timeouts use `signal.alarm`, which works only in the main thread. Elsewhere this
     class calls it with `parsing_timeout=None` and `timeout_seconds=None`: it still works, but has
-    no timeout, so a pathological completion could stall a worker thread. Call it from a worker
-    process's main thread (or under a watchdog) when outputs are untrusted.
+    no timeout of its own, so a pathological completion could stall the thread; cadence calls
+    every reward through `TimedReward` (`reward.timeout_s`), which cuts it in any thread.
 
     Raises ValueError if the reference has no "####" answer or math-verify cannot parse it: a
     broken reference is a data error, not a wrong completion.

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from cadence.models.io import ModelLoadError, check_model_dir, load_tokenizer
 
@@ -128,7 +129,10 @@ def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32, devi
     logging.disable_progress_bar()  # as for the policy: no per-load chatter over the run's own
     logging.set_verbosity_error()
     p = check_model_dir(path)
-    config = AutoConfig.from_pretrained(p, local_files_only=True)
+    try:  # trust_remote_code=False: never run a directory's own code, and never ask on stdin
+        config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot read the config of '{p}': {str(e).splitlines()[0]}") from e
     architectures = config.architectures or []
     if not any(a.endswith(CLASSIFIER_SUFFIX) for a in architectures):
         raise ModelLoadError(
@@ -143,8 +147,8 @@ def load_reward_model(path: str | Path, dtype: torch.dtype = torch.float32, devi
         )
     try:
         model = AutoModelForSequenceClassification.from_pretrained(
-            p, dtype=dtype, local_files_only=True
+            p, dtype=dtype, local_files_only=True, trust_remote_code=False
         )
-    except OSError as e:  # no weights file, or an unreadable one
+    except (OSError, ValueError, SafetensorError) as e:  # no weights file, or an unreadable one
         raise ModelLoadError(f"cannot load weights from '{p}': {e}") from e
     return model.to(device).eval()

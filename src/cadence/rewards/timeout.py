@@ -1,0 +1,151 @@
+"""A deadline on every reward call, in any thread: `TimedReward`.
+
+A reward that never returns (a sleep, a stuck sandbox, a pathological parse) must not hang the
+run. A call past `timeout_s` raises `RewardTimeout`, which `safe_reward` scores 0 as a reward
+error naming the function. How the call is cut depends on the thread:
+
+- **main thread** (the colocated learner, held-out evaluation, worker processes): the call runs
+  where it is, under a SIGALRM timer (`signal.setitimer`) whose handler raises inside it. It costs
+  two system calls, and a reward that uses `signal.alarm` itself (math-verify's own timeouts)
+  keeps working: while its alarm is armed ours is suspended, so each of its calls is bounded by
+  its own limit. A previous SIGALRM handler and timer are restored afterwards.
+- **any other thread** (Ray actors, in-thread test workers), where signals cannot reach: the call
+  runs in a helper thread of the caller's and the caller waits at most `timeout_s`. A helper whose
+  call times out is abandoned (a daemon: it never keeps the process alive) and the next call gets
+  a fresh one; a call that never ends keeps its thread, and its CPU if it spins, until the
+  process exits, and the error budget stops a run whose reward keeps timing out. The hand-off
+  costs about 50-65 us per call on the 2-core machine (`benchmarks/reward_timeout.py`).
+
+This module must not import torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class RewardTimeout(Exception):
+    """A reward call did not return within its deadline; the message names the function.
+
+    `safe_reward` records it as "RewardTimeout: ...", the prefix `types.REWARD_TIMEOUT`."""
+
+
+class _Deadline(BaseException):
+    """Raised by the SIGALRM handler inside the call: a BaseException, so that a reward's own
+    `except Exception` cannot swallow it."""
+
+
+class _Call:
+    def __init__(self, fn, args: tuple) -> None:
+        self.fn, self.args = fn, args
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn(*self.args)
+        except BaseException as e:  # handed to the caller, who re-raises it
+            self.error = e
+        self.done.set()
+
+
+class _Helper:
+    """One daemon thread that runs the calls handed to it, in order, until handed None."""
+
+    def __init__(self) -> None:
+        self.calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="cadence-reward-call", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while (call := self.calls.get()) is not None:
+            call.run()
+
+
+class TimedReward:
+    """`fn`, whose every call returns within `timeout_s` or raises `RewardTimeout`.
+
+    `name` is how messages name the function (its spec, 'module:function'). Safe to call from
+    several threads at once: each calling thread other than the main one has its own helper.
+    """
+
+    def __init__(self, fn, timeout_s: float, name: str) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.fn, self.timeout_s, self.name = fn, timeout_s, name
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self.num_timeouts = 0
+        self._abandoned: list[threading.Thread] = []
+
+    def __call__(self, prompt: str, completion: str, answer: str) -> float:
+        args = (prompt, completion, answer)
+        if threading.current_thread() is threading.main_thread():
+            return self._under_alarm(args)
+        return self._in_helper(args)
+
+    def _under_alarm(self, args: tuple) -> float:
+        inside = True
+
+        def on_alarm(signum, frame) -> None:
+            if inside:  # a signal that lands after the call returned is ignored
+                raise _Deadline
+
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        delay, interval = signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
+        t0 = time.monotonic()
+        try:
+            try:
+                return self.fn(*args)
+            finally:
+                inside = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _Deadline:
+            raise RewardTimeout(self._timed_out(None)) from None
+        finally:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
+            if delay:  # someone else's timer was running: give it back what is left of it
+                left = max(delay - (time.monotonic() - t0), 1e-3)
+                signal.setitimer(signal.ITIMER_REAL, left, interval)
+
+    def _in_helper(self, args: tuple) -> float:
+        helper = getattr(self._local, "helper", None)  # None: this thread's first call
+        if helper is None:
+            helper = self._local.helper = _Helper()
+        call = _Call(self.fn, args)
+        helper.calls.put(call)
+        if not call.done.wait(self.timeout_s):
+            helper.calls.put(None)  # it ends once (if ever) the stuck call returns
+            self._local.helper = None
+            raise RewardTimeout(self._timed_out(helper.thread))
+        if call.error is not None:
+            raise call.error
+        return call.value
+
+    def _timed_out(self, abandoned: threading.Thread | None) -> str:
+        with self._lock:
+            self.num_timeouts += 1
+            n = self.num_timeouts
+            alive = [t for t in self._abandoned if t.is_alive()]
+            self._abandoned = alive + ([abandoned] if abandoned else [])
+            running = len(self._abandoned)
+        message = (
+            f"reward '{self.name}' did not return within reward.timeout_s = {self.timeout_s:g} s; "
+            "scored 0"
+        )
+        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... timeout: a trace, never a flood
+            log.warning(
+                "cadence: %s (timeout %d of this process, counted in reward_timeouts%s)",
+                message,
+                n,
+                f"; {running} timed-out call(s) still running in helper threads" if running else "",
+            )
+        return message
