@@ -136,7 +136,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate(
         engine,
         tokenizer,
-        load_reward(cfg.reward.function),
+        load_reward(cfg.reward.function, cfg.reward.answer_format),
         prompts,
         sampling_params(cfg, tokenizer),
     )

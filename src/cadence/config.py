@@ -116,6 +116,13 @@ class RewardConfig(_Section):
     max_error_fraction: float = Field(
         0.1, ge=0.0, le=1.0, description="Stop the run when more samples than this fail scoring."
     )
+    answer_format: Literal["hashes", "boxed", "last_number", "auto"] = Field(
+        "auto",
+        description="function 'math': the graded part of a completion and of the reference: the "
+        "line after the last '####', the last \\boxed{...}, the last number, or auto (whichever "
+        "of '####' and \\boxed{ comes last, else the whole text). A plain-number reference cuts "
+        "the prediction to its last number.",
+    )
 
     @model_validator(mode="before")
     @classmethod

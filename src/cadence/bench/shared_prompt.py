@@ -44,7 +44,7 @@ def default_groups(cfg, model, tokenizer) -> list[Group]:
     worker = RolloutWorker(
         HFEngine(model, tokenizer, max_num_seqs=cfg.rollout.max_num_seqs),
         tokenizer,
-        load_reward(cfg.reward.function),
+        load_reward(cfg.reward.function, cfg.reward.answer_format),
         sampling_params(cfg, tokenizer),
         cfg.rollout.group_size,
         cfg.train.seed,

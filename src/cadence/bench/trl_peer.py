@@ -276,7 +276,7 @@ def run_trl(cfg: Config, out: Path) -> dict:
     args = trl_args(cfg, out)
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=_reward_fn(load_reward(cfg.reward.function), meter),
+        reward_funcs=_reward_fn(load_reward(cfg.reward.function, cfg.reward.answer_format), meter),
         args=GRPOConfig(**args),
         train_dataset=dataset,
         processing_class=tokenizer,

@@ -138,6 +138,7 @@ def reward_stage(cfg: Config, store: Store, tracer: Tracer) -> RewardStage:
         batch_size=r.batch_size,
         threads=r.threads_per_worker,
         dtype=cfg.model.dtype,
+        answer_format=r.answer_format,
     )
     return RewardStage(
         spec,
@@ -166,7 +167,7 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     if resume is not None:
         restore_learner(learner, resume, digest)
     engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
-    reward = load_reward(cfg.reward.function)
+    reward = load_reward(cfg.reward.function, cfg.reward.answer_format)
     sampling = sampling_params(cfg, tokenizer)
     worker = RolloutWorker(
         engine, tokenizer, reward, sampling, cfg.rollout.group_size, cfg.train.seed

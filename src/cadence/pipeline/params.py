@@ -127,4 +127,5 @@ def worker_spec(cfg: Config, sampling: SamplingParams) -> WorkerSpec:
         threads=cfg.pipeline.threads_per_worker,
         max_num_seqs=cfg.rollout.max_num_seqs,
         engine=cfg.rollout.engine,
+        answer_format=cfg.reward.answer_format,
     )

@@ -152,7 +152,7 @@ def _sample_groups(cfg: Config, model, tokenizer, quick: bool):
         engine, tokenizer, ConstantReward(0.0), sampling, cfg.rollout.group_size, cfg.train.seed
     )
     groups = worker.rollout(prompts, 0, 0)
-    reward = load_reward(cfg.reward.function)
+    reward = load_reward(cfg.reward.function, cfg.reward.answer_format)
     start = time.perf_counter()
     for g in groups:
         for c in g.completions:

@@ -32,12 +32,13 @@ class RewardResult:
     error: str | None = None  # "ExcType: message" or "non-finite reward: ..."; None when fine
 
 
-def load_reward(spec: str) -> RewardFn:
-    """ "math" gives `MathReward()`; "package.module:name" imports a function or callable object."""
+def load_reward(spec: str, answer_format: str = "auto") -> RewardFn:
+    """ "math" gives `MathReward(answer_format)`; "package.module:name" imports a function or
+    callable object (which reads the reference answer as it likes: `answer_format` is math's)."""
     if spec == "math":
         from cadence.rewards.math import MathReward
 
-        return MathReward()
+        return MathReward(answer_format)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"reward spec {spec!r} must be 'math' or 'package.module:function'")
