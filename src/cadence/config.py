@@ -29,30 +29,102 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["arithmetic", "gsm8k"] = Field(
-        "arithmetic", description="Task family: procedural arithmetic, or GSM8K-format JSONL."
+    task: Literal["arithmetic", "gsm8k", "dataset"] = Field(
+        "arithmetic",
+        description="Task family: procedural arithmetic; gsm8k (GSM8K-format rows: question, "
+        "answer ending in '#### x'); dataset (any local data set, columns named by prompt_field "
+        "and answer_field).",
     )
-    path: str | None = Field(None, description="JSONL file for task 'gsm8k' (question/answer).")
+    path: str | None = Field(
+        None,
+        description="'gsm8k' and 'dataset': a local JSONL, JSON, parquet or CSV file, a "
+        "save_to_disk directory, or a folder of data files named by split (train-*.parquet, "
+        "test.jsonl, as a hub download leaves them). Never a hub id: download first.",
+    )
     heldout_path: str | None = Field(
-        None, description="Held-out JSONL for 'gsm8k'; default: the last num_heldout lines."
+        None,
+        description="Held-out data for 'gsm8k' and 'dataset' (any form `path` takes); default: "
+        "heldout_split, heldout_fraction, or else the last num_heldout rows.",
+    )
+    split: str = Field("train", description="'gsm8k' and 'dataset': the split trained on.")
+    heldout_split: str | None = Field(
+        None, description="The held-out split of `path` (or of heldout_path), e.g. 'test'."
+    )
+    heldout_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Without a held-out split or path: hold out this fraction of the rows (a "
+        "seeded draw; 0: the last num_heldout rows).",
+    )
+    prompt_field: str = Field(
+        "question",
+        description="'dataset': the column holding the prompt: a string, or a conversation (a "
+        "list of {role, content} messages in OpenAI format, ending with the user's turn; needs "
+        "chat_template).",
+    )
+    answer_field: str = Field(
+        "answer",
+        description="'dataset': the column holding the reference (a number, an expression, or a "
+        "worked solution whose final answer reward.answer_format extracts).",
+    )
+    chat_template: bool | str = Field(
+        False,
+        description="true: render every prompt with the tokenizer's chat template (system_prompt, "
+        "then the user's message, then the assistant's turn begins); a path: a Jinja template "
+        "file to use instead of the tokenizer's; false: prompt_template as plain text.",
+    )
+    system_prompt: str | None = Field(
+        None, description="chat_template: a system message put before every prompt's messages."
     )
     difficulty: int = Field(1, ge=1, le=3, description="Arithmetic difficulty, 1 (easiest)-3.")
     max_operand: int | None = Field(
         None, ge=2, description="Largest arithmetic operand (default: the difficulty's range)."
     )
-    num_heldout: int = Field(200, ge=1, description="Held-out examples for accuracy.")
+    num_heldout: int = Field(200, ge=1, description="Held-out examples for accuracy (at most).")
     prompt_template: str = Field(
-        "Question: {question}\nAnswer: ", description="Prompt text; {question} is replaced."
+        "Question: {question}\nAnswer: ",
+        description="Prompt text; {question} is replaced. With chat_template, the user's message "
+        "(default there: '{question}').",
     )
     on_bad_line: Literal["error", "skip"] = Field(
-        "error", description="Malformed JSONL line: stop with file:line, or skip and count."
+        "error", description="Malformed row or line: stop with file:line, or skip and count."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_prompt_template(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("chat_template") and "prompt_template" not in data:
+            data["prompt_template"] = "{question}"
+        return data
+
     @model_validator(mode="after")
-    def _path_for_gsm8k(self) -> DataConfig:
-        if self.task == "gsm8k" and not self.path:
-            raise ValueError("data.path is required when data.task = 'gsm8k'")
+    def _consistent(self) -> DataConfig:
+        files = self.task in ("gsm8k", "dataset")
+        if files and not self.path:
+            raise ValueError(f"data.path is required when data.task = '{self.task}'")
+        refused = {"dataset": (), "gsm8k": DATASET_ONLY, "arithmetic": DATASET_ONLY + FILES_ONLY}
+        for key in refused[self.task]:
+            if getattr(self, key) != DataConfig.model_fields[key].default:
+                tasks = "'dataset'" if key in DATASET_ONLY else "'dataset' and 'gsm8k'"
+                raise ValueError(
+                    f"data.{key} applies to data.task = {tasks} only, not '{self.task}': "
+                    "leave it out"
+                )
+        if self.heldout_fraction and (self.heldout_split or self.heldout_path):
+            raise ValueError(
+                "data.heldout_fraction draws the held-out rows from data.path; data.heldout_split "
+                "and data.heldout_path name them: set one of the two ways"
+            )
+        if self.system_prompt is not None and self.chat_template is False:
+            raise ValueError("data.system_prompt is a chat message: set data.chat_template = true")
+        if self.chat_template == "":
+            raise ValueError("data.chat_template is true, false, or a Jinja template file's path")
         return self
+
+
+DATASET_ONLY = ("prompt_field", "answer_field")
+FILES_ONLY = ("split", "heldout_split", "heldout_fraction")
 
 
 class RolloutConfig(_Section):

@@ -3,7 +3,9 @@
 Nothing here imports torch or touches the network; files are read from local paths only.
 """
 
-from cadence.data.gsm8k import DataError, JsonlTask, load_gsm8k_jsonl
+from cadence.data.base import DataError
+from cadence.data.dataset import DatasetTask, read_rows, to_examples
+from cadence.data.gsm8k import JsonlTask, load_gsm8k_jsonl
 from cadence.data.tasks import (
     DEFAULT_TEMPLATE,
     TASKS,
@@ -21,12 +23,15 @@ __all__ = [
     "TASKS",
     "ArithmeticTask",
     "DataError",
+    "DatasetTask",
     "Example",
     "JsonlTask",
     "Task",
     "load_gsm8k_jsonl",
     "load_task",
     "make_prompt",
+    "read_rows",
     "reference_answer",
+    "to_examples",
     "to_prompt",
 ]

@@ -16,12 +16,22 @@ from cadence.types import Prompt
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer: "
 
 
+class DataError(ValueError):
+    """A dataset file is missing, empty or malformed; the message names the file (and line)."""
+
+
 @dataclass(frozen=True)
 class Example:
-    """One task instance: a question and its worked answer ending in "#### <final answer>"."""
+    """One task instance: a question and its reference answer (the procedural tasks' and GSM8K's
+    worked answers end in "#### <final answer>").
+
+    A conversational prompt keeps its `messages` as (role, content) pairs, ending with the
+    user's turn, whose text is `question`; a chat template renders them (data/chat.py).
+    """
 
     question: str
     answer: str
+    messages: tuple[tuple[str, str], ...] = ()
 
 
 class Task(Protocol):

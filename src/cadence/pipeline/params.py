@@ -24,16 +24,21 @@ def set_threads(threads: int) -> None:
 
 
 def make_task(cfg: Config):
-    """The configured task (procedural, or a JSONL file), seeded by the run seed."""
+    """The configured task (procedural, or a local data set), seeded by the run seed."""
     d = cfg.data
-    if d.task == "gsm8k":
+    if d.task in ("gsm8k", "dataset"):
+        fields = {"prompt_field": d.prompt_field, "answer_field": d.answer_field}
         return load_task(
-            "gsm8k",
+            d.task,
             path=d.path,
+            split=d.split,
             heldout_path=d.heldout_path,
+            heldout_split=d.heldout_split,
+            heldout_fraction=d.heldout_fraction,
             num_heldout=d.num_heldout,
             on_bad_line=d.on_bad_line,
             seed=cfg.train.seed,
+            **(fields if d.task == "dataset" else {}),
         )
     return load_task(
         d.task,
