@@ -61,8 +61,9 @@ def cmd_init_reward_model(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     from cadence.learner.sft import cache_key, is_cached, run_sft
+    from cadence.models import load_tokenizer
     from cadence.models.io import check_model_dir
-    from cadence.pipeline.params import make_task, set_threads
+    from cadence.pipeline.params import make_task, prompt_render, set_threads
 
     cfg = _config(args)
     s = cfg.sft
@@ -75,7 +76,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     set_threads(cfg.train.threads)
     record = run_sft(
         make_task(cfg),
-        cfg.data.prompt_template,
+        prompt_render(cfg, load_tokenizer(base)),
         base,
         out,
         steps=s.steps,
@@ -123,7 +124,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from cadence.engine import make_engine
     from cadence.models import load_model, load_tokenizer
     from cadence.pipeline.evaluate import evaluate
-    from cadence.pipeline.params import make_task, sampling_params, set_threads
+    from cadence.pipeline.params import make_task, prompt_render, sampling_params, set_threads
     from cadence.pipeline.prompts import heldout_prompts
     from cadence.rewards import load_reward
 
@@ -132,7 +133,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model_dir)
     model = load_model(args.model_dir)
     engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
-    prompts = heldout_prompts(make_task(cfg), cfg.data.prompt_template, cfg.data.task)
+    prompts = heldout_prompts(make_task(cfg), prompt_render(cfg, tokenizer), cfg.data.task)
     result = evaluate(
         engine,
         tokenizer,

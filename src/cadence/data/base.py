@@ -7,7 +7,7 @@ This module must not do I/O, touch the network or import torch.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,11 +51,26 @@ def make_prompt(question: str, template: str = DEFAULT_TEMPLATE) -> str:
     return template.replace("{question}", question)
 
 
-def to_prompt(example: Example, uid: str, index: int, template: str = DEFAULT_TEMPLATE) -> Prompt:
-    """Wrap an example as the `Prompt` record that crosses into the workers."""
-    return Prompt(
-        uid=uid, text=make_prompt(example.question, template), answer=example.answer, index=index
-    )
+def render_plain(example: Example, template: str = DEFAULT_TEMPLATE) -> str:
+    """`template` with the question; a conversation cannot be rendered without a chat template."""
+    if example.messages:
+        raise DataError(
+            "the prompts are conversations (lists of messages): render them with the "
+            "tokenizer's chat template, data.chat_template = true"
+        )
+    return make_prompt(example.question, template)
+
+
+def to_prompt(
+    example: Example,
+    uid: str,
+    index: int,
+    template: str | Callable[[Example], str] = DEFAULT_TEMPLATE,
+) -> Prompt:
+    """Wrap an example as the `Prompt` record that crosses into the workers; `template` is a
+    plain template or a renderer (data/chat.py)."""
+    text = render_plain(example, template) if isinstance(template, str) else template(example)
+    return Prompt(uid=uid, text=text, answer=example.answer, index=index)
 
 
 def reference_answer(answer: str) -> str:

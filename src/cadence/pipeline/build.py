@@ -28,6 +28,7 @@ from cadence.pipeline.params import (
     make_task,
     max_staleness,
     prompt_filter,
+    prompt_render,
     sampling_params,
     set_threads,
     worker_spec,
@@ -175,11 +176,10 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     task = make_task(cfg)
     cursor = resume.state["cursor"] if resume else 0
     fit = prompt_filter(cfg, tokenizer)
-    stream = PromptStream(task, cfg.data.prompt_template, cfg.data.task, start=cursor, fit=fit)
+    render = prompt_render(cfg, tokenizer)
+    stream = PromptStream(task, render, cfg.data.task, start=cursor, fit=fit)
     first = resume.iteration if resume else 0
-    heldout = heldout_prompts(
-        task, cfg.data.prompt_template, cfg.data.task, prompt_filter(cfg, tokenizer)
-    )
+    heldout = heldout_prompts(task, render, cfg.data.task, prompt_filter(cfg, tokenizer))
     return Run(
         params=loop_params(cfg),
         tokenizer=tokenizer,

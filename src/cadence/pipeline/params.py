@@ -6,13 +6,14 @@ a run themselves. Only the CLI, the builder and these helpers read the config tr
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
 from cadence.algo import LossParams
 from cadence.backend import WorkerSpec
-from cadence.config import Config
-from cadence.data import load_task
+from cadence.config import Config, ConfigError
+from cadence.data import ChatRender, PlainRender, Render, load_task
 from cadence.engine import SamplingParams
 from cadence.learner import LearnerParams
 from cadence.pipeline.prompts import PromptFilter
@@ -47,6 +48,23 @@ def make_task(cfg: Config):
         num_heldout=d.num_heldout,
         max_operand=d.max_operand,
     )
+
+
+def prompt_render(cfg: Config, tokenizer) -> Render:
+    """How every prompt of the run is rendered: `data.prompt_template`, or a chat template."""
+    d = cfg.data
+    if d.chat_template is False:
+        return PlainRender(d.prompt_template)
+    template = None
+    if isinstance(d.chat_template, str):
+        path = Path(d.chat_template)
+        if not path.is_file():
+            raise ConfigError(
+                f"data.chat_template '{path}': no such Jinja template file (true uses the "
+                "tokenizer's own template)"
+            )
+        template = path.read_text(encoding="utf-8")
+    return ChatRender(tokenizer, d.prompt_template, d.system_prompt, template)
 
 
 def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
