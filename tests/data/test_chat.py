@@ -55,7 +55,7 @@ def test_errors_name_the_fix(tokenizer) -> None:
         raising(QUESTION)
     with pytest.raises(DataError, match=r"conversations .* data.chat_template = true"):
         PlainRender()(CONVERSATION)
-    with pytest.raises(ValueError, match="no '{question}' placeholder"):
+    with pytest.raises(ValueError, match="no '\\{question\\}' placeholder"):
         PlainRender("Q:")
 
 
