@@ -6,6 +6,7 @@ what is wrong with it. Weights are written as safetensors only.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 
 # The config's `model.dtype` names, for the learner, workers and reward models alike.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ADAPTER_CONFIG = "adapter_config.json"  # a LoRA adapter's directory (peft's layout)
 
 
 class ModelLoadError(ValueError):
@@ -20,6 +22,8 @@ class ModelLoadError(ValueError):
 
 
 def check_model_dir(path: str | Path) -> Path:
+    """`path` as a model directory: a Hugging Face model, or a LoRA adapter (adapter_config.json)
+    over one."""
     p = Path(path)
     if not p.is_dir():
         raise ModelLoadError(
@@ -27,7 +31,7 @@ def check_model_dir(path: str | Path) -> Path:
             f"`cadence init-model --preset tiny --out {p}` or point model.path at a local "
             "Hugging Face model directory"
         )
-    if not (p / "config.json").is_file():
+    if not (p / "config.json").is_file() and not (p / ADAPTER_CONFIG).is_file():
         raise ModelLoadError(f"'{p}' has no config.json: not a Hugging Face model directory")
     return p
 
@@ -59,6 +63,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 
     _quiet_transformers()
     p = check_model_dir(path)
+    if not (p / "config.json").is_file():  # a LoRA adapter (a LoRA run's final/)
+        return _load_adapter(p, dtype, device)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = AutoConfig.from_pretrained(p, local_files_only=True)
@@ -74,6 +80,20 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     except OSError as e:  # no weights file, or an unreadable one
         raise ModelLoadError(f"cannot load weights from '{p}': {e}") from e
     return model.to(device).eval()
+
+
+def _load_adapter(p: Path, dtype: torch.dtype, device: str):
+    """The base model named in the adapter's config, with the adapter merged in."""
+    config = json.loads((p / ADAPTER_CONFIG).read_text())
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise ModelLoadError(f"'{p / ADAPTER_CONFIG}' names no base_model_name_or_path")
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ModelLoadError(f"'{p}' holds a LoRA adapter: pip install 'cadence[lora]'") from None
+    model = PeftModel.from_pretrained(load_model(base, dtype, device), str(p))
+    return model.merge_and_unload().to(device).eval()
 
 
 def save_pretrained(model, tokenizer, out: str | Path) -> Path:

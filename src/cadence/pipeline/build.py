@@ -19,6 +19,7 @@ from cadence.engine import make_engine
 from cadence.learner import Learner
 from cadence.metrics import Tracer
 from cadence.models import DTYPES, load_model, load_tokenizer
+from cadence.models.lora import AdapterOff, LoraSpec, MergedWeights, apply_lora, is_lora
 from cadence.pipeline.checkpoint import Checkpoint, restore_learner, weights_digest
 from cadence.pipeline.evaluate import Evaluator
 from cadence.pipeline.loop import LoopParams, Run
@@ -56,6 +57,7 @@ def loop_params(cfg: Config) -> LoopParams:
         progress=cfg.metrics.progress,
         reference_path=cfg.model.path,
         config_toml=to_toml(cfg),
+        save_merged=cfg.model.lora is not None and cfg.model.lora.save_merged,
     )
 
 
@@ -84,6 +86,8 @@ def build_source(
         )
     separate = cfg.reward.stage == "separate"
     spec = worker_spec(cfg, worker.sampling)
+    if is_lora(model):  # the workers' model has no adapter: they load merged weights
+        model = MergedWeights(model)
     pool, store = make_pool(
         p.backend, spec, model, p.num_workers, timeout_s=p.worker_timeout_s, **ray_options(p)
     )
@@ -159,7 +163,12 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     tokenizer = load_tokenizer(cfg.model.path)
     model = load_model(cfg.model.path, dtype=dtype, device=device)
     ref = None
-    if needs_reference(cfg.algo.loss, cfg.algo.kl_coef):  # frozen: no grads, no optimizer state
+    lora = cfg.model.lora
+    if lora is not None:  # only the adapter trains; the reference is the adapter switched off
+        spec = LoraSpec(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules))
+        model = apply_lora(model, spec, base_path=cfg.model.path)
+        ref = AdapterOff(model) if needs_reference(cfg.algo.loss, cfg.algo.kl_coef) else None
+    elif needs_reference(cfg.algo.loss, cfg.algo.kl_coef):  # frozen: no grads, no optimizer state
         ref = load_model(cfg.model.path, dtype=dtype, device=device).requires_grad_(False)
     tracer = Tracer()
     params, loss = learner_params(cfg)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from cadence.models import load_model, save_pretrained
+from cadence.models.lora import is_lora, load_adapter_into
 
 CHECKPOINTS = "checkpoints"
 _PREFIX = "iter-"
@@ -146,8 +147,11 @@ def restore_learner(learner, ckpt: Checkpoint, reference_digest: str | None) -> 
             f"checkpoint {ckpt.path} was taken with another reference model "
             f"({ckpt.state.get('reference_path')}): the digest of the reference weights differs"
         )
-    saved = load_model(ckpt.path / "policy", dtype=next(learner.model.parameters()).dtype)
-    learner.model.load_state_dict(saved.state_dict())
+    if is_lora(learner.model):  # the policy was saved as its adapter
+        load_adapter_into(learner.model, ckpt.path / "policy")
+    else:
+        saved = load_model(ckpt.path / "policy", dtype=next(learner.model.parameters()).dtype)
+        learner.model.load_state_dict(saved.state_dict())
     learner.optimizer.load_state_dict(ckpt.state["optimizer"])
     learner.scheduler.load_state_dict(ckpt.state["scheduler"])
     learner.version = ckpt.state["version"]

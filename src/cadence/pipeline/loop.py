@@ -33,6 +33,7 @@ from cadence.metrics import (
 )
 from cadence.metrics.timeline import draw_timeline, write_chrome_trace
 from cadence.models import save_pretrained
+from cadence.models.lora import save_merged
 from cadence.pipeline.checkpoint import (
     CHECKPOINTS,
     Checkpoint,
@@ -68,6 +69,7 @@ class LoopParams:
     progress: bool = True
     reference_path: str = ""  # recorded in checkpoints
     config_toml: str = ""  # the resolved configuration, written to `config.toml`
+    save_merged: bool = False  # LoRA: also write final/merged/, the adapter merged in
 
 
 @dataclass
@@ -187,7 +189,9 @@ def train(
         run.source.close()
         write_timeline(run, out)
     accuracy_after = run.heldout_accuracy() if evaluate else float("nan")
-    save_pretrained(run.learner.model, run.tokenizer, out / "final")
+    save_pretrained(run.learner.model, run.tokenizer, out / "final")  # LoRA: the adapter
+    if p.save_merged:
+        save_merged(run.learner.model, run.tokenizer, out / "final" / "merged")
     result = summary(
         records, accuracy_before, accuracy_after, loop_s, mode=p.mode, placement=p.placement
     )
