@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-from tiny_models import tiny_causal_lm
 
 from cadence.algo import LossParams
 from cadence.backend.weights import InMemoryWeights, load_into
@@ -24,6 +23,7 @@ from cadence.models.lora import (
     save_merged,
 )
 from cadence.types import Completion, Group, Prompt
+from tiny_models import tiny_causal_lm
 
 SPEC = LoraSpec(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
 
@@ -68,7 +68,8 @@ def _group(prompt: list[int], responses: list[list[int]], rewards: list[float]) 
         Completion(token_ids=r, logprobs=[-1.0] * len(r), text="", reward=x)
         for r, x in zip(responses, rewards, strict=True)
     ]
-    return Group(Prompt(uid="p", text="", answer=""), prompt, completions, policy_version=0, iteration=0)
+    prompt_record = Prompt(uid="p", text="", answer="")
+    return Group(prompt_record, prompt, completions, policy_version=0, iteration=0)
 
 
 def test_only_the_adapter_trains_and_no_frozen_copy_is_counted() -> None:
@@ -121,5 +122,5 @@ def test_adapter_saves_alone_and_loads_as_a_merged_model(model_dir, tmp_path) ->
     with torch.no_grad():
         assert (fresh(input_ids=ids).logits - want).abs().max().item() == 0.0
     other = apply_lora(load_model(model_dir), LoraSpec(target_modules=("k_proj",)))
-    with pytest.raises(LoraError, match="does not fit the run's model.lora"):
+    with pytest.raises(LoraError, match=r"does not fit the run.s model\.lora"):
         load_adapter_into(other, adapter)
