@@ -488,6 +488,18 @@ class SFTConfig(_Section):
 class MetricsConfig(_Section):
     tensorboard: bool = Field(False, description="Also write TensorBoard event files.")
     progress: bool = Field(True, description="Live progress display on the console.")
+    wandb: bool = Field(
+        False,
+        description="Log to Weights & Biases (the 'wandb' extra): the figures of metrics.jsonl, "
+        "the config, the summary and timeline.png, under OUT/wandb; WANDB_MODE=offline needs no "
+        "network, WANDB_PROJECT names the project (default 'cadence').",
+    )
+    mlflow: bool = Field(
+        False,
+        description="Log to MLflow (the 'mlflow' extra), the same figures and files: to "
+        "MLFLOW_TRACKING_URI if set, else a local file store in ./mlruns; "
+        "MLFLOW_EXPERIMENT_NAME names the experiment (default 'cadence').",
+    )
 
 
 class Config(_Section):

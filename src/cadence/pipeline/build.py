@@ -42,6 +42,11 @@ from cadence.types import Prompt
 
 def loop_params(cfg: Config) -> LoopParams:
     t = cfg.train
+    for tracker, extra in (("wandb", "wandb"), ("mlflow", "mlflow")):
+        if getattr(cfg.metrics, tracker) and importlib.util.find_spec(tracker) is None:
+            raise ConfigError(
+                f"metrics.{tracker} = true needs {tracker}: pip install 'cadence[{extra}]'"
+            )
     return LoopParams(
         iterations=t.iterations,
         prompts_per_iteration=t.prompts_per_iteration,
@@ -58,6 +63,8 @@ def loop_params(cfg: Config) -> LoopParams:
         reference_path=cfg.model.path,
         config_toml=to_toml(cfg),
         save_merged=cfg.model.lora is not None and cfg.model.lora.save_merged,
+        wandb=cfg.metrics.wandb,
+        mlflow=cfg.metrics.mlflow,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from cadence.metrics import (
     tpspd,
 )
 from cadence.metrics.timeline import draw_timeline, write_chrome_trace
+from cadence.metrics.trackers import MlflowSink, WandbSink
 from cadence.models import save_pretrained
 from cadence.models.lora import save_merged
 from cadence.pipeline.checkpoint import (
@@ -70,6 +72,8 @@ class LoopParams:
     reference_path: str = ""  # recorded in checkpoints
     config_toml: str = ""  # the resolved configuration, written to `config.toml`
     save_merged: bool = False  # LoRA: also write final/merged/, the adapter merged in
+    wandb: bool = False  # trackers: per-iteration figures, config, summary and timeline
+    mlflow: bool = False
 
 
 @dataclass
@@ -162,13 +166,26 @@ def train(
 
     `evaluate=False` skips the held-out accuracy before and after (benchmarks time the loop only).
     """
-    p = run.params
     out.mkdir(parents=True, exist_ok=True)
+    trackers = _trackers(run.params, out)
+    try:
+        result = _train(run, out, [*(extra_sinks or []), *trackers], evaluate)
+    except BaseException:
+        for t in trackers:
+            t.finish(None, out)
+        raise
+    for t in trackers:
+        t.finish(result, out)
+    return result
+
+
+def _train(run: Run, out: Path, extra_sinks: list[MetricsSink], evaluate: bool) -> dict:
+    p = run.params
     t_total = time.perf_counter()
     records, accuracy_before = _begin(run, out, evaluate)
     (out / "config.toml").write_text(p.config_toml)
     budget = RewardErrorBudget(p.max_error_fraction)
-    sinks = _sinks(run, out, extra_sinks or [])
+    sinks = _sinks(run, out, extra_sinks)
     t_loop = time.perf_counter()
     try:
         for k in range(run.first_iteration, p.iterations):
@@ -224,6 +241,22 @@ def _sinks(run: Run, out: Path, extra: list[MetricsSink]) -> list[MetricsSink]:
         sinks.append(TensorBoardSink(out / "tensorboard"))
     sinks.append(ConsoleProgress(p.iterations, enabled=p.progress, done=run.first_iteration))
     return sinks
+
+
+def _trackers(p: LoopParams, out: Path) -> list[Any]:
+    """The experiment trackers asked for (metrics.wandb, metrics.mlflow), started."""
+    config = tomllib.loads(p.config_toml) if p.config_toml else {}
+    trackers: list[Any] = []
+    try:
+        if p.wandb:
+            trackers.append(WandbSink(out, config))
+        if p.mlflow:
+            trackers.append(MlflowSink(out, config))
+    except BaseException:
+        for t in trackers:
+            t.finish(None, out)
+        raise
+    return trackers
 
 
 def check_fresh(out: Path) -> None:
