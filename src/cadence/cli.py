@@ -62,8 +62,9 @@ def cmd_init_reward_model(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     from cadence.learner.sft import cache_key, is_cached, run_sft
+    from cadence.models import load_tokenizer
     from cadence.models.io import check_model_dir
-    from cadence.pipeline.params import make_task, set_threads
+    from cadence.pipeline.params import make_task, prompt_render, set_threads
 
     cfg = _config(args)
     s = cfg.sft
@@ -76,7 +77,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     set_threads(cfg.train.threads)
     record = run_sft(
         make_task(cfg),
-        cfg.data.prompt_template,
+        prompt_render(cfg, load_tokenizer(base)),
         base,
         out,
         steps=s.steps,
@@ -124,7 +125,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from cadence.engine import make_engine
     from cadence.models import load_model, load_tokenizer, max_positions
     from cadence.pipeline.evaluate import evaluate
-    from cadence.pipeline.params import make_task, prompt_filter, sampling_params, set_threads
+    from cadence.pipeline.params import (
+        make_task,
+        prompt_filter,
+        prompt_render,
+        sampling_params,
+        set_threads,
+    )
     from cadence.pipeline.prompts import heldout_prompts
     from cadence.rewards import load_reward
 
@@ -134,11 +141,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model = load_model(args.model_dir)
     engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
     fit = prompt_filter(cfg, tokenizer, max_positions(model))
-    prompts = heldout_prompts(make_task(cfg), cfg.data.prompt_template, cfg.data.task, fit)
+    render = prompt_render(cfg, tokenizer)
+    prompts = heldout_prompts(make_task(cfg), render, cfg.data.task, fit)
     result = evaluate(
         engine,
         tokenizer,
-        load_reward(cfg.reward.function, cfg.reward.timeout_s),
+        load_reward(cfg.reward.function, cfg.reward.answer_format, cfg.reward.timeout_s),
         prompts,
         sampling_params(cfg, tokenizer),
     )

@@ -22,42 +22,136 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraSettings(_Section):
+    r: int = Field(16, ge=1, description="Rank of each adapter's update B @ A.")
+    alpha: float = Field(32.0, gt=0.0, description="Scale numerator: the update is alpha / r * BA.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Names of the linear layers that get an adapter (module name suffixes, as "
+        "peft matches them); one that matches no module of the model is an error.",
+    )
+    save_merged: bool = Field(
+        False, description="Also write final/merged/: a whole model with the adapter merged in."
+    )
+
+
 class ModelConfig(_Section):
     path: str = Field("runs/sft", description="Local Hugging Face causal-LM directory to train.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
     device: str = Field("cpu", description="Torch device for learner and colocated engine.")
+    lora: LoraSettings | None = Field(
+        None,
+        description="Train a LoRA adapter (peft) instead of every weight: {r, alpha, dropout, "
+        "target_modules}. The reference is the same model with the adapter disabled; rollout "
+        "workers receive merged weights; final/ holds the adapter (save_merged: and the model).",
+    )
 
 
 class DataConfig(_Section):
-    task: Literal["arithmetic", "gsm8k"] = Field(
-        "arithmetic", description="Task family: procedural arithmetic, or GSM8K-format JSONL."
+    task: Literal["arithmetic", "gsm8k", "dataset"] = Field(
+        "arithmetic",
+        description="Task family: procedural arithmetic; gsm8k (GSM8K-format rows: question, "
+        "answer ending in '#### x'); dataset (any local data set, columns named by prompt_field "
+        "and answer_field).",
     )
-    path: str | None = Field(None, description="JSONL file for task 'gsm8k' (question/answer).")
+    path: str | None = Field(
+        None,
+        description="'gsm8k' and 'dataset': a local JSONL, JSON, parquet or CSV file, a "
+        "save_to_disk directory, or a folder of data files named by split (train-*.parquet, "
+        "test.jsonl, as a hub download leaves them). Never a hub id: download first.",
+    )
     heldout_path: str | None = Field(
-        None, description="Held-out JSONL for 'gsm8k'; default: the last num_heldout lines."
+        None,
+        description="Held-out data for 'gsm8k' and 'dataset' (any form `path` takes); default: "
+        "heldout_split, heldout_fraction, or else the last num_heldout rows.",
+    )
+    split: str = Field("train", description="'gsm8k' and 'dataset': the split trained on.")
+    heldout_split: str | None = Field(
+        None, description="The held-out split of `path` (or of heldout_path), e.g. 'test'."
+    )
+    heldout_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Without a held-out split or path: hold out this fraction of the rows (a "
+        "seeded draw; 0: the last num_heldout rows).",
+    )
+    prompt_field: str = Field(
+        "question",
+        description="'dataset': the column holding the prompt: a string, or a conversation (a "
+        "list of {role, content} messages in OpenAI format, ending with the user's turn; needs "
+        "chat_template).",
+    )
+    answer_field: str = Field(
+        "answer",
+        description="'dataset': the column holding the reference (a number, an expression, or a "
+        "worked solution whose final answer reward.answer_format extracts).",
+    )
+    chat_template: bool | str = Field(
+        False,
+        description="true: render every prompt with the tokenizer's chat template (system_prompt, "
+        "then the user's message, then the assistant's turn begins); a path: a Jinja template "
+        "file to use instead of the tokenizer's; false: prompt_template as plain text.",
+    )
+    system_prompt: str | None = Field(
+        None, description="chat_template: a system message put before every prompt's messages."
     )
     difficulty: int = Field(1, ge=1, le=3, description="Arithmetic difficulty, 1 (easiest)-3.")
     max_operand: int | None = Field(
         None, ge=2, description="Largest arithmetic operand (default: the difficulty's range)."
     )
-    num_heldout: int = Field(200, ge=1, description="Held-out examples for accuracy.")
+    num_heldout: int = Field(200, ge=1, description="Held-out examples for accuracy (at most).")
     seed: int = Field(
         0,
-        description="Seed of the held-out split (task 'arithmetic'): fixed whatever train.seed, "
-        "so runs with different seeds are measured on the same problems.",
+        description="Seed of the held-out split (task 'arithmetic', or a data set's "
+        "heldout_fraction): fixed whatever train.seed, so runs with different seeds are measured "
+        "on the same problems.",
     )
     prompt_template: str = Field(
-        "Question: {question}\nAnswer: ", description="Prompt text; {question} is replaced."
+        "Question: {question}\nAnswer: ",
+        description="Prompt text; {question} is replaced. With chat_template, the user's message "
+        "(default there: '{question}').",
     )
     on_bad_line: Literal["error", "skip"] = Field(
-        "error", description="Malformed JSONL line: stop with file:line, or skip and count."
+        "error", description="Malformed row or line: stop with file:line, or skip and count."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_prompt_template(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("chat_template") and "prompt_template" not in data:
+            data["prompt_template"] = "{question}"
+        return data
+
     @model_validator(mode="after")
-    def _path_for_gsm8k(self) -> DataConfig:
-        if self.task == "gsm8k" and not self.path:
-            raise ValueError("data.path is required when data.task = 'gsm8k'")
+    def _consistent(self) -> DataConfig:
+        files = self.task in ("gsm8k", "dataset")
+        if files and not self.path:
+            raise ValueError(f"data.path is required when data.task = '{self.task}'")
+        refused = {"dataset": (), "gsm8k": DATASET_ONLY, "arithmetic": DATASET_ONLY + FILES_ONLY}
+        for key in refused[self.task]:
+            if getattr(self, key) != DataConfig.model_fields[key].default:
+                tasks = "'dataset'" if key in DATASET_ONLY else "'dataset' and 'gsm8k'"
+                raise ValueError(
+                    f"data.{key} applies to data.task = {tasks} only, not '{self.task}': "
+                    "leave it out"
+                )
+        if self.heldout_fraction and (self.heldout_split or self.heldout_path):
+            raise ValueError(
+                "data.heldout_fraction draws the held-out rows from data.path; data.heldout_split "
+                "and data.heldout_path name them: set one of the two ways"
+            )
+        if self.system_prompt is not None and self.chat_template is False:
+            raise ValueError("data.system_prompt is a chat message: set data.chat_template = true")
+        if self.chat_template == "":
+            raise ValueError("data.chat_template is true, false, or a Jinja template file's path")
         return self
+
+
+DATASET_ONLY = ("prompt_field", "answer_field")
+FILES_ONLY = ("split", "heldout_split", "heldout_fraction")
 
 
 class RolloutConfig(_Section):
@@ -136,6 +230,13 @@ class RewardConfig(_Section):
         ge=0.0,
         description="Longest a rule reward call may take, in any process or thread: past it the "
         "call scores 0 and counts as a reward error (and in reward_timeouts); 0: no limit.",
+    )
+    answer_format: Literal["hashes", "boxed", "last_number", "auto"] = Field(
+        "auto",
+        description="function 'math': the graded part of a completion and of the reference: the "
+        "line after the last '####', the last \\boxed{...}, the last number, or auto (whichever "
+        "of '####' and \\boxed{ comes last, else the whole text). A plain-number reference cuts "
+        "the prediction to its last number.",
     )
 
     @model_validator(mode="before")
@@ -409,6 +510,18 @@ class SFTConfig(_Section):
 class MetricsConfig(_Section):
     tensorboard: bool = Field(False, description="Also write TensorBoard event files.")
     progress: bool = Field(True, description="Live progress display on the console.")
+    wandb: bool = Field(
+        False,
+        description="Log to Weights & Biases (the 'wandb' extra): the figures of metrics.jsonl, "
+        "the config, the summary and timeline.png, under OUT/wandb; WANDB_MODE=offline needs no "
+        "network, WANDB_PROJECT names the project (default 'cadence').",
+    )
+    mlflow: bool = Field(
+        False,
+        description="Log to MLflow (the 'mlflow' extra), the same figures and files: to "
+        "MLFLOW_TRACKING_URI if set, else a local file store in ./mlruns; "
+        "MLFLOW_EXPERIMENT_NAME names the experiment (default 'cadence').",
+    )
 
 
 class Config(_Section):
@@ -510,6 +623,8 @@ def to_toml(cfg: Config) -> str:
 
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, dict):  # a sub-table (model.lora), inline
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int | float):

@@ -33,9 +33,18 @@ def test_scores_final_answer(completion: str, expected: float) -> None:
     assert MathReward()("Question: ...", completion, GOLD) == expected
 
 
-def test_reference_without_final_answer_is_an_error() -> None:
-    with pytest.raises(ValueError, match="no '#### <final answer>'"):
-        MathReward()("", "#### 19", "19")
+def test_reference_without_a_marker_is_its_own_answer() -> None:
+    # a bare answer column ("19") is the answer; a reference math-verify cannot read is an error
+    assert MathReward("hashes")("", "#### 19", "19") == 1.0
+    assert MathReward("hashes")("", "#### 18", "19") == 0.0
+    for empty in ("", "  \n"):
+        with pytest.raises(ValueError, match="could not parse the reference answer"):
+            MathReward()("", "#### 19", empty)
+
+
+def test_unknown_answer_format_is_refused() -> None:
+    with pytest.raises(ValueError, match="hashes, boxed, last_number, auto; got 'boxes'"):
+        MathReward("boxes")
 
 
 def test_extract_prediction() -> None:

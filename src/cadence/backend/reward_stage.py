@@ -54,6 +54,7 @@ class RewardSpec:
     threads: int = 1  # torch threads of each reward worker
     dtype: str = "float32"
     timeout_s: float = 0.0  # kind "rule": longest one call may take (0: no limit)
+    answer_format: str = "auto"  # kind "rule", function "math": reward.answer_format
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -71,8 +72,8 @@ class Scorer(Protocol):
 class RuleScorer:
     """A rule reward function over (prompt text, response text, reference answer)."""
 
-    def __init__(self, function: str, timeout_s: float = 0.0) -> None:
-        self.fn = load_reward(function, timeout_s)
+    def __init__(self, function: str, answer_format: str = "auto", timeout_s: float = 0.0) -> None:
+        self.fn = load_reward(function, answer_format, timeout_s)
 
     def __call__(self, data: dict[str, list]) -> Scores:
         results = [
@@ -112,7 +113,7 @@ def build_scorer(spec: RewardSpec) -> Scorer:
         if not spec.model_path:
             raise ValueError("a reward model stage needs reward.model_path")
         return ModelScorer(spec.model_path, spec.batch_size, spec.dtype)
-    return RuleScorer(spec.function, spec.timeout_s)
+    return RuleScorer(spec.function, spec.answer_format, spec.timeout_s)
 
 
 @dataclass

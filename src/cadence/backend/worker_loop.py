@@ -44,6 +44,7 @@ class WorkerSpec:
     max_num_seqs: int
     engine: str = "continuous"
     reward_timeout_s: float = 0.0  # longest one reward call may take (0: no limit)
+    answer_format: str = "auto"  # reward.answer_format of the "math" reward
 
 
 def build_worker(spec: WorkerSpec):
@@ -55,7 +56,9 @@ def build_worker(spec: WorkerSpec):
     tokenizer = load_tokenizer(spec.model_path)
     model = load_model(spec.model_path, dtype=DTYPES[spec.dtype])
     engine = make_engine(spec.engine, model, tokenizer, max_num_seqs=spec.max_num_seqs)
-    reward = load_reward(spec.reward, spec.reward_timeout_s) if spec.reward else None
+    reward = (
+        load_reward(spec.reward, spec.answer_format, spec.reward_timeout_s) if spec.reward else None
+    )
     return model, RolloutWorker(
         engine, tokenizer, reward, spec.sampling, spec.group_size, spec.run_seed
     )

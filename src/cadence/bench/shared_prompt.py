@@ -37,19 +37,19 @@ def default_groups(cfg, model, tokenizer) -> list[Group]:
     """One iteration's groups of the config's workload, sampled by its model."""
     from cadence.backend import RolloutWorker
     from cadence.engine import HFEngine
-    from cadence.pipeline.params import make_task, sampling_params
+    from cadence.pipeline.params import make_task, prompt_render, sampling_params
     from cadence.pipeline.prompts import PromptStream
     from cadence.rewards import load_reward
 
     worker = RolloutWorker(
         HFEngine(model, tokenizer, max_num_seqs=cfg.rollout.max_num_seqs),
         tokenizer,
-        load_reward(cfg.reward.function),
+        load_reward(cfg.reward.function, cfg.reward.answer_format),
         sampling_params(cfg, tokenizer),
         cfg.rollout.group_size,
         cfg.train.seed,
     )
-    prompts = PromptStream(make_task(cfg), cfg.data.prompt_template, cfg.data.task).next_batch(
+    prompts = PromptStream(make_task(cfg), prompt_render(cfg, tokenizer), cfg.data.task).next_batch(
         cfg.train.prompts_per_iteration
     )
     return worker.rollout(prompts, iteration=0, version=0)

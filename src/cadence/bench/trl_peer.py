@@ -261,7 +261,7 @@ def run_trl(cfg: Config, out: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from cadence.models import DTYPES, load_model, load_tokenizer
-    from cadence.pipeline.params import make_task, set_threads
+    from cadence.pipeline.params import make_task, prompt_render, set_threads
     from cadence.pipeline.prompts import PromptStream
     from cadence.rewards import load_reward
 
@@ -269,14 +269,14 @@ def run_trl(cfg: Config, out: Path) -> dict:
     set_threads(t.threads)  # what a colocated cadence run uses
     tokenizer = load_tokenizer(cfg.model.path)
     model = load_model(cfg.model.path, dtype=DTYPES[cfg.model.dtype], device=cfg.model.device)
-    stream = PromptStream(make_task(cfg), cfg.data.prompt_template, cfg.data.task)
+    stream = PromptStream(make_task(cfg), prompt_render(cfg, tokenizer), cfg.data.task)
     prompts = stream.next_batch(t.prompts_per_iteration * t.iterations)
     dataset = Dataset.from_list([{"prompt": p.text, "answer": p.answer} for p in prompts])
     meter = _Meter()
     args = trl_args(cfg, out)
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=_reward_fn(load_reward(cfg.reward.function), meter),
+        reward_funcs=_reward_fn(load_reward(cfg.reward.function, cfg.reward.answer_format), meter),
         args=GRPOConfig(**args),
         train_dataset=dataset,
         processing_class=tokenizer,

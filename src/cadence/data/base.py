@@ -7,7 +7,7 @@ This module must not do I/O, touch the network or import torch.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,12 +16,22 @@ from cadence.types import Prompt
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer: "
 
 
+class DataError(ValueError):
+    """A dataset file is missing, empty or malformed; the message names the file (and line)."""
+
+
 @dataclass(frozen=True)
 class Example:
-    """One task instance: a question and its worked answer ending in "#### <final answer>"."""
+    """One task instance: a question and its reference answer (the procedural tasks' and GSM8K's
+    worked answers end in "#### <final answer>").
+
+    A conversational prompt keeps its `messages` as (role, content) pairs, ending with the
+    user's turn, whose text is `question`; a chat template renders them (data/chat.py).
+    """
 
     question: str
     answer: str
+    messages: tuple[tuple[str, str], ...] = ()
 
 
 class Task(Protocol):
@@ -43,11 +53,26 @@ def make_prompt(question: str, template: str = DEFAULT_TEMPLATE) -> str:
     return template.replace("{question}", question)
 
 
-def to_prompt(example: Example, uid: str, index: int, template: str = DEFAULT_TEMPLATE) -> Prompt:
-    """Wrap an example as the `Prompt` record that crosses into the workers."""
-    return Prompt(
-        uid=uid, text=make_prompt(example.question, template), answer=example.answer, index=index
-    )
+def render_plain(example: Example, template: str = DEFAULT_TEMPLATE) -> str:
+    """`template` with the question; a conversation cannot be rendered without a chat template."""
+    if example.messages:
+        raise DataError(
+            "the prompts are conversations (lists of messages): render them with the "
+            "tokenizer's chat template, data.chat_template = true"
+        )
+    return make_prompt(example.question, template)
+
+
+def to_prompt(
+    example: Example,
+    uid: str,
+    index: int,
+    template: str | Callable[[Example], str] = DEFAULT_TEMPLATE,
+) -> Prompt:
+    """Wrap an example as the `Prompt` record that crosses into the workers; `template` is a
+    plain template or a renderer (data/chat.py)."""
+    text = render_plain(example, template) if isinstance(template, str) else template(example)
+    return Prompt(uid=uid, text=text, answer=example.answer, index=index)
 
 
 def reference_answer(answer: str) -> str:

@@ -28,6 +28,7 @@ from cadence.data.base import (
     stable_seed,
     to_prompt,
 )
+from cadence.data.dataset import DatasetTask
 from cadence.data.gsm8k import JsonlTask
 
 __all__ = [
@@ -228,7 +229,11 @@ def _clause(step: _Step) -> str:
     return f"then has {step.operand} times as many"
 
 
-TASKS: dict[str, Callable[..., Task]] = {"arithmetic": ArithmeticTask, "gsm8k": JsonlTask}
+TASKS: dict[str, Callable[..., Task]] = {
+    "arithmetic": ArithmeticTask,
+    "gsm8k": JsonlTask,
+    "dataset": DatasetTask,
+}
 
 
 def load_task(name: str, **kwargs: Any) -> Task:

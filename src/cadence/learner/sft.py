@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from cadence.data import make_prompt
+from cadence.data import Render, as_render
 from cadence.models import load_model, load_tokenizer, save_pretrained
 
 MARKER = "sft.json"
@@ -33,11 +33,13 @@ def is_cached(out: Path, key: str) -> bool:
     return marker.is_file() and json.loads(marker.read_text()).get("key") == key
 
 
-def encode_batch(examples, tokenizer, template: str) -> tuple[torch.Tensor, ...]:
-    """input_ids, attention_mask, labels (-100 on prompt and padding); right-padded."""
+def encode_batch(examples, tokenizer, template: str | Render) -> tuple[torch.Tensor, ...]:
+    """input_ids, attention_mask, labels (-100 on prompt and padding); right-padded. The prompt
+    is rendered as RL renders it (`template`: a plain template or a chat renderer)."""
+    render = as_render(template)
     rows = []
     for ex in examples:
-        p = tokenizer(make_prompt(ex.question, template), add_special_tokens=False)["input_ids"]
+        p = tokenizer(render(ex), add_special_tokens=False)["input_ids"]
         a = tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append((p, a))
     width = max(len(p) + len(a) for p, a in rows)
@@ -64,7 +66,7 @@ def lr_lambda(warmup: int, total: int):
 
 def run_sft(
     task,
-    template: str,
+    template: str | Render,
     base: Path,
     out: Path,
     *,

@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 
 # The config's `model.dtype` names, for the learner, workers and reward models alike.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ADAPTER_CONFIG = "adapter_config.json"  # a LoRA adapter's directory (peft's layout)
 
 
 class ModelLoadError(ValueError):
@@ -24,6 +25,8 @@ class ModelLoadError(ValueError):
 
 
 def check_model_dir(path: str | Path) -> Path:
+    """`path` as a model directory: a Hugging Face model, or a LoRA adapter (adapter_config.json)
+    over one."""
     p = Path(path)
     if not p.is_dir():
         raise ModelLoadError(
@@ -31,7 +34,7 @@ def check_model_dir(path: str | Path) -> Path:
             f"`cadence init-model --preset tiny --out {p}` or point model.path at a local "
             "Hugging Face model directory"
         )
-    if not (p / "config.json").is_file():
+    if not (p / "config.json").is_file() and not (p / ADAPTER_CONFIG).is_file():
         raise ModelLoadError(f"'{p}' has no config.json: not a Hugging Face model directory")
     return p
 
@@ -72,6 +75,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 
     _quiet_transformers()
     p = check_model_dir(path)
+    if not (p / "config.json").is_file():  # a LoRA adapter (a LoRA run's final/)
+        return _load_adapter(p, dtype, device)
     check_causal_lm(p)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
@@ -146,6 +151,20 @@ def _unreadable(p: Path, what: str, e: BaseException) -> ModelLoadError:
 def _first_line(e: BaseException) -> str:
     """An exception's message up to its first blank line (transformers' run on for pages)."""
     return str(e).strip().split("\n\n")[0].replace("\n", " ")
+
+
+def _load_adapter(p: Path, dtype: torch.dtype, device: str):
+    """The base model named in the adapter's config, with the adapter merged in."""
+    config = json.loads((p / ADAPTER_CONFIG).read_text())
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise ModelLoadError(f"'{p / ADAPTER_CONFIG}' names no base_model_name_or_path")
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ModelLoadError(f"'{p}' holds a LoRA adapter: pip install 'cadence[lora]'") from None
+    model = PeftModel.from_pretrained(load_model(base, dtype, device), str(p))
+    return model.merge_and_unload().to(device).eval()
 
 
 def save_pretrained(model, tokenizer, out: str | Path) -> Path:

@@ -18,6 +18,13 @@ import torch
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+# A small chat template, so that `data.chat_template = true` works on the embedded model as on an
+# instruct model's tokenizer: each turn is "<|role|>\ncontent\n", and the generation prompt opens
+# the assistant's turn. The markers are plain text (no new special tokens: ids stay as trained).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 # name -> LlamaConfig fields. "tiny" is the default workload; "test" is 3-5x faster, for tests;
 # "small" (~110M) is a random-init model of a size where a GPU matters.
@@ -52,7 +59,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, chat_template=CHAT_TEMPLATE
+    )
 
 
 def llama_config(preset: str, tokenizer, max_positions: int = 1024, **extra):

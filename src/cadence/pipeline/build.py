@@ -19,6 +19,7 @@ from cadence.engine import make_engine
 from cadence.learner import Learner
 from cadence.metrics import Tracer
 from cadence.models import DTYPES, load_model, load_tokenizer, max_positions
+from cadence.models.lora import AdapterOff, LoraSpec, MergedWeights, apply_lora, is_lora
 from cadence.pipeline.checkpoint import Checkpoint, restore_learner, weights_digest
 from cadence.pipeline.evaluate import Evaluator
 from cadence.pipeline.loop import LoopParams, Run
@@ -29,6 +30,7 @@ from cadence.pipeline.params import (
     make_task,
     max_staleness,
     prompt_filter,
+    prompt_render,
     sampling_params,
     set_threads,
     worker_spec,
@@ -41,6 +43,11 @@ from cadence.types import Prompt
 
 def loop_params(cfg: Config) -> LoopParams:
     t = cfg.train
+    for tracker, extra in (("wandb", "wandb"), ("mlflow", "mlflow")):
+        if getattr(cfg.metrics, tracker) and importlib.util.find_spec(tracker) is None:
+            raise ConfigError(
+                f"metrics.{tracker} = true needs {tracker}: pip install 'cadence[{extra}]'"
+            )
     return LoopParams(
         iterations=t.iterations,
         prompts_per_iteration=t.prompts_per_iteration,
@@ -56,6 +63,9 @@ def loop_params(cfg: Config) -> LoopParams:
         progress=cfg.metrics.progress,
         reference_path=cfg.model.path,
         config_toml=to_toml(cfg),
+        save_merged=cfg.model.lora is not None and cfg.model.lora.save_merged,
+        wandb=cfg.metrics.wandb,
+        mlflow=cfg.metrics.mlflow,
     )
 
 
@@ -84,6 +94,8 @@ def build_source(
         )
     separate = cfg.reward.stage == "separate"
     spec = worker_spec(cfg, worker.sampling)
+    if is_lora(model):  # the workers' model has no adapter: they load merged weights
+        model = MergedWeights(model)
     pool, store = make_pool(
         p.backend, spec, model, p.num_workers, timeout_s=p.worker_timeout_s, **ray_options(p)
     )
@@ -140,6 +152,7 @@ def reward_stage(cfg: Config, store: Store, tracer: Tracer) -> RewardStage:
         threads=r.threads_per_worker,
         dtype=cfg.model.dtype,
         timeout_s=r.timeout_s,
+        answer_format=r.answer_format,
     )
     return RewardStage(
         spec,
@@ -160,7 +173,12 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     tokenizer = load_tokenizer(cfg.model.path)
     model = load_model(cfg.model.path, dtype=dtype, device=device)
     ref = None
-    if needs_reference(cfg.algo.loss, cfg.algo.kl_coef):  # frozen: no grads, no optimizer state
+    lora = cfg.model.lora
+    if lora is not None:  # only the adapter trains; the reference is the adapter switched off
+        spec = LoraSpec(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules))
+        model = apply_lora(model, spec, base_path=cfg.model.path)
+        ref = AdapterOff(model) if needs_reference(cfg.algo.loss, cfg.algo.kl_coef) else None
+    elif needs_reference(cfg.algo.loss, cfg.algo.kl_coef):  # frozen: no grads, no optimizer state
         ref = load_model(cfg.model.path, dtype=dtype, device=device).requires_grad_(False)
     tracer = Tracer()
     params, loss = learner_params(cfg)
@@ -169,7 +187,7 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     if resume is not None:
         restore_learner(learner, resume, digest)
     engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
-    reward = load_reward(cfg.reward.function, cfg.reward.timeout_s)
+    reward = load_reward(cfg.reward.function, cfg.reward.answer_format, cfg.reward.timeout_s)
     sampling = sampling_params(cfg, tokenizer)
     worker = RolloutWorker(
         engine, tokenizer, reward, sampling, cfg.rollout.group_size, cfg.train.seed
@@ -178,11 +196,10 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     cursor = resume.state["cursor"] if resume else 0
     positions = max_positions(model)
     fit = prompt_filter(cfg, tokenizer, positions)
-    stream = PromptStream(task, cfg.data.prompt_template, cfg.data.task, start=cursor, fit=fit)
+    render = prompt_render(cfg, tokenizer)
+    stream = PromptStream(task, render, cfg.data.task, start=cursor, fit=fit)
     first = resume.iteration if resume else 0
-    heldout = heldout_prompts(
-        task, cfg.data.prompt_template, cfg.data.task, prompt_filter(cfg, tokenizer, positions)
-    )
+    heldout = heldout_prompts(task, render, cfg.data.task, prompt_filter(cfg, tokenizer, positions))
     return Run(
         params=loop_params(cfg),
         tokenizer=tokenizer,

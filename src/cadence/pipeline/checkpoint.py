@@ -47,6 +47,7 @@ import torch
 
 from cadence.metrics.files import is_stale_temporary, write_all, writing
 from cadence.models import ModelLoadError, load_model, save_pretrained
+from cadence.models.lora import is_lora, load_adapter_into
 
 log = logging.getLogger(__name__)
 
@@ -344,11 +345,14 @@ def restore_learner(learner, ckpt: Checkpoint, reference_digest: str | None) -> 
             f"checkpoint {ckpt.path} was taken with another reference model "
             f"({ckpt.state.get('reference_path')}): the digest of the reference weights differs"
         )
-    try:
-        saved = load_model(ckpt.path / "policy", dtype=next(learner.model.parameters()).dtype)
-    except ModelLoadError as e:
-        raise CheckpointError(f"{ckpt.path}: its policy cannot be loaded: {e}") from e
-    learner.model.load_state_dict(saved.state_dict())
+    if is_lora(learner.model):  # the policy was saved as its adapter
+        load_adapter_into(learner.model, ckpt.path / "policy")
+    else:
+        try:
+            saved = load_model(ckpt.path / "policy", dtype=next(learner.model.parameters()).dtype)
+        except ModelLoadError as e:
+            raise CheckpointError(f"{ckpt.path}: its policy cannot be loaded: {e}") from e
+        learner.model.load_state_dict(saved.state_dict())
     learner.optimizer.load_state_dict(ckpt.state["optimizer"])
     learner.scheduler.load_state_dict(ckpt.state["scheduler"])
     learner.version = ckpt.state["version"]

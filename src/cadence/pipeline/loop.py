@@ -13,6 +13,7 @@ import json
 import logging
 import shutil
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,9 @@ from cadence.metrics import (
 from cadence.metrics.curves import draw_curves
 from cadence.metrics.files import atomic_write, is_disk_full, writing
 from cadence.metrics.timeline import draw_timeline, write_chrome_trace
+from cadence.metrics.trackers import MlflowSink, WandbSink
 from cadence.models import save_pretrained
+from cadence.models.lora import save_merged
 from cadence.pipeline.checkpoint import (
     CHECKPOINTS,
     Checkpoint,
@@ -75,6 +78,9 @@ class LoopParams:
     progress: bool = True
     reference_path: str = ""  # recorded in checkpoints
     config_toml: str = ""  # the resolved configuration, written to `config.toml`
+    save_merged: bool = False  # LoRA: also write final/merged/, the adapter merged in
+    wandb: bool = False  # trackers: per-iteration figures, config, summary and timeline
+    mlflow: bool = False
 
 
 @dataclass
@@ -196,8 +202,21 @@ def train(
 
     `evaluate=False` skips the held-out accuracy before and after (benchmarks time the loop only).
     """
-    p = run.params
     out.mkdir(parents=True, exist_ok=True)
+    trackers = _trackers(run.params, out)
+    try:
+        result = _train(run, out, [*(extra_sinks or []), *trackers], evaluate)
+    except BaseException:
+        for t in trackers:
+            t.finish(None, out)
+        raise
+    for t in trackers:
+        t.finish(result, out)
+    return result
+
+
+def _train(run: Run, out: Path, extra_sinks: list[MetricsSink], evaluate: bool) -> dict:
+    p = run.params
     t_total = time.perf_counter()
     sinks: list[MetricsSink] = []
     try:
@@ -211,7 +230,9 @@ def train(
     _close(run, out, sinks, error=None)
     accuracy_after = run.heldout_accuracy() if evaluate else float("nan")
     with writing(out / "final"):
-        save_pretrained(run.learner.model, run.tokenizer, out / "final")
+        save_pretrained(run.learner.model, run.tokenizer, out / "final")  # LoRA: the adapter
+        if p.save_merged:
+            save_merged(run.learner.model, run.tokenizer, out / "final" / "merged")
     result = summary(
         records,
         accuracy_before,
@@ -311,6 +332,22 @@ def _sinks(run: Run, out: Path, extra: list[MetricsSink]) -> list[MetricsSink]:
         sinks.append(TensorBoardSink(out / "tensorboard"))
     sinks.append(ConsoleProgress(p.iterations, enabled=p.progress, done=run.first_iteration))
     return sinks
+
+
+def _trackers(p: LoopParams, out: Path) -> list[Any]:
+    """The experiment trackers asked for (metrics.wandb, metrics.mlflow), started."""
+    config = tomllib.loads(p.config_toml) if p.config_toml else {}
+    trackers: list[Any] = []
+    try:
+        if p.wandb:
+            trackers.append(WandbSink(out, config))
+        if p.mlflow:
+            trackers.append(MlflowSink(out, config))
+    except BaseException:
+        for t in trackers:
+            t.finish(None, out)
+        raise
+    return trackers
 
 
 def check_fresh(out: Path) -> None:

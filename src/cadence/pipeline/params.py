@@ -6,13 +6,14 @@ a run themselves. Only the CLI, the builder and these helpers read the config tr
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
 from cadence.algo import ADVANTAGES, AdvantageContext, LossParams, get_advantage, is_pair_loss
 from cadence.backend import WorkerSpec
 from cadence.config import Config, ConfigError
-from cadence.data import load_task
+from cadence.data import ChatRender, PlainRender, Render, load_task
 from cadence.engine import SamplingParams
 from cadence.learner import LearnerParams
 from cadence.pipeline.prompts import PromptFilter
@@ -24,17 +25,23 @@ def set_threads(threads: int) -> None:
 
 
 def make_task(cfg: Config):
-    """The configured task (procedural, or a JSONL file): its training stream seeded by the run
-    seed, its held-out split by `data.seed`."""
+    """The configured task (procedural, or a local data set): its training stream seeded by the
+    run seed, its held-out split by `data.seed`."""
     d = cfg.data
-    if d.task == "gsm8k":
+    if d.task in ("gsm8k", "dataset"):
+        fields = {"prompt_field": d.prompt_field, "answer_field": d.answer_field}
         return load_task(
-            "gsm8k",
+            d.task,
             path=d.path,
+            split=d.split,
             heldout_path=d.heldout_path,
+            heldout_split=d.heldout_split,
+            heldout_fraction=d.heldout_fraction,
             num_heldout=d.num_heldout,
             on_bad_line=d.on_bad_line,
             seed=cfg.train.seed,
+            heldout_seed=d.seed,
+            **(fields if d.task == "dataset" else {}),
         )
     return load_task(
         d.task,
@@ -44,6 +51,23 @@ def make_task(cfg: Config):
         max_operand=d.max_operand,
         heldout_seed=d.seed,
     )
+
+
+def prompt_render(cfg: Config, tokenizer) -> Render:
+    """How every prompt of the run is rendered: `data.prompt_template`, or a chat template."""
+    d = cfg.data
+    if d.chat_template is False:
+        return PlainRender(d.prompt_template)
+    template = None
+    if isinstance(d.chat_template, str):
+        path = Path(d.chat_template)
+        if not path.is_file():
+            raise ConfigError(
+                f"data.chat_template '{path}': no such Jinja template file (true uses the "
+                "tokenizer's own template)"
+            )
+        template = path.read_text(encoding="utf-8")
+    return ChatRender(tokenizer, d.prompt_template, d.system_prompt, template)
 
 
 def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
@@ -187,4 +211,5 @@ def worker_spec(cfg: Config, sampling: SamplingParams) -> WorkerSpec:
         max_num_seqs=cfg.rollout.max_num_seqs,
         engine=cfg.rollout.engine,
         reward_timeout_s=cfg.reward.timeout_s,
+        answer_format=cfg.reward.answer_format,
     )

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
-from cadence.data import DataError, to_prompt
+from cadence.data import DataError, Render, to_prompt
 from cadence.types import Prompt
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class PromptStream:
     def __init__(
         self,
         task,
-        template: str,
+        template: str | Render,
         name: str,
         start: int = 0,
         fit: PromptFilter | None = None,
@@ -108,7 +108,7 @@ class PromptStream:
 
 
 def heldout_prompts(
-    task, template: str, name: str, fit: PromptFilter | None = None
+    task, template: str | Render, name: str, fit: PromptFilter | None = None
 ) -> list[Prompt]:
     """The task's held-out prompts; any that `fit` skips is left out (with a warning)."""
     fit = fit or PromptFilter(None)

@@ -140,19 +140,21 @@ def _sample_groups(cfg: Config, model, tokenizer, quick: bool):
     """The task's prompts sampled as `cadence train` samples them; seconds to score one."""
     from cadence.backend import RolloutWorker
     from cadence.engine import make_engine
-    from cadence.pipeline.params import make_task, sampling_params
+    from cadence.pipeline.params import make_task, prompt_render, sampling_params
     from cadence.pipeline.prompts import PromptStream
     from cadence.rewards import ConstantReward, load_reward, safe_reward
 
     n = max(2, cfg.train.micro_batch_groups) if quick else max(32, cfg.train.micro_batch_groups)
-    prompts = PromptStream(make_task(cfg), cfg.data.prompt_template, cfg.data.task).next_batch(n)
+    prompts = PromptStream(make_task(cfg), prompt_render(cfg, tokenizer), cfg.data.task).next_batch(
+        n
+    )
     engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
     sampling = sampling_params(cfg, tokenizer)
     worker = RolloutWorker(
         engine, tokenizer, ConstantReward(0.0), sampling, cfg.rollout.group_size, cfg.train.seed
     )
     groups = worker.rollout(prompts, 0, 0)
-    reward = load_reward(cfg.reward.function)
+    reward = load_reward(cfg.reward.function, cfg.reward.answer_format)
     start = time.perf_counter()
     for g in groups:
         for c in g.completions:

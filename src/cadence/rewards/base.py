@@ -38,20 +38,21 @@ class RewardLoadError(ValueError):
     """`reward.function` names nothing loadable: bad input (exit code 2), the spec named."""
 
 
-def load_reward(spec: str, timeout_s: float = 0.0) -> RewardFn:
-    """ "math" gives `MathReward()`; "package.module:name" imports a function or callable object.
+def load_reward(spec: str, answer_format: str = "auto", timeout_s: float = 0.0) -> RewardFn:
+    """ "math" gives `MathReward(answer_format)`; "package.module:name" imports a function or
+    callable object (which reads the reference answer as it likes: `answer_format` is math's).
 
     With `timeout_s` > 0 every call returns within it or raises `RewardTimeout` (`TimedReward`).
     """
-    fn = _import_reward(spec)
+    fn = _import_reward(spec, answer_format)
     return TimedReward(fn, timeout_s, spec) if timeout_s > 0 else fn
 
 
-def _import_reward(spec: str) -> RewardFn:
+def _import_reward(spec: str, answer_format: str) -> RewardFn:
     if spec == "math":
         from cadence.rewards.math import MathReward
 
-        return MathReward()
+        return MathReward(answer_format)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise RewardLoadError(f"reward spec {spec!r} must be 'math' or 'package.module:function'")

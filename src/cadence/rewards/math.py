@@ -1,7 +1,9 @@
 """Exact-answer math reward, checked by the math-verify library.
 
-The gold answer is the text after "####" in the reference; the prediction is the first line after
-the completion's last "####", or, without one, the whole completion. When the gold answer is a
+Which part of the reference and of the completion is graded is `answer_format`'s choice
+(rewards/answers.py: after the last "####", the last `\\boxed{}`, the last number, or "auto").
+An extracted answer is handed to math-verify as inline LaTeX (`$...$`), so `\\sqrt{2}` and
+`\\frac{1}{2}` parse as they do inside a `\\boxed{}`. When the gold answer is a
 plain number (GSM8K's convention), the prediction is cut down to its last number: math-verify
 evaluates expressions, so "10 + 5" would otherwise be judged equal to 15, and a policy learns to
 restate the question instead of answering it (seen in training). Parsing costs about 0.7 ms and
@@ -15,16 +17,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 import threading
 from typing import Any
 
 from math_verify import parse, verify
 
-from cadence.data.base import reference_answer
+from cadence.rewards.answers import check_format, is_number, last_number, prediction, reference
 
 _CACHE_SIZE = 1 << 16
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")  # 12, -3, 1,000, 2.5, .5
 
 
 class _NoDisabledTimeoutWarning(logging.Filter):
@@ -51,19 +51,14 @@ def _parse_cached(text: str) -> tuple[Any, ...]:
     return tuple(parse(text, parsing_timeout=None))
 
 
-def extract_prediction(completion: str) -> str:
-    """The part of a completion that is graded (see the module docstring)."""
-    _, sep, tail = completion.rpartition("####")
-    if not sep:
-        return completion.strip()
-    lines = tail.strip().splitlines()
-    return lines[0].strip() if lines else ""
+def _parse_answer(text: str) -> tuple[Any, ...]:
+    """An extracted answer, read as inline LaTeX first (bare `\\sqrt{2}` parses only so)."""
+    return _parse_cached(f"${text}$") or _parse_cached(text)
 
 
-def last_number(text: str) -> str:
-    """The last number written in `text` ("" if none): the answer of a numeric task."""
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else ""
+def extract_prediction(completion: str, answer_format: str = "hashes") -> str:
+    """The part of a completion that is graded (see rewards/answers.py)."""
+    return prediction(completion, answer_format)
 
 
 class MathReward:
@@ -74,21 +69,26 @@ class MathReward:
     no timeout of its own, so a pathological completion could stall the thread; cadence calls
     every reward through `TimedReward` (`reward.timeout_s`), which cuts it in any thread.
 
-    Raises ValueError if the reference has no "####" answer or math-verify cannot parse it: a
+    Raises ValueError if the reference is empty or math-verify cannot parse its answer: a
     broken reference is a data error, not a wrong completion.
     """
 
+    def __init__(self, answer_format: str = "auto") -> None:
+        check_format(answer_format)
+        self.answer_format = answer_format
+
     def __call__(self, prompt: str, completion: str, answer: str) -> float:
-        gold_text = reference_answer(answer)
-        gold = _parse_cached(gold_text)
+        gold_text = reference(answer, self.answer_format)
+        gold = _parse_answer(gold_text) if gold_text else ()
         if not gold:
             raise ValueError(f"math-verify could not parse the reference answer {gold_text!r}")
-        prediction = extract_prediction(completion)
-        if _NUMBER.fullmatch(gold_text.strip()):
-            prediction = last_number(prediction)
-        if not prediction:
+        graded = prediction(completion, self.answer_format)
+        if is_number(gold_text):
+            graded = last_number(graded)
+        if not graded:
             return 0.0
-        predicted = _parse_cached(prediction)
+        whole = graded == completion.strip()  # no marker: math-verify searches the text
+        predicted = _parse_cached(graded) if whole else _parse_answer(graded)
         if not predicted:
             return 0.0
         if _in_main_thread():

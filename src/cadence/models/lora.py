@@ -1,0 +1,163 @@
+"""LoRA adapters (`model.lora`, through `peft`): what trains, what the reference and the rollout
+workers see, and what is saved.
+
+- `apply_lora` wraps the policy in a `peft` model: only the adapter's matrices require grad, so
+  only they reach the optimizer.
+- `AdapterOff` is the reference model without a second copy: the same module run with the
+  adapter disabled (no parameters of its own, so `frozen_copies_mb` counts nothing for it).
+- `MergedWeights` is what a transport publishes: every weight under the plain model's name, with
+  the adapter's update added (W + scale * B @ A), so rollout workers load a model with no adapter.
+- `save_pretrained` of a peft model writes the adapter alone (`adapter_config.json`, naming the
+  base by its absolute path); `save_merged` writes a whole model with the adapter merged in;
+  `load_model` (models/io.py) loads an adapter directory back as a plain, merged model.
+
+Nothing here knows about training or processes; `peft` is imported only when LoRA is asked for.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cadence.models.io import ModelLoadError, save_pretrained
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+class LoraError(ModelLoadError):
+    """The adapter settings do not fit the model (a target that matches no module, ...)."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise LoraError("model.lora needs peft: pip install 'cadence[lora]'") from None
+    return peft
+
+
+def apply_lora(model: torch.nn.Module, spec: LoraSpec, base_path: str | Path | None = None):
+    """`model` with a fresh LoRA adapter on `spec.target_modules` (a peft model)."""
+    peft = _peft()
+    if base_path is not None:  # recorded in adapter_config.json: absolute, so any cwd finds it
+        model.name_or_path = str(Path(base_path).resolve())
+    config = peft.LoraConfig(
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=list(spec.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    try:
+        with warnings.catch_warnings():  # peft asks transformers a deprecated question
+            warnings.simplefilter("ignore", FutureWarning)
+            return peft.get_peft_model(model, config)
+    except ValueError as e:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _linear(m)})
+        raise LoraError(
+            f"model.lora.target_modules {list(spec.target_modules)} do not fit this model "
+            f"({str(e).splitlines()[0]}); its linear layers are named: {', '.join(linear)}"
+        ) from None
+
+
+def _linear(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Linear)
+
+
+def is_lora(model: Any) -> bool:
+    """Whether `model` is a peft model (peft is not imported to find out: unloaded, it is not)."""
+    return "peft" in sys.modules and isinstance(model, _peft().PeftModel)
+
+
+class AdapterOff(torch.nn.Module):
+    """The reference model of a LoRA policy: the policy's forward with the adapter disabled.
+
+    It holds the policy outside its own module tree, so it has no parameters of its own; its
+    `state_dict` is the base weights (for the reference's digest in checkpoints).
+    """
+
+    def __init__(self, policy) -> None:
+        super().__init__()
+        self.__dict__["policy"] = policy  # not a submodule: no second copy, no parameters
+
+    def forward(self, *args: Any, **kwargs: Any):
+        with self.policy.disable_adapter():
+            return self.policy(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return dict(base_parameters(self.policy))
+
+
+def base_parameters(policy) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's parameters of a peft model, under the plain model's names."""
+    for name, p in policy.get_base_model().named_parameters():
+        if "lora_" not in name:
+            yield name.replace(".base_layer", ""), p
+
+
+@torch.no_grad()
+def merged_parameters(policy) -> dict[str, torch.Tensor]:
+    """Every weight as a plain model names it, with the adapter merged: W + scale * B @ A."""
+    from peft.tuners.lora import LoraLayer
+
+    deltas = {
+        f"{name}.weight": module.get_delta_weight(adapter)
+        for name, module in policy.get_base_model().named_modules()
+        if isinstance(module, LoraLayer)
+        for adapter in module.active_adapters
+    }
+    return {
+        name: (p + deltas[name].to(p.dtype)) if name in deltas else p
+        for name, p in base_parameters(policy)
+    }
+
+
+class MergedWeights(torch.nn.Module):
+    """What a weight transport publishes for a LoRA policy: `named_parameters()` gives the merged
+    weights under the plain model's names (computed at each call, from the current adapter)."""
+
+    def __init__(self, policy) -> None:
+        super().__init__()
+        self.__dict__["policy"] = policy
+
+    def named_parameters(self, *args: Any, **kwargs: Any):  # type: ignore[override]
+        return iter(merged_parameters(self.policy).items())
+
+    def parameters(self, *args: Any, **kwargs: Any):  # type: ignore[override]
+        return iter(merged_parameters(self.policy).values())
+
+
+def save_merged(policy, tokenizer, out: str | Path) -> Path:
+    """A whole Hugging Face model directory with the adapter merged in (the policy untouched)."""
+    merged = copy.deepcopy(policy).merge_and_unload()
+    return save_pretrained(merged, tokenizer, out)
+
+
+@torch.no_grad()
+def load_adapter_into(policy, path: str | Path) -> None:
+    """The adapter weights saved in `path` into the peft model `policy` (resuming a run)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    result = set_peft_model_state_dict(policy, load_file(str(Path(path) / ADAPTER_WEIGHTS)))
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise LoraError(
+            f"the adapter in {path} does not fit the run's model.lora: missing {missing[:3]}, "
+            f"unexpected {list(result.unexpected_keys)[:3]}"
+        )
