@@ -109,6 +109,8 @@ def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
         loss=a.loss,
         advantage=a.advantage,
         scale_by_std=a.scale_by_std,
+        std=a.std,
+        std_eps=a.std_eps,
         loss_agg=a.loss_agg,
         micro_batch_groups=t.micro_batch_groups,
         mini_batches=t.mini_batches,
@@ -118,10 +120,14 @@ def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
         shared_prompt_impl=cfg.learner.shared_prompt_impl,
         reuse_old_logprobs=cfg.learner.reuse_old_logprobs,
         max_bad_steps=t.max_bad_steps,
+        overlong_buffer=cfg.reward.overlong_buffer,
+        overlong_penalty=cfg.reward.overlong_penalty,
+        mask_truncated=a.mask_truncated,
     )
     loss = LossParams(
         clip_low=a.clip_low,
         clip_high=a.clip_high,
+        clip_ratio_c=a.clip_ratio_c,
         kl_coef=a.kl_coef,
         kl_estimator=a.kl_estimator,
         tis_cap=a.tis_cap,
