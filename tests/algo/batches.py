@@ -4,7 +4,8 @@ import math
 
 import torch
 
-from cadence.algo.losses import PolicyBatch, token_weights
+from cadence.algo.aggregation import token_weights
+from cadence.algo.losses import PolicyBatch
 
 LN2 = math.log(2.0)
 LN3 = math.log(3.0)

@@ -6,20 +6,18 @@ import torch
 from batches import LN2, make_batch
 from torch.testing import assert_close
 
+from cadence.algo.aggregation import AGG_MODES, normaliser, token_weights
 from cadence.algo.losses import (
-    AGG_MODES,
     TOKEN_METRICS,
     LossParams,
     PolicyBatch,
     cispo_loss,
     gspo_loss,
     kl_penalty,
-    normaliser,
     pg_loss,
     ppo_clip_loss,
     rloo_loss,
     tis_weights,
-    token_weights,
 )
 
 # --- PPO clip ---------------------------------------------------------------------------------

@@ -11,9 +11,9 @@ from cadence.algo.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
+from cadence.algo.aggregation import AGG_MODES, normaliser, token_weights
 from cadence.algo.dpo import online_dpo_loss, preference_pairs
 from cadence.algo.losses import (
-    AGG_MODES,
     COUNT_METRICS,
     DPO_LOSSES,
     KL_CLAMP,
@@ -25,12 +25,10 @@ from cadence.algo.losses import (
     cispo_loss,
     gspo_loss,
     kl_penalty,
-    normaliser,
     pg_loss,
     ppo_clip_loss,
     rloo_loss,
     tis_weights,
-    token_weights,
 )
 from cadence.algo.registry import (
     ADVANTAGES,

@@ -1,13 +1,14 @@
-"""Policy losses, the KL penalty and loss aggregation, as pure functions (online DPO: dpo.py).
+"""Policy losses and the KL penalty, as pure functions (aggregation.py: weights; dpo.py: DPO).
 
 A loss returns `(loss, metrics)` where `loss` is the weighted SUM of per-token losses over one
-micro-batch, not a mean. Aggregation is split in two: `token_weights` is known per micro-batch,
-`normaliser` only once the whole global batch is in. The learner sums micro-batch gradients and
-divides by the normaliser at step time, so streaming micro-batches gives the same update as one
-big batch. Metrics are sums too: `*_frac` metrics (`TOKEN_METRICS`) count tokens, each valid
-token weighing 1 whatever the aggregation, and are divided by the global batch's number of
-response tokens (a token-weighted fraction in every mode); every other metric is a weighted sum
-with the loss's weights, divided by the loss's normaliser.
+micro-batch, not a mean. Aggregation is split in two (aggregation.py): `token_weights` is known
+per micro-batch, `normaliser` only once the whole global batch is in. The learner sums
+micro-batch gradients and divides by the normaliser at step time, so streaming micro-batches
+gives the same update as one big batch. Metrics are sums too: `*_frac` metrics
+(`TOKEN_METRICS`) count tokens, each valid token weighing 1 whatever the aggregation, and are
+divided by the global batch's number of response tokens (a token-weighted fraction in every
+mode); every other metric is a weighted sum with the loss's weights, divided by the loss's
+normaliser.
 
 Padding is masked by selection (`torch.where`), never by multiplying with zero, so a padded
 position holding a huge or infinite log-prob cannot turn the loss or its gradient into NaN.
@@ -34,7 +35,6 @@ from torch import Tensor
 
 from cadence.algo.advantages import rloo_advantages
 
-AGG_MODES = ("token-mean", "seq-mean", "seq-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 DPO_LOSSES = ("sigmoid", "ipo", "ipo_token_mean")
 # Metrics that are counts, summed over a step (online DPO's).
@@ -394,41 +394,3 @@ def _rewards_by_group(batch: PolicyBatch, loss: str) -> Tensor:
             f"got group sizes {counts.tolist()} for groups {ids.tolist()}"
         )
     return batch.rewards.view(len(ids), int(counts[0]))  # (N, G)
-
-
-def token_weights(loss_mask: Tensor, mode: str) -> Tensor:
-    """Per-token loss weights of one micro-batch for aggregation `mode`; 0 on masked tokens.
-
-    token-mean:   1 per valid token (DAPO's token-level loss, arXiv 2503.14476, Sec. 3.3).
-    seq-mean:     1/len_i on each token of sequence i (GRPO, arXiv 2402.03300, eq. 3: 1/|o_i|).
-    seq-sum-norm: 1 per valid token; the constant normaliser does the rest (Dr. GRPO,
-                  arXiv 2503.20783, which removes GRPO's 1/|o_i| length bias).
-    """
-    _check_choice("loss aggregation mode", mode, AGG_MODES)
-    mask = loss_mask.to(torch.float32)  # (B, T)
-    if mode != "seq-mean":
-        return mask
-    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # (B, 1)
-    return mask / lengths  # (B, T)
-
-
-def normaliser(mode: str, num_tokens: int, num_seqs: int, max_new_tokens: int) -> float:
-    """Global-batch divisor for `mode`: full loss = sum(token_loss * token_weights) / normaliser.
-
-    token-mean: valid tokens in the global batch; seq-mean: sequences in it; seq-sum-norm:
-    num_seqs * max_new_tokens, a constant that does not depend on response lengths (Dr. GRPO,
-    Liu et al. 2025, arXiv 2503.20783). Under seq-mean (and seq-sum-norm) an empty response, one
-    with no valid token, still counts in num_seqs: it adds 0 to the sum and 1 to the divisor
-    (TRL's convention; verl leaves it out of the count).
-    """
-    _check_choice("loss aggregation mode", mode, AGG_MODES)
-    if mode == "token-mean":
-        value, what = num_tokens, f"num_tokens={num_tokens}"
-    elif mode == "seq-mean":
-        value, what = num_seqs, f"num_seqs={num_seqs}"
-    else:
-        value = num_seqs * max_new_tokens
-        what = f"num_seqs * max_new_tokens = {num_seqs} * {max_new_tokens}"
-    if value <= 0:
-        raise ValueError(f"{mode} normaliser must be > 0; got {what}")
-    return float(value)

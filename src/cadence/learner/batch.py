@@ -108,3 +108,17 @@ def responses(scored: list[Scored], pad_id: int, version: int, device: torch.dev
     rewards = torch.cat([s.rewards for s in scored])  # (B,)
     per_row = (advantages, rewards, group_ids, stale[group_ids], trains)
     return Responses(*(t.to(device) for t in (tokens, mask, behaviour, *per_row)))
+
+
+def reward_figures(scored: list[Scored], shaping: Shaping) -> dict[str, float]:
+    """The fraction of responses cut at max_new_tokens and, with the overlong penalty on, the mean
+    shaped reward and mean penalty (the raw reward_mean is the run loop's)."""
+    completions = [c for s in scored for c in s.group.completions]
+    truncated = sum(c.finish_reason == "length" for c in completions)
+    out = {"truncated_frac": truncated / len(completions)}
+    if shaping.overlong_buffer > 0:
+        shaped = torch.cat([s.rewards for s in scored])  # (num samples,)
+        raw = torch.tensor([c.reward for c in completions])  # (num samples,)
+        out["reward_shaped_mean"] = float(shaped.mean())
+        out["overlong_penalty_mean"] = float((shaped - raw).mean())
+    return out

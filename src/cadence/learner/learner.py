@@ -55,7 +55,7 @@ from cadence.algo import (
     normaliser,
     token_weights,
 )
-from cadence.learner.batch import Responses, Scored, Shaping, responses, score
+from cadence.learner.batch import Responses, Scored, Shaping, responses, reward_figures, score
 from cadence.learner.packing import LAYOUTS, Layout, check_layout
 from cadence.metrics.trace import Tracer
 from cadence.types import Group
@@ -231,7 +231,7 @@ class Learner:
                 "frozen_copies_mb": self.frozen_copies_bytes / 2**20,
                 "optimizer_steps": float(len(steps)),
             }
-            | self._reward_figures(scored)
+            | reward_figures(scored, self.shaping)
         )
 
     def _scored(self, groups: Iterable[Group]) -> Iterator[Scored]:
@@ -248,18 +248,6 @@ class Learner:
             return
         for group in groups:
             yield from score([group], self.advantage_fn, ctx, self.shaping)
-
-    def _reward_figures(self, scored: list[Scored]) -> dict[str, float]:
-        """Truncated responses, and with the overlong penalty on, the rewards trained on."""
-        completions = [c for s in scored for c in s.group.completions]
-        truncated = sum(c.finish_reason == "length" for c in completions)
-        out = {"truncated_frac": truncated / len(completions)}
-        if self.shaping.overlong_buffer > 0:
-            shaped = torch.cat([s.rewards for s in scored])  # (num samples,)
-            raw = torch.tensor([c.reward for c in completions])  # (num samples,)
-            out["reward_shaped_mean"] = float(shaped.mean())
-            out["overlong_penalty_mean"] = float((shaped - raw).mean())
-        return out
 
     def _forward_backward(self, scored: list[Scored], sums: _Sums) -> None:
         groups = [s.group for s in scored]
