@@ -190,7 +190,8 @@ class AlgoConfig(_Section):
     mask_truncated: bool = Field(
         False,
         description="Drop responses cut at rollout.max_new_tokens (finish_reason 'length') from "
-        "the loss; they still count in their group's advantages (DAPO's overlong filtering).",
+        "the loss (TRL's mask_truncated_completions): they train no token but still count in "
+        "their group's advantages and, like empty responses, in seq-mean's number of sequences.",
     )
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL(policy || reference).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
@@ -210,8 +211,9 @@ class AlgoConfig(_Section):
     )
     dpo_loss: Literal["sigmoid", "ipo", "ipo_token_mean"] = Field(
         "sigmoid",
-        description="online_dpo: sigmoid (DPO), ipo (IPO on summed sequence log-ratios, the "
-        "paper's) or ipo_token_mean (IPO on per-token mean log-ratios, TRL's).",
+        description="online_dpo: sigmoid (DPO), ipo (IPO on summed sequence log-ratios: the "
+        "paper's, TRL's OnlineDPOTrainer's) or ipo_token_mean (IPO on per-token mean "
+        "log-ratios: TRL's DPOTrainer's).",
     )
 
     @model_validator(mode="before")

@@ -129,9 +129,10 @@ def test_mask_truncated_drops_cut_responses_from_the_loss_not_from_advantages(mo
     # the advantages still come from all four responses of each group
     rewards = torch.tensor([g.rewards for g in groups])
     torch.testing.assert_close(batch.advantages, grpo_advantages(rewards).flatten())
-    # seq-mean divides by the 12 responses that train, not 16
+    # a dropped response is an empty one to the loss: seq-mean still divides by all 16 (TRL's
+    # mask_truncated_completions under its "grpo" loss)
     loss_sum, _ = learner.loss_fn.inner(batch, learner.loss_params)
-    assert stats["loss"] == pytest.approx(loss_sum.item() / 12, rel=1e-5)
+    assert stats["loss"] == pytest.approx(loss_sum.item() / 16, rel=1e-5)
     assert stats["truncated_frac"] == pytest.approx(4 / 16)
 
 

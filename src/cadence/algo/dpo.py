@@ -48,10 +48,11 @@ def online_dpo_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dic
       sigmoid: loss = -log sigmoid(beta * h)     DPO (Rafailov et al. 2023, arXiv 2305.18290, eq. 7)
       ipo:     loss = (h - 1 / (2 * beta))**2    IPO (Azar et al. 2023, arXiv 2310.12036, eq. 17)
       ipo_token_mean: the IPO loss with s(y) the MEAN of the response's token log-ratios instead
-                      of their sum (TRL's IPO, which averages log-probs per token: the same beta
-                      gives TRL's loss); an empty response has s(y) = 0.
-    with beta = `dpo_beta`. "ipo" keeps the paper's summed sequence log-ratios, so its h grows
-    with response length and the target 1 / (2 beta) is a target on whole-sequence log-ratios.
+                      of their sum (the IPO of TRL's DPOTrainer, which normalises per token); an
+                      empty response has s(y) = 0.
+    with beta = `dpo_beta`. "ipo" keeps the paper's summed sequence log-ratios (as TRL's
+    OnlineDPOTrainer does), so its h grows with response length and the target 1 / (2 beta) is a
+    target on whole-sequence log-ratios.
     The objective holds for pairs drawn from any distribution (offline DPO trains on a fixed data
     set), so stale samples need no importance correction: old_logprobs, behaviour_logprobs,
     advantages and token_weights are not read.

@@ -122,11 +122,6 @@ def check_workload(cfg: Config) -> None:
         )
     if a.clip_ratio_c:
         problems.append(f"algo.clip_ratio_c = {a.clip_ratio_c} (TRL has no dual clip)")
-    if a.mask_truncated and a.loss_agg == "seq-mean":
-        problems.append(
-            "algo.mask_truncated with algo.loss_agg = 'seq-mean' (TRL's 'grpo' loss still counts "
-            "a masked response in its mean over responses)"
-        )
     if cfg.reward.overlong_buffer:
         problems.append(
             f"reward.overlong_buffer = {cfg.reward.overlong_buffer} (TRL shapes length with a "

@@ -6,7 +6,9 @@ was computed (in the rollout worker or in a reward stage) and the reward recorde
 stays the raw score (`reward_mean` in metrics is raw; the learner reports `reward_shaped_mean`).
 The shaped rewards are what every estimator and reward-reading loss sees (GRPO, RLOO, online DPO's
 pairs, REINFORCE's baseline). With `mask_truncated`, a response that ended at `max_new_tokens`
-(finish_reason "length") keeps its place in its group's statistics but trains no token.
+(finish_reason "length") keeps its place in its group's statistics but trains no token: to the
+loss it is an empty response, which still counts in seq-mean's and seq-sum-norm's number of
+sequences (as TRL's `mask_truncated_completions`).
 """
 
 from __future__ import annotations
@@ -51,11 +53,6 @@ class Responses:
     group_ids: torch.Tensor  # (B,) index of each response's group in the micro-batch
     stale: torch.Tensor  # (B,) True where the group's policy_version is older than the learner's
     trains: torch.Tensor  # (B,) False for a response dropped from the loss
-
-    @property
-    def num_seqs(self) -> int:
-        """Responses in the loss: an empty one counts, one dropped by mask_truncated does not."""
-        return int(self.trains.sum())
 
 
 def score(

@@ -282,7 +282,7 @@ class Learner:
             entropy_sum=float((entropy * mask).sum()),
             num_stale_tokens=float(mask[resp.stale].sum()),
             num_response_tokens=float(mask.sum()),
-            num_seqs=float(resp.num_seqs),
+            num_seqs=float(mask.shape[0]),  # empty and masked responses count (TRL's way)
             num_tokens=float(sum(g.num_tokens for g in groups)),
             tokens_computed=float(layout.tokens_computed),
             forward_passes=float(passes),
