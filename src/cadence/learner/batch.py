@@ -46,13 +46,12 @@ class Responses:
     """Response-aligned tensors of one micro-batch (B responses, T = longest response)."""
 
     tokens: torch.Tensor  # (B, T) response token ids, right-padded
-    loss_mask: torch.Tensor  # (B, T) 1.0 on response tokens that train
+    loss_mask: torch.Tensor  # (B, T) 1.0 on response tokens, 0 on a response dropped from the loss
     behaviour_logprobs: torch.Tensor  # (B, T) recorded by the engine at sampling time
     advantages: torch.Tensor  # (B,)
     rewards: torch.Tensor  # (B,) shaped
     group_ids: torch.Tensor  # (B,) index of each response's group in the micro-batch
     stale: torch.Tensor  # (B,) True where the group's policy_version is older than the learner's
-    trains: torch.Tensor  # (B,) False for a response dropped from the loss
 
 
 def score(
@@ -103,7 +102,7 @@ def responses(scored: list[Scored], pad_id: int, version: int, device: torch.dev
         mask[b, :n] = float(trains[b])
     advantages = torch.cat([s.advantages for s in scored])  # (B,)
     rewards = torch.cat([s.rewards for s in scored])  # (B,)
-    per_row = (advantages, rewards, group_ids, stale[group_ids], trains)
+    per_row = (advantages, rewards, group_ids, stale[group_ids])
     return Responses(*(t.to(device) for t in (tokens, mask, behaviour, *per_row)))
 
 
