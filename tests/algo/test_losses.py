@@ -573,3 +573,14 @@ def test_seq_mean_counts_an_empty_response_in_the_number_of_sequences():
     # num_seqs counts it: 1.5 / 2 = 0.75 (verl, which leaves it out, would give 1.5)
     norm = normaliser("seq-mean", num_tokens=2, num_seqs=2, max_new_tokens=2)
     assert_close(loss / norm, torch.tensor(0.75), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo", "ppo_clip"])
+def test_a_group_with_equal_rewards_gives_no_loss_and_no_gradient(name: str):
+    loss_fn = {"gspo": gspo_loss, "cispo": cispo_loss, "ppo_clip": ppo_clip_loss}[name]
+    # equal rewards -> every advantage 0 (GRPO, RLOO, REINFORCE++ alike), here with every ratio
+    # exp(-0.4) = 0.670320, below the clip floor 0.8
+    batch = make_batch(-VALUES, torch.zeros(3), MASK, old_logprobs=-VALUES + 0.4)
+    loss, _ = loss_fn(batch, LossParams(clip_ratio_c=3.0 if name == "ppo_clip" else 0.0))
+    loss.backward()
+    assert loss.item() == 0.0 and (batch.logprobs.grad == 0).all()
