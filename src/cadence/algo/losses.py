@@ -18,8 +18,9 @@ LOG_RATIO_CLAMP] = [-20, 20] (verl's bounds), so exp() stays finite (at most e^2
 stale token whose behaviour log-prob is far below the policy's gives a finite loss and a finite
 gradient instead of NaN: the clamp's gradient is zero outside the bounds, so a clamped token
 contributes nothing to the gradient through its ratio. k3 itself is capped at KL_CLAMP = 10
-(verl's), where its gradient is zero too. `ratio_clamped_frac` counts tokens whose log-ratio was
-clamped, `kl_clamped_frac` tokens whose k3 was capped.
+(verl's), where its gradient is zero too. `ratio_clamped_frac` counts tokens whose policy ratio's
+or k3's log-ratio was clamped (the TIS weight's clamp changes nothing: its cap is far below e^20),
+`kl_clamped_frac` tokens whose k3 was capped.
 
 Policy-gradient losses may read `behaviour_logprobs` (what the inference engine recorded when it
 sampled) for truncated importance sampling; `rloo_loss` reads each response's reward and group.
