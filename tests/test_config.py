@@ -120,7 +120,7 @@ def test_parity_keys_have_defaults_and_round_trip():
     assert not cfg.algo.mask_truncated
     assert (cfg.reward.overlong_buffer, cfg.reward.overlong_penalty) == (0, 1.0)
     for fields in (
-        ["algo.std='population'", "algo.std_eps=1e-6", "algo.clip_ratio_c=3.0"],
+        ["algo.std='population'", "algo.std_eps=1e-6", "algo.clip_ratio_c=3.0", "algo.kl_clamp=10"],
         ["algo.loss='cispo'", "algo.clip_low=1.0", "algo.clip_high=4.0"],
         ["algo.advantage='reinforce_pp_baseline'", "algo.mask_truncated=true"],
         ["reward.overlong_buffer=16", "reward.overlong_penalty=0.5", "rollout.max_new_tokens=64"],

@@ -195,6 +195,12 @@ class AlgoConfig(_Section):
     )
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL(policy || reference).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    kl_clamp: float = Field(
+        0.0,
+        ge=0.0,
+        description="Cap on each token's k3 estimate, with zero gradient beyond it (verl caps "
+        "at 10); 0: no cap (TRL's). Its log-ratio is clamped to [-20, 20] either way.",
+    )
     loss_agg: Literal["token-mean", "seq-mean", "seq-sum-norm"] = Field(
         "token-mean",
         description="Loss aggregation over the global batch (online_dpo: the mean over pairs).",

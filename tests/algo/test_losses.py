@@ -226,6 +226,7 @@ def test_zero_normaliser_is_rejected():
         ({"clip_ratio_c": 1.0}, "clip_ratio_c must be 0"),
         ({"clip_high": -0.1}, "clip_high must be >= 0"),
         ({"kl_coef": -1.0}, "kl_coef must be >= 0"),
+        ({"kl_clamp": -1.0}, "kl_clamp must be >= 0"),
         ({"kl_estimator": "k9"}, "allowed: k1, k2, k3"),
         ({"tis_cap": 0.5}, "tis_cap must be 0"),
         ({"dpo_beta": 0.0}, "dpo_beta must be > 0"),
@@ -375,27 +376,42 @@ def test_ppo_clip_negative_advantage_twin_is_finite_and_dual_clip_bounds_it():
     assert metrics["dual_clip_frac"].item() == 1.0
 
 
+@pytest.mark.parametrize("kl_clamp", [0.0, 10.0])
 @pytest.mark.parametrize("name", ["ppo_clip", "pg", "gspo", "cispo"])
 @pytest.mark.parametrize("advantage", [1.0, -1.0])
-def test_every_policy_loss_is_finite_on_extreme_log_ratios(name: str, advantage: float):
+def test_every_policy_loss_is_finite_on_extreme_log_ratios(
+    name: str, advantage: float, kl_clamp: float
+):
     loss_fn = {"ppo_clip": ppo_clip_loss, "pg": pg_loss, "gspo": gspo_loss, "cispo": cispo_loss}
     batch = replace(
         _stale_token_batch(advantage),
         ref_logprobs=torch.tensor([[90.0, -2.0]]),  # k3's log-ratio -91: exp(91) overflows fp32
         behaviour_logprobs=torch.tensor([[-200.0, -2.0]]),  # TIS log-ratio 100
     )
-    loss, metrics = loss_fn[name](batch, LossParams(kl_coef=0.1, tis_cap=2.0))
+    loss, metrics = loss_fn[name](batch, LossParams(kl_coef=0.1, tis_cap=2.0, kl_clamp=kl_clamp))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(batch.logprobs.grad).all()
     assert all(torch.isfinite(v) for v in metrics.values())
     # token 0's log-ratio to old (or, GSPO, its sequence's mean 49.5) and to ref were clamped
     assert metrics["ratio_clamped_frac"].item() == (2.0 if name == "gspo" else 1.0)
-    assert metrics["kl_clamped_frac"].item() == 1.0
+    assert metrics["kl_clamped_frac"].item() == (1.0 if kl_clamp else 0.0)
 
 
-def test_k3_is_capped_at_10_with_zero_gradient_beyond():
+def test_k3_stays_finite_with_zero_gradient_beyond_the_log_ratio_clamp():
+    logprobs = torch.tensor([[-100.0, -3.0, 0.0]], requires_grad=True)
+    kl = kl_penalty(logprobs, torch.zeros(1, 3), "k3")
+    kl.sum().backward()
+    # log_ratio x = logprobs - ref; k3 = e^-x - 1 + x:
+    #   x = -100: exp(100) = inf unclamped; clamped to -20: e^20 - 21 = 485165174.4
+    #   x = -3: e^3 - 4 = 16.085537 (no cap by default);  x = 0: 0
+    assert_close(kl, torch.tensor([[E20 - 21.0, 16.085537, 0.0]]), atol=1e-5, rtol=1e-6)
+    # d k3 / dx = 1 - e^-x: 0 beyond the clamp; x = -3: 1 - e^3 = -19.085537; x = 0: 0
+    assert_close(logprobs.grad, torch.tensor([[0.0, -19.085537, 0.0]]), atol=1e-5, rtol=0)
+
+
+def test_k3_capped_at_10_as_verl_has_zero_gradient_beyond():
     logprobs = torch.tensor([[-100.0, -3.0, -2.0, 0.0]], requires_grad=True)
-    kl = kl_penalty(logprobs, torch.zeros(1, 4), "k3")
+    kl = kl_penalty(logprobs, torch.zeros(1, 4), "k3", clamp=10.0)
     kl.sum().backward()
     # log_ratio x = logprobs - ref; k3 = e^-x - 1 + x:
     #   x = -100: exp(100) = inf unclamped; clamped to -20: e^20 - 21 = 4.85e8 -> capped at 10

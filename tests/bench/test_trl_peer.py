@@ -91,6 +91,7 @@ def test_trl_arguments_map_the_workload(model_dir, tmp_path):
         ("algo.std='population'", "algo.std = 'population'"),
         ("algo.std_eps=1e-6", "algo.std_eps = 1e-06"),
         ("algo.clip_ratio_c=3", "algo.clip_ratio_c"),
+        ("algo.kl_clamp=10", "algo.kl_clamp"),
         ("reward.overlong_buffer=4", "reward.overlong_buffer"),
     ],
 )

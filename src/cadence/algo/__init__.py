@@ -16,7 +16,6 @@ from cadence.algo.dpo import online_dpo_loss, preference_pairs
 from cadence.algo.losses import (
     COUNT_METRICS,
     DPO_LOSSES,
-    KL_CLAMP,
     KL_ESTIMATORS,
     LOG_RATIO_CLAMP,
     TOKEN_METRICS,
@@ -52,7 +51,6 @@ __all__ = [
     "BATCH_ADVANTAGES",
     "COUNT_METRICS",
     "DPO_LOSSES",
-    "KL_CLAMP",
     "KL_ESTIMATORS",
     "LOG_RATIO_CLAMP",
     "LOSSES",

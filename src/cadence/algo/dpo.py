@@ -86,7 +86,8 @@ def online_dpo_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dic
         per_pair = -F.logsigmoid(params.dpo_beta * h)  # (P,)
     else:
         per_pair = (h - 1.0 / (2.0 * params.dpo_beta)) ** 2  # (P,)
-    kl = kl_penalty(log_ratio.detach(), torch.zeros_like(log_ratio), params.kl_estimator)
+    zeros = torch.zeros_like(log_ratio)  # (B, T)
+    kl = kl_penalty(log_ratio.detach(), zeros, params.kl_estimator, params.kl_clamp)  # (B, T)
     kl = torch.where(mask, kl, 0.0).sum(-1)  # (B,)
     pair_kl = (kl[chosen] + kl[rejected]) / (lengths[chosen] + lengths[rejected]).clamp(min=1)
     margin = params.dpo_beta * h.detach()  # (P,)

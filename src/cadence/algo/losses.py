@@ -17,9 +17,10 @@ weight pi_old / pi_behaviour, k3's pi_ref / pi) is first clamped to [-LOG_RATIO_
 LOG_RATIO_CLAMP] = [-20, 20] (verl's bounds), so exp() stays finite (at most e^20 = 4.85e8) and a
 stale token whose behaviour log-prob is far below the policy's gives a finite loss and a finite
 gradient instead of NaN: the clamp's gradient is zero outside the bounds, so a clamped token
-contributes nothing to the gradient through its ratio. k3 itself is capped at KL_CLAMP = 10
-(verl's), where its gradient is zero too. `ratio_clamped_frac` counts tokens whose policy ratio's
-or k3's log-ratio was clamped (the TIS weight's clamp changes nothing: its cap is far below e^20),
+contributes nothing to the gradient through its ratio. k3 itself can also be capped at
+`kl_clamp` (verl caps it at 10; 0, the default, leaves it uncapped as TRL does), where its
+gradient is zero too. `ratio_clamped_frac` counts tokens whose policy ratio's or k3's log-ratio
+was clamped (the TIS weight's clamp changes nothing: its cap is far below e^20),
 `kl_clamped_frac` tokens whose k3 was capped.
 
 Policy-gradient losses may read `behaviour_logprobs` (what the inference engine recorded when it
@@ -50,7 +51,6 @@ TOKEN_METRICS = (
     "kl_clamped_frac",
 )
 LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound before exp(): exp(20) = 4.85e8
-KL_CLAMP = 10.0  # cap on the k3 estimate of each token
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class LossParams:
     clip_ratio_c: float = 0.0  # dual-clip PPO: loss of an A < 0 token at most -A * c; 0: off
     kl_coef: float = 0.0  # weight of the per-token KL(pi || ref) penalty; 0 turns it off
     kl_estimator: str = "k3"  # one of KL_ESTIMATORS
+    kl_clamp: float = 0.0  # cap on each token's k3 estimate (verl's: 10); 0: no cap
     tis_cap: float = 0.0  # truncated importance sampling cap (>= 1); 0 turns it off
     dpo_beta: float = 0.1  # DPO's beta (IPO's tau): strength of the pull towards the reference
     dpo_loss: str = "sigmoid"  # one of DPO_LOSSES
@@ -78,6 +79,8 @@ class LossParams:
             )
         if self.kl_coef < 0.0:
             raise ValueError(f"kl_coef must be >= 0; got {self.kl_coef}")
+        if self.kl_clamp < 0.0:
+            raise ValueError(f"kl_clamp must be >= 0 (0: no cap); got {self.kl_clamp}")
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         if self.tis_cap != 0.0 and not self.tis_cap >= 1.0:
             raise ValueError(
@@ -133,7 +136,9 @@ def _clamped_exp(log_ratio: Tensor) -> tuple[Tensor, Tensor]:
     return torch.exp(clamped), clamped != log_ratio
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+def kl_penalty(
+    logprobs: Tensor, ref_logprobs: Tensor, estimator: str, clamp: float = 0.0
+) -> Tensor:
     """Per-token estimate of KL(pi || ref) from log-probs of tokens sampled from pi.
 
     Schulman 2020, "Approximating KL Divergence" (blog), with log_ratio = log pi - log ref and
@@ -142,14 +147,17 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor
       k2 = 0.5 * log_ratio**2           biased, low variance, >= 0
       k3 = r - 1 - log r                unbiased, low variance, >= 0 (GRPO's choice, eq. 4 of
                                         DeepSeekMath, arXiv 2402.03300)
-    k3 is computed with log_ratio clamped to [-20, 20] and capped at KL_CLAMP = 10 (verl's
-    bounds), which it reaches at log_ratio = -2.6 or 11: finite, with zero gradient beyond.
+    k3 is computed with log_ratio clamped to [-20, 20], so it is at most e^20 - 21 = 4.85e8 and
+    finite, with zero gradient beyond the clamp. `clamp` > 0 also caps k3 at that value (verl
+    caps it at 10, which k3 reaches at log_ratio = -2.6 or 11), with zero gradient beyond.
     """
     _check_choice("kl_estimator", estimator, KL_ESTIMATORS)
-    return _kl_from_log_ratio(logprobs - ref_logprobs, estimator)[0]  # (B, T)
+    return _kl_from_log_ratio(logprobs - ref_logprobs, estimator, clamp)[0]  # (B, T)
 
 
-def _kl_from_log_ratio(log_ratio: Tensor, estimator: str) -> tuple[Tensor, Tensor, Tensor]:
+def _kl_from_log_ratio(
+    log_ratio: Tensor, estimator: str, clamp: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """The estimate, where its log-ratio was clamped, where k3 was capped (all (B, T))."""
     untouched = torch.zeros_like(log_ratio, dtype=torch.bool)  # (B, T)
     if estimator == "k1":
@@ -158,7 +166,9 @@ def _kl_from_log_ratio(log_ratio: Tensor, estimator: str) -> tuple[Tensor, Tenso
         return 0.5 * log_ratio**2, untouched, untouched  # (B, T)
     log_r = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T) log(ref / pi)
     k3 = torch.exp(log_r) - 1.0 - log_r  # (B, T)
-    return k3.clamp(max=KL_CLAMP), log_r != -log_ratio, k3 > KL_CLAMP
+    if clamp == 0:
+        return k3, log_r != -log_ratio, untouched
+    return k3.clamp(max=clamp), log_r != -log_ratio, k3 > clamp
 
 
 def _masked_log_ratio(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
@@ -230,7 +240,7 @@ def _kl_term(
         return None, torch.zeros_like(mask), {"kl": torch.zeros((), device=mask.device)}
     weights = batch.token_weights * batch.loss_mask  # (B, T)
     log_ratio = _masked_log_ratio(batch.logprobs, batch.ref_logprobs, mask)  # (B, T)
-    kl, clamped, capped = _kl_from_log_ratio(log_ratio, params.kl_estimator)  # (B, T) x 3
+    kl, clamped, capped = _kl_from_log_ratio(log_ratio, params.kl_estimator, params.kl_clamp)
     metrics = {
         "kl": _weighted_sum(kl.detach(), weights, mask),
         "kl_clamped_frac": _count(capped, mask),

@@ -122,6 +122,8 @@ def check_workload(cfg: Config) -> None:
         )
     if a.clip_ratio_c:
         problems.append(f"algo.clip_ratio_c = {a.clip_ratio_c} (TRL has no dual clip)")
+    if a.kl_coef > 0 and a.kl_clamp:
+        problems.append(f"algo.kl_clamp = {a.kl_clamp} (TRL does not cap k3)")
     if cfg.reward.overlong_buffer:
         problems.append(
             f"reward.overlong_buffer = {cfg.reward.overlong_buffer} (TRL shapes length with a "

@@ -130,6 +130,7 @@ def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
         clip_ratio_c=a.clip_ratio_c,
         kl_coef=a.kl_coef,
         kl_estimator=a.kl_estimator,
+        kl_clamp=a.kl_clamp,
         tis_cap=a.tis_cap,
         dpo_beta=a.dpo_beta,
         dpo_loss=a.dpo_loss,
