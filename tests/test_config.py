@@ -40,7 +40,11 @@ def test_required_keys_exist():
     "override, key, hint",
     [
         (["train.iterationz=3"], "train.iterationz", "unknown key"),
-        (['algo.loss="dpo"'], "algo.loss", "'ppo_clip', 'pg', 'rloo' or 'online_dpo'"),
+        (
+            ['algo.loss="dpo"'],
+            "algo.loss",
+            "'ppo_clip', 'pg', 'rloo', 'online_dpo', 'gspo' or 'cispo'",
+        ),
         (["rollout.group_size=0"], "rollout.group_size", "greater than or equal to 1"),
         (["bogus.key=1"], "bogus", "unknown key"),
         (
@@ -93,15 +97,50 @@ def test_rloo_loss_brings_its_advantage_and_refuses_another():
         (["algo.tis_cap=0.5"], "algo.tis_cap must be 0 (off) or >= 1"),
         (["algo.tis_cap=-1"], "greater than or equal to 0"),
         (["algo.dpo_beta=0"], "greater than 0"),
-        (["algo.dpo_loss='hinge'"], "'sigmoid' or 'ipo'"),
+        (["algo.dpo_loss='hinge'"], "'sigmoid', 'ipo' or 'ipo_token_mean'"),
         (["algo.loss='online_dpo'", "algo.kl_coef=0.1"], "takes no algo.kl_coef or algo.tis_cap"),
         (["algo.loss='online_dpo'", "algo.tis_cap=2"], "takes no algo.kl_coef or algo.tis_cap"),
+        (["algo.clip_ratio_c=1.0"], "algo.clip_ratio_c must be 0 (off) or > 1"),
+        (["algo.loss='gspo'", "algo.clip_ratio_c=3"], "applies to algo.loss = 'ppo_clip' only"),
+        (["algo.std='sample'"], "'unbiased' or 'population'"),
+        (["algo.clip_low=1.5"], "less than or equal to 1"),
+        (["algo.loss='online_dpo'", "algo.mask_truncated=true"], "set algo.mask_truncated"),
+        (["algo.advantage='reinforce_plus_plus'"], "'reinforce_pp' or 'reinforce_pp_baseline'"),
     ],
 )
 def test_bad_loss_keys_are_refused_with_the_reason(override, hint):
     with pytest.raises(ConfigError, match="config key 'algo") as info:
         load_config(None, override)
     assert hint in str(info.value)
+
+
+def test_parity_keys_have_defaults_and_round_trip():
+    cfg = Config()
+    assert (cfg.algo.std, cfg.algo.std_eps, cfg.algo.clip_ratio_c) == ("unbiased", 1e-4, 0.0)
+    assert not cfg.algo.mask_truncated
+    assert (cfg.reward.overlong_buffer, cfg.reward.overlong_penalty) == (0, 1.0)
+    for fields in (
+        ["algo.std='population'", "algo.std_eps=1e-6", "algo.clip_ratio_c=3.0", "algo.kl_clamp=10"],
+        ["algo.loss='cispo'", "algo.clip_low=1.0", "algo.clip_high=4.0"],
+        ["algo.advantage='reinforce_pp_baseline'", "algo.mask_truncated=true"],
+        ["reward.overlong_buffer=16", "reward.overlong_penalty=0.5", "rollout.max_new_tokens=64"],
+        ["algo.loss='online_dpo'", "algo.dpo_loss='ipo_token_mean'"],
+    ):
+        cfg = load_config(None, fields)
+        assert Config.model_validate(tomllib.loads(to_toml(cfg))) == cfg
+
+
+def test_gspo_defaults_to_seq_mean_but_keeps_an_explicit_aggregation():
+    assert load_config(None, ["algo.loss='gspo'"]).algo.loss_agg == "seq-mean"
+    explicit = load_config(None, ["algo.loss='gspo'", "algo.loss_agg='token-mean'"])
+    assert explicit.algo.loss_agg == "token-mean"
+    assert load_config(None, ["algo.loss='cispo'"]).algo.loss_agg == "token-mean"
+
+
+def test_overlong_buffer_longer_than_the_response_is_refused():
+    with pytest.raises(ConfigError, match=r"set reward.overlong_buffer <= 48"):
+        load_config(None, ["reward.overlong_buffer=49"])
+    assert load_config(None, ["reward.overlong_buffer=48"]).reward.overlong_buffer == 48
 
 
 RAY = ["pipeline.backend='ray'", "pipeline.placement='separate'"]

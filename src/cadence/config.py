@@ -238,6 +238,17 @@ class RewardConfig(_Section):
         "of '####' and \\boxed{ comes last, else the whole text). A plain-number reference cuts "
         "the prediction to its last number.",
     )
+    overlong_buffer: int = Field(
+        0,
+        ge=0,
+        description="DAPO's soft overlong penalty: over the last overlong_buffer tokens before "
+        "rollout.max_new_tokens a response's reward falls linearly by up to overlong_penalty. "
+        "Applied by the learner before advantages, from response lengths, whatever the reward "
+        "stage; reward_mean stays the raw reward, reward_shaped_mean is the shaped one. 0: off.",
+    )
+    overlong_penalty: float = Field(
+        1.0, ge=0.0, description="The overlong penalty at rollout.max_new_tokens (DAPO: 1)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -259,22 +270,59 @@ class RewardConfig(_Section):
 
 
 class AlgoConfig(_Section):
-    loss: Literal["ppo_clip", "pg", "rloo", "online_dpo"] = Field(
+    loss: Literal["ppo_clip", "pg", "rloo", "online_dpo", "gspo", "cispo"] = Field(
         "ppo_clip",
         description="Loss (registry name): ppo_clip (clipped surrogate), pg (REINFORCE), rloo "
         "(REINFORCE with leave-one-out advantages), online_dpo (each group's best vs worst "
-        "response, against the frozen reference).",
+        "response, against the frozen reference), gspo (one clipped geometric-mean ratio per "
+        "sequence; loss_agg 'seq-mean' unless set), cispo (REINFORCE weighted by the clipped, "
+        "detached ratio).",
     )
-    advantage: Literal["grpo", "rloo", "reinforce"] = Field(
-        "grpo",
-        description="Advantage estimator (registry name). With loss 'rloo' it must be 'rloo' "
-        "(the default there); online_dpo uses none.",
+    advantage: Literal["grpo", "rloo", "reinforce", "reinforce_pp", "reinforce_pp_baseline"] = (
+        Field(
+            "grpo",
+            description="Advantage estimator (registry name). reinforce_pp: REINFORCE++, rewards "
+            "normalised over the whole batch's tokens; reinforce_pp_baseline: each group's mean "
+            "subtracted first. With loss 'rloo' it must be 'rloo' (the default there); "
+            "online_dpo uses none.",
+        )
     )
     scale_by_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
-    clip_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO ratio floor is 1 - clip_low.")
-    clip_high: float = Field(0.2, ge=0.0, description="PPO ratio ceiling is 1 + clip_high.")
+    std: Literal["unbiased", "population"] = Field(
+        "unbiased",
+        description="GRPO and REINFORCE++: the std divides by n - 1 (unbiased, verl's and TRL's) "
+        "or by n (population, which makes GRPO's advantages sqrt(G / (G - 1)) larger).",
+    )
+    std_eps: float = Field(
+        1e-4,
+        ge=0.0,
+        description="Added to that std (TRL's 1e-4; verl's is 1e-6): reward differences far "
+        "below it stay far below 1 in advantage. Set it to the reward's resolution.",
+    )
+    clip_low: float = Field(
+        0.2, ge=0.0, le=1.0, description="Ratio floor is 1 - clip_low (1: no floor)."
+    )
+    clip_high: float = Field(0.2, ge=0.0, description="Ratio ceiling is 1 + clip_high.")
+    clip_ratio_c: float = Field(
+        0.0,
+        ge=0.0,
+        description="Dual-clip PPO (loss 'ppo_clip'): a token with a negative advantage A has a "
+        "loss of at most -A * clip_ratio_c (> 1; verl's default is 3). 0: off.",
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="Drop responses cut at rollout.max_new_tokens (finish_reason 'length') from "
+        "the loss (TRL's mask_truncated_completions): they train no token but still count in "
+        "their group's advantages and, like empty responses, in seq-mean's number of sequences.",
+    )
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL(policy || reference).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    kl_clamp: float = Field(
+        0.0,
+        ge=0.0,
+        description="Cap on each token's k3 estimate, with zero gradient beyond it (verl caps "
+        "at 10); 0: no cap (TRL's). Its log-ratio is clamped to [-20, 20] either way.",
+    )
     loss_agg: Literal["token-mean", "seq-mean", "seq-sum-norm"] = Field(
         "token-mean",
         description="Loss aggregation over the global batch (online_dpo: the mean over pairs).",
@@ -289,9 +337,19 @@ class AlgoConfig(_Section):
     dpo_beta: float = Field(
         0.1, gt=0.0, description="online_dpo: beta of DPO (tau of IPO), the pull to the reference."
     )
-    dpo_loss: Literal["sigmoid", "ipo"] = Field(
-        "sigmoid", description="online_dpo: sigmoid (DPO) or ipo (squared, IPO) pair loss."
+    dpo_loss: Literal["sigmoid", "ipo", "ipo_token_mean"] = Field(
+        "sigmoid",
+        description="online_dpo: sigmoid (DPO), ipo (IPO on summed sequence log-ratios: the "
+        "paper's, TRL's OnlineDPOTrainer's) or ipo_token_mean (IPO on per-token mean "
+        "log-ratios: TRL's DPOTrainer's).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gspo_aggregation(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("loss") == "gspo":
+            data.setdefault("loss_agg", "seq-mean")  # GSPO's objective: the mean over sequences
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -317,6 +375,21 @@ class AlgoConfig(_Section):
             raise ValueError(
                 "algo.loss = 'online_dpo' takes no algo.kl_coef or algo.tis_cap (dpo_beta pulls "
                 "towards the reference; there is no importance ratio): set both to 0"
+            )
+        if self.clip_ratio_c != 0 and self.clip_ratio_c <= 1:
+            raise ValueError(
+                f"algo.clip_ratio_c must be 0 (off) or > 1 (the dual clip bounds the loss of a "
+                f"negative advantage at -A * clip_ratio_c); got {self.clip_ratio_c}"
+            )
+        if self.clip_ratio_c > 0 and self.loss != "ppo_clip":
+            raise ValueError(
+                f"algo.clip_ratio_c is dual-clip PPO: it applies to algo.loss = 'ppo_clip' only, "
+                f"not '{self.loss}'; set algo.clip_ratio_c = 0"
+            )
+        if self.mask_truncated and self.loss == "online_dpo":
+            raise ValueError(
+                "algo.mask_truncated would leave online_dpo pairs with an empty response: "
+                "set algo.mask_truncated = false (or reward.overlong_buffer to penalise length)"
             )
         return self
 
@@ -542,6 +615,17 @@ class Config(_Section):
             raise ValueError(
                 "reward.stage = 'separate' (the default for reward.kind = 'model') scores in "
                 "reward workers beside the rollout workers: set pipeline.placement = 'separate'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_buffer_fits(self) -> Config:
+        buffer, longest = self.reward.overlong_buffer, self.rollout.max_new_tokens
+        if buffer > longest:
+            raise ValueError(
+                f"reward.overlong_buffer = {buffer} is longer than rollout.max_new_tokens = "
+                f"{longest}: the penalty ramps over the last tokens before max_new_tokens; set "
+                f"reward.overlong_buffer <= {longest}"
             )
         return self
 

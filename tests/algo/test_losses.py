@@ -3,48 +3,22 @@ from dataclasses import replace
 
 import pytest
 import torch
+from batches import LN2, make_batch
 from torch.testing import assert_close
 
+from cadence.algo.aggregation import AGG_MODES, normaliser, token_weights
 from cadence.algo.losses import (
-    AGG_MODES,
+    TOKEN_METRICS,
     LossParams,
     PolicyBatch,
+    cispo_loss,
+    gspo_loss,
     kl_penalty,
-    normaliser,
-    online_dpo_loss,
     pg_loss,
     ppo_clip_loss,
-    preference_pairs,
     rloo_loss,
     tis_weights,
-    token_weights,
 )
-
-LN2 = math.log(2.0)
-LN3 = math.log(3.0)
-
-
-def make_batch(
-    logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor | None = None,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    mode: str = "token-mean",
-) -> PolicyBatch:
-    """On-policy batch (old == logprobs) unless told otherwise; all tokens valid by default."""
-    logprobs = logprobs.clone().requires_grad_(True)
-    mask = torch.ones_like(logprobs) if loss_mask is None else loss_mask
-    old = logprobs.detach().clone() if old_logprobs is None else old_logprobs
-    return PolicyBatch(
-        logprobs=logprobs,
-        old_logprobs=old,
-        advantages=advantages,
-        loss_mask=mask,
-        token_weights=token_weights(mask, mode),
-        ref_logprobs=ref_logprobs,
-    )
-
 
 # --- PPO clip ---------------------------------------------------------------------------------
 
@@ -248,13 +222,15 @@ def test_zero_normaliser_is_rejected():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"clip_low": 1.0}, "clip_low must be in"),
+        ({"clip_low": 1.5}, "clip_low must be in"),
+        ({"clip_ratio_c": 1.0}, "clip_ratio_c must be 0"),
         ({"clip_high": -0.1}, "clip_high must be >= 0"),
         ({"kl_coef": -1.0}, "kl_coef must be >= 0"),
+        ({"kl_clamp": -1.0}, "kl_clamp must be >= 0"),
         ({"kl_estimator": "k9"}, "allowed: k1, k2, k3"),
         ({"tis_cap": 0.5}, "tis_cap must be 0"),
         ({"dpo_beta": 0.0}, "dpo_beta must be > 0"),
-        ({"dpo_loss": "hinge"}, "allowed: sigmoid, ipo"),
+        ({"dpo_loss": "hinge"}, "allowed: sigmoid, ipo, ipo_token_mean"),
     ],
 )
 def test_loss_params_reject_bad_values(kwargs: dict, message: str):
@@ -356,90 +332,271 @@ def test_rloo_loss_refuses_groups_that_are_not_consecutive_blocks():
         rloo_loss(batch, LossParams())
 
 
-# --- online DPO -------------------------------------------------------------------------------
+# --- extreme log-ratios: clamped before exp() ---------------------------------------------------
+
+E20 = math.exp(20.0)  # 485165195.4: the largest ratio after the [-20, 20] clamp
 
 
-def test_preference_pairs_take_best_and_worst_and_count_ties():
-    rewards = torch.tensor([0.0, 1.0, 1.0, 0.0, 0.5, 0.5, 0.3, 0.9, 0.1])
-    group_ids = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 2])
-    chosen, rejected, ties = preference_pairs(rewards, group_ids)
-    # group 0: best 1.0 at rows 1 and 2 -> first, row 1; worst 0.0 at rows 0 and 3 -> row 0
-    # group 1: 0.5 == 0.5, a tie: skipped; group 2: best row 7 (0.9), worst row 8 (0.1)
-    assert chosen.tolist() == [1, 7] and rejected.tolist() == [0, 8] and ties == 1
-
-
-def _dpo_batch() -> PolicyBatch:
-    """Three groups; the reference log-probs are 0, so s(y) = sum of the response's log-probs.
-
-    group A, rows 0-2, rewards [0, 1, 0.5]: chosen row 1 (s = 2 ln 3), rejected row 0 (s = 0)
-    group B, rows 3-4, rewards [1, 1]: a tie, skipped
-    group C, rows 5-6, rewards [0.2, 0]: chosen row 5 (s = 0), rejected row 6 (s = 0; its second
-    token is padding holding a huge value)
-    """
-    logprobs = torch.tensor(
-        [[0.0, 0.0], [LN3, LN3], [-5.0, -5.0], [-1.0, -2.0], [-3.0, 0.0], [1.0, -1.0], [0.0, 1e4]]
-    )
-    mask = torch.ones(7, 2)
-    mask[6, 1] = 0.0
-    batch = make_batch(logprobs, torch.zeros(7), loss_mask=mask, ref_logprobs=torch.zeros(7, 2))
-    return replace(
-        batch,
-        rewards=torch.tensor([0.0, 1.0, 0.5, 1.0, 1.0, 0.2, 0.0]),
-        group_ids=torch.tensor([0, 0, 0, 1, 1, 2, 2]),
+def _stale_token_batch(advantage: float) -> PolicyBatch:
+    """Token 0's recorded old log-prob is -100 against the policy's -1: log-ratio 99."""
+    return make_batch(
+        torch.tensor([[-1.0, -2.0]]),
+        torch.tensor([advantage]),
+        old_logprobs=torch.tensor([[-100.0, -2.0]]),
     )
 
 
-def test_online_dpo_sigmoid_loss_on_hand_example():
-    batch = _dpo_batch()
-    loss, metrics = online_dpo_loss(batch, LossParams(dpo_beta=0.5, dpo_loss="sigmoid"))
+def test_ppo_clip_on_an_extreme_log_ratio_is_finite_with_zero_gradient_for_that_token():
+    batch = _stale_token_batch(1.0)
+    loss, metrics = ppo_clip_loss(batch, LossParams())
     loss.backward()
-    # h = s(chosen) - s(rejected): A: 2 ln 3 - 0; C: 0 - 0. beta * h = ln 3 and 0.
-    # -log sigmoid(x) = log(1 + e^-x): A: log(1 + 1/3) = 0.287682; C: log 2 = 0.693147
-    # sum over the 2 pairs = 0.980829 (the learner divides by the global number of pairs)
-    assert_close(loss, torch.tensor(0.980829), atol=1e-6, rtol=0)
-    assert metrics["num_pairs"].item() == 2 and metrics["dpo_ties"].item() == 1
-    # margins beta * h = ln 3 + 0 = 1.098612; accuracy counts margin > 0: pair A only
-    assert_close(metrics["dpo_margin"], torch.tensor(LN3), atol=1e-6, rtol=0)
-    assert metrics["dpo_accuracy"].item() == 1.0
-    # d loss / d h = -beta * sigmoid(-beta h): A: -0.5 * 1/(1 + 3) = -0.125; C: -0.5 * 0.5 = -0.25
-    # chosen tokens get that, rejected tokens its negative, padding and unpaired rows nothing
-    expected = torch.tensor(
-        [[0.125, 0.125], [-0.125, -0.125], [0, 0], [0, 0], [0, 0], [-0.25, -0.25], [0.25, 0.0]]
+    # token 0: log-ratio 99 clamped to 20, ratio e^20; A = +1: min(e^20, 1.2) = 1.2 -> -1.2,
+    #   and its gradient is 0 (the clip's and the clamp's); unclamped this gradient was NaN
+    # token 1: ratio 1 -> -1, gradient -A * ratio = -1. Sum -2.2.
+    assert_close(loss, torch.tensor(-2.2), atol=1e-6, rtol=0)
+    assert_close(batch.logprobs.grad, torch.tensor([[0.0, -1.0]]), atol=0, rtol=0)
+    assert metrics["ratio_clamped_frac"].item() == 1.0 and metrics["clip_frac"].item() == 1.0
+
+
+def test_ppo_clip_negative_advantage_twin_is_finite_and_dual_clip_bounds_it():
+    batch = _stale_token_batch(-1.0)
+    loss, _ = ppo_clip_loss(batch, LossParams())
+    loss.backward()
+    # token 0: A = -1: -min(-e^20, -1.2) = e^20 = 485165195.4, finite (unclamped: inf); the
+    #   clamp cuts its gradient to 0. token 1: ratio 1 -> 1, gradient -A * 1 = +1.
+    assert torch.isfinite(loss)
+    assert_close(loss, torch.tensor(E20 + 1.0), atol=0, rtol=1e-6)
+    assert_close(batch.logprobs.grad, torch.tensor([[0.0, 1.0]]), atol=0, rtol=0)
+    # with dual clip c = 3: token 0's loss is min(e^20, -c * A = 3) = 3; total 4
+    batch = _stale_token_batch(-1.0)
+    loss, metrics = ppo_clip_loss(batch, LossParams(clip_ratio_c=3.0))
+    loss.backward()
+    assert_close(loss, torch.tensor(4.0), atol=1e-6, rtol=0)
+    assert_close(batch.logprobs.grad, torch.tensor([[0.0, 1.0]]), atol=0, rtol=0)
+    assert metrics["dual_clip_frac"].item() == 1.0
+
+
+@pytest.mark.parametrize("kl_clamp", [0.0, 10.0])
+@pytest.mark.parametrize("name", ["ppo_clip", "pg", "gspo", "cispo"])
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_every_policy_loss_is_finite_on_extreme_log_ratios(
+    name: str, advantage: float, kl_clamp: float
+):
+    loss_fn = {"ppo_clip": ppo_clip_loss, "pg": pg_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+    batch = replace(
+        _stale_token_batch(advantage),
+        ref_logprobs=torch.tensor([[90.0, -2.0]]),  # k3's log-ratio -91: exp(91) overflows fp32
+        behaviour_logprobs=torch.tensor([[-200.0, -2.0]]),  # TIS log-ratio 100
     )
-    assert_close(batch.logprobs.grad, expected, atol=1e-6, rtol=0)
-
-
-def test_online_dpo_ipo_loss_on_hand_example():
-    batch = _dpo_batch()
-    loss, _ = online_dpo_loss(batch, LossParams(dpo_beta=0.5, dpo_loss="ipo"))
+    loss, metrics = loss_fn[name](batch, LossParams(kl_coef=0.1, tis_cap=2.0, kl_clamp=kl_clamp))
     loss.backward()
-    # 1 / (2 beta) = 1. A: (2 ln 3 - 1)^2 = 1.197225^2 = 1.433347; C: (0 - 1)^2 = 1; sum 2.433347
-    assert_close(loss, torch.tensor(2.433347), atol=1e-5, rtol=0)
-    # d/dh (h - 1)^2 = 2 (h - 1): A: 2.394449 on chosen tokens; C: -2 on row 5, +2 on row 6's token
-    assert_close(batch.logprobs.grad[1], torch.tensor([2.394449, 2.394449]), atol=1e-5, rtol=0)
-    assert_close(batch.logprobs.grad[6], torch.tensor([2.0, 0.0]), atol=1e-6, rtol=0)
+    assert torch.isfinite(loss) and torch.isfinite(batch.logprobs.grad).all()
+    assert all(torch.isfinite(v) for v in metrics.values())
+    # token 0's log-ratio to old (or, GSPO, its sequence's mean 49.5) and to ref were clamped
+    assert metrics["ratio_clamped_frac"].item() == (2.0 if name == "gspo" else 1.0)
+    assert metrics["kl_clamped_frac"].item() == (1.0 if kl_clamp else 0.0)
 
 
-def test_online_dpo_with_only_ties_has_zero_loss_and_gradient():
-    batch = replace(_dpo_batch(), rewards=torch.ones(7))
-    loss, metrics = online_dpo_loss(batch, LossParams())
+def test_k3_stays_finite_with_zero_gradient_beyond_the_log_ratio_clamp():
+    logprobs = torch.tensor([[-100.0, -3.0, 0.0]], requires_grad=True)
+    kl = kl_penalty(logprobs, torch.zeros(1, 3), "k3")
+    kl.sum().backward()
+    # log_ratio x = logprobs - ref; k3 = e^-x - 1 + x:
+    #   x = -100: exp(100) = inf unclamped; clamped to -20: e^20 - 21 = 485165174.4
+    #   x = -3: e^3 - 4 = 16.085537 (no cap by default);  x = 0: 0
+    assert_close(kl, torch.tensor([[E20 - 21.0, 16.085537, 0.0]]), atol=1e-5, rtol=1e-6)
+    # d k3 / dx = 1 - e^-x: 0 beyond the clamp; x = -3: 1 - e^3 = -19.085537; x = 0: 0
+    assert_close(logprobs.grad, torch.tensor([[0.0, -19.085537, 0.0]]), atol=1e-5, rtol=0)
+
+
+def test_k3_capped_at_10_as_verl_has_zero_gradient_beyond():
+    logprobs = torch.tensor([[-100.0, -3.0, -2.0, 0.0]], requires_grad=True)
+    kl = kl_penalty(logprobs, torch.zeros(1, 4), "k3", clamp=10.0)
+    kl.sum().backward()
+    # log_ratio x = logprobs - ref; k3 = e^-x - 1 + x:
+    #   x = -100: exp(100) = inf unclamped; clamped to -20: e^20 - 21 = 4.85e8 -> capped at 10
+    #   x = -3: e^3 - 4 = 16.085537 -> capped at 10;  x = -2: e^2 - 3 = 4.389056;  x = 0: 0
+    assert_close(kl, torch.tensor([[10.0, 10.0, 4.389056, 0.0]]), atol=1e-5, rtol=0)
+    # d k3 / dx = 1 - e^-x: 0 where capped; x = -2: 1 - e^2 = -6.389056; x = 0: 0
+    assert_close(logprobs.grad, torch.tensor([[0.0, 0.0, -6.389056, 0.0]]), atol=1e-5, rtol=0)
+
+
+def test_tis_weight_of_an_extreme_log_ratio_is_the_cap():
+    weights, cut = tis_weights(
+        torch.tensor([[0.0, -1.0]]), torch.tensor([[-500.0, -1.0]]), torch.ones(1, 2), cap=2.0
+    )
+    # log-ratio 500 clamped to 20: e^20 > cap -> 2; token 1: ratio 1
+    assert_close(weights, torch.tensor([[2.0, 1.0]]), atol=0, rtol=0)
+    assert cut.tolist() == [[True, False]]
+
+
+# --- dual-clip PPO ----------------------------------------------------------------------------
+
+
+def test_dual_clip_caps_the_loss_of_negative_advantages_beyond_c():
+    ratios = torch.tensor([[0.5, 1.0, 2.0, 3.0, 4.0], [0.5, 1.0, 2.0, 3.0, 4.0]])
+    batch = make_batch(ratios.log(), torch.tensor([-1.0, 1.0]), old_logprobs=torch.zeros(2, 5))
+    loss, metrics = ppo_clip_loss(batch, LossParams(clip_ratio_c=3.0))
     loss.backward()
-    assert loss.item() == 0.0 and metrics["num_pairs"].item() == 0
-    assert metrics["dpo_ties"].item() == 3
-    assert (batch.logprobs.grad == 0).all()
+    # clip range [0.8, 1.2]. A = -1: PPO loss_t = -min(-r, -clip(r)) = max(r, clip(r)):
+    #   r = 0.5 -> 0.8 (clipped, gradient 0); 1 -> 1; 2 -> 2; 3 -> 3 (= c * |A|: at the bound);
+    #   4 -> 4 > 3 = -c * A, so the dual clip makes it 3 with gradient 0. Sum 9.8.
+    # A = +1 (no dual clip): -min(r, clip(r)) = -0.5, -1, -1.2, -1.2, -1.2. Sum -5.1.
+    # total 4.7; clipped tokens: r = 0.5 (A < 0) and r = 2, 3, 4 (A > 0): 4; dual-clipped: 1
+    assert_close(loss, torch.tensor(4.7), atol=1e-5, rtol=0)
+    assert metrics["clip_frac"].item() == 4.0 and metrics["dual_clip_frac"].item() == 1.0
+    # gradient of loss_t wrt logprob_t where unclipped: -A * r. A = -1: r; A = +1: -r
+    expected = torch.tensor([[0.0, 1.0, 2.0, 3.0, 0.0], [-0.5, -1.0, 0.0, 0.0, 0.0]])
+    assert_close(batch.logprobs.grad, expected, atol=1e-5, rtol=0)
 
 
-def test_online_dpo_kl_metric_is_per_token_over_each_pairs_responses():
-    batch = _dpo_batch()
-    _, metrics = online_dpo_loss(batch, LossParams(kl_estimator="k1"))
-    # k1 = logprobs - ref. A: rows 1 and 0: (2 ln 3 + 0) / 4 tokens = 0.549306
-    # C: rows 5 and 6: (1 - 1 + 0) / 3 tokens = 0; summed over pairs: 0.549306
-    assert_close(metrics["kl"], torch.tensor(2 * LN3 / 4), atol=1e-6, rtol=0)
+def test_dual_clip_off_leaves_ppo_clip_unchanged():
+    ratios = torch.tensor([[0.5, 1.0, 4.0]])
+    batch = make_batch(ratios.log(), torch.tensor([-1.0]), old_logprobs=torch.zeros(1, 3))
+    loss, metrics = ppo_clip_loss(batch, LossParams())
+    # A = -1: max(r, clip(r)) = 0.8 + 1 + 4 = 5.8; no dual clip metric
+    assert_close(loss, torch.tensor(5.8), atol=1e-5, rtol=0)
+    assert "dual_clip_frac" not in metrics
 
 
-def test_online_dpo_needs_reference_and_refuses_kl_coef():
-    batch = _dpo_batch()
-    with pytest.raises(ValueError, match="takes no kl_coef or tis_cap"):
-        online_dpo_loss(batch, LossParams(kl_coef=0.1))
-    with pytest.raises(ValueError, match="needs ref_logprobs"):
-        online_dpo_loss(replace(batch, ref_logprobs=None), LossParams())
+# --- GSPO -------------------------------------------------------------------------------------
+
+# Three sequences of lengths 3, 2, 1 (T = 3) with token log-ratios (old log-probs 0):
+#   seq 0: [ln 2, 0, ln 0.5] -> mean 0, s = 1;         A = +2
+#   seq 1: [ln 2, 0]         -> mean ln2 / 2, s = sqrt(2) = 1.414214; A = -1
+#   seq 2: [ln 0.5]          -> s = 0.5;               A = -1
+GSPO_LOGPROBS = torch.tensor([[LN2, 0.0, -LN2], [LN2, 0.0, 0.0], [-LN2, 0.0, 0.0]])
+GSPO_ADVANTAGES = torch.tensor([2.0, -1.0, -1.0])
+
+
+def test_gspo_clips_whole_sequences_by_their_geometric_mean_ratio():
+    batch = make_batch(GSPO_LOGPROBS, GSPO_ADVANTAGES, MASK, torch.zeros(3, 3), mode="seq-mean")
+    loss, metrics = gspo_loss(batch, LossParams())
+    loss.backward()
+    # clip range [0.8, 1.2]; loss_i = -min(s A, clip(s) A):
+    #   seq 0: s = 1 -> -2, inside; seq 1: -min(-1.414214, -1.2) = 1.414214 (above the ceiling,
+    #   but the pessimistic min keeps the unclipped term); seq 2: -min(-0.5, -0.8) = 0.8, clipped
+    # seq-mean: each token weighs 1/len_i, so the sum is the sum of sequence losses:
+    #   -2 + 1.414214 + 0.8 = 0.214214
+    assert_close(loss, torch.tensor(0.214214), atol=1e-5, rtol=0)
+    # gradient where not clipped: d loss_i / d logprob_t = -A_i * s_i / len_i:
+    #   seq 0: -2 * 1 / 3 = -0.666667; seq 1: 1.414214 / 2 = 0.707107; seq 2 (clipped): 0
+    expected = torch.tensor([[-2 / 3, -2 / 3, -2 / 3], [0.707107, 0.707107, 0.0], [0.0, 0.0, 0.0]])
+    assert_close(batch.logprobs.grad, expected, atol=1e-5, rtol=0)
+    # clip_frac counts tokens of clipped sequences: seq 2's one token; ratio: 1 + 1.414214 + 0.5
+    assert metrics["clip_frac"].item() == 1.0
+    assert_close(metrics["ratio"], torch.tensor(2.914214), atol=1e-5, rtol=0)
+
+
+def test_gspo_under_token_mean_weighs_each_sequence_by_its_length():
+    batch = make_batch(GSPO_LOGPROBS, GSPO_ADVANTAGES, MASK, torch.zeros(3, 3), mode="token-mean")
+    loss, _ = gspo_loss(batch, LossParams())
+    loss.backward()
+    # every token weighs 1: 3 * -2 + 2 * 1.414214 + 1 * 0.8 = -2.371573
+    assert_close(loss, torch.tensor(-2.371573), atol=1e-5, rtol=0)
+    # each token gets its sequence's len_i * (-A_i s_i / len_i) = -A_i s_i: -2, 1.414214, 0
+    expected = torch.tensor([[-2.0, -2.0, -2.0], [1.414214, 1.414214, 0.0], [0.0, 0.0, 0.0]])
+    assert_close(batch.logprobs.grad, expected, atol=1e-5, rtol=0)
+
+
+def test_gspo_clips_a_sequence_that_one_token_pushes_out_of_range():
+    # log-ratios [ln 4, 0, 0, 0]: token-level PPO clips token 0 alone (ratio 4); GSPO's
+    # s = 4^(1/4) = 1.414214 > 1.2 clips the whole sequence for A > 0: every gradient is 0
+    logprobs = torch.tensor([[math.log(4.0), 0.0, 0.0, 0.0]])
+    batch = make_batch(logprobs, torch.tensor([1.0]), old_logprobs=torch.zeros(1, 4))
+    loss, metrics = gspo_loss(batch, LossParams())
+    loss.backward()
+    assert_close(loss, torch.tensor(-4 * 1.2), atol=1e-5, rtol=0)  # -1.2 on each of 4 tokens
+    assert (batch.logprobs.grad == 0).all() and metrics["clip_frac"].item() == 4.0
+    ppo = make_batch(logprobs, torch.tensor([1.0]), old_logprobs=torch.zeros(1, 4))
+    ppo_clip_loss(ppo, LossParams())[0].backward()
+    assert_close(ppo.logprobs.grad, torch.tensor([[0.0, -1.0, -1.0, -1.0]]), atol=1e-6, rtol=0)
+
+
+def test_gspo_on_policy_has_ppos_gradient_under_seq_mean():
+    mask = MASK.clone()
+    kwargs = {"loss_mask": mask, "mode": "seq-mean"}
+    gspo = make_batch(-VALUES, torch.tensor([1.0, -2.0, 0.5]), **kwargs)  # old = logprobs
+    ppo = make_batch(-VALUES, torch.tensor([1.0, -2.0, 0.5]), **kwargs)
+    gspo_loss(gspo, LossParams())[0].backward()
+    ppo_clip_loss(ppo, LossParams())[0].backward()
+    # s_i = 1: -A_i / len_i on every token, as PPO's -A_i * w_t with w_t = 1 / len_i
+    assert_close(gspo.logprobs.grad, ppo.logprobs.grad, atol=1e-6, rtol=0)
+
+
+# --- CISPO ------------------------------------------------------------------------------------
+
+# Ratios [0.5, 1, 1.5] at log-probs [-1, -2, -0.5]: old = logprobs - ln(ratio)
+CISPO_LOGPROBS = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -2.0, -0.5]])
+CISPO_OLD = CISPO_LOGPROBS - torch.tensor([0.5, 1.0, 1.5]).log()
+
+
+def test_cispo_weighs_logprobs_by_the_clipped_detached_ratio():
+    batch = make_batch(CISPO_LOGPROBS, torch.tensor([1.0, -2.0]), old_logprobs=CISPO_OLD)
+    loss, metrics = cispo_loss(batch, LossParams(clip_low=0.2, clip_high=0.3))
+    loss.backward()
+    # weights w = clip(r, 0.8, 1.3) = [0.8, 1.0, 1.3]; loss_t = -w_t * A * logprob_t
+    #   A = +1: -(0.8 * -1 + 1 * -2 + 1.3 * -0.5) = 3.45
+    #   A = -2: 2 * (0.8 * -1 + 1 * -2 + 1.3 * -0.5) = -6.9;   total -3.45
+    assert_close(loss, torch.tensor(-3.45), atol=1e-5, rtol=0)
+    # gradient -w_t * A, nonzero even where the ratio left the range (PPO's would be 0 there)
+    expected = torch.tensor([[-0.8, -1.0, -1.3], [1.6, 2.0, 2.6]])
+    assert_close(batch.logprobs.grad, expected, atol=1e-5, rtol=0)
+    assert metrics["clip_frac"].item() == 4.0  # r = 0.5 and 1.5 in both rows
+
+
+def test_cispo_without_a_floor_keeps_small_ratios():
+    batch = make_batch(CISPO_LOGPROBS[:1], torch.tensor([1.0]), old_logprobs=CISPO_OLD[:1])
+    loss, metrics = cispo_loss(batch, LossParams(clip_low=1.0, clip_high=0.3))
+    # clip_low = 1: floor 0, so w = [0.5, 1.0, 1.3]: -(0.5 * -1 + 1 * -2 + 1.3 * -0.5) = 3.15
+    assert_close(loss, torch.tensor(3.15), atol=1e-5, rtol=0)
+    assert metrics["clip_frac"].item() == 1.0  # only r = 1.5
+
+
+def test_cispo_on_policy_is_pg():
+    cispo = make_batch(-VALUES, torch.tensor([1.0, -2.0, 0.5]), MASK)
+    pg = make_batch(-VALUES, torch.tensor([1.0, -2.0, 0.5]), MASK)
+    cispo_loss_value, _ = cispo_loss(cispo, LossParams())
+    pg_loss_value, _ = pg_loss(pg, LossParams())
+    (cispo_loss_value + pg_loss_value).backward()  # both graphs at once
+    # ratio 1 -> w = 1: -A * logprob, exactly pg's loss and gradient
+    assert_close(cispo_loss_value, pg_loss_value, atol=1e-6, rtol=0)
+    assert_close(cispo.logprobs.grad, pg.logprobs.grad, atol=1e-6, rtol=0)
+
+
+# --- metric conventions -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_clip_frac_counts_tokens_in_every_aggregation_mode(mode: str):
+    ratios = torch.tensor([[1.0, 1.5, 0.8], [1.0, 1.5, 0.8]])
+    batch = make_batch(
+        ratios.log(), torch.tensor([2.0, -1.0]), old_logprobs=torch.zeros(2, 3), mode=mode
+    )
+    _, metrics = ppo_clip_loss(batch, LossParams(clip_low=0.1, clip_high=0.3))
+    # 2 clipped tokens (see the first PPO test) whatever the weights: under seq-mean a weighted
+    # count would be 2 / 3; the learner divides this count by the response tokens (6)
+    assert metrics["clip_frac"].item() == 2.0
+    assert set(TOKEN_METRICS) >= {"clip_frac", "ratio_clamped_frac", "tis_trunc_frac"}
+
+
+def test_seq_mean_counts_an_empty_response_in_the_number_of_sequences():
+    values = torch.tensor([[1.0, 2.0], [5.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])  # response 1 is empty
+    batch = make_batch(values, -torch.ones(2), mask, mode="seq-mean")
+    loss, _ = pg_loss(batch, LossParams())
+    # row 0: mean(1, 2) = 1.5; the empty row weighs 0 on every token and adds 0;
+    # num_seqs counts it: 1.5 / 2 = 0.75 (verl, which leaves it out, would give 1.5)
+    norm = normaliser("seq-mean", num_tokens=2, num_seqs=2, max_new_tokens=2)
+    assert_close(loss / norm, torch.tensor(0.75), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo", "ppo_clip"])
+def test_a_group_with_equal_rewards_gives_no_loss_and_no_gradient(name: str):
+    loss_fn = {"gspo": gspo_loss, "cispo": cispo_loss, "ppo_clip": ppo_clip_loss}[name]
+    # equal rewards -> every advantage 0 (GRPO, RLOO, REINFORCE++ alike), here with every ratio
+    # exp(-0.4) = 0.670320, below the clip floor 0.8
+    batch = make_batch(-VALUES, torch.zeros(3), MASK, old_logprobs=-VALUES + 0.4)
+    loss, _ = loss_fn(batch, LossParams(clip_ratio_c=3.0 if name == "ppo_clip" else 0.0))
+    loss.backward()
+    assert loss.item() == 0.0 and (batch.logprobs.grad == 0).all()

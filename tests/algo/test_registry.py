@@ -46,13 +46,18 @@ def test_reference_is_needed_for_kl_or_a_pair_loss(loss: str, kl_coef: float, ne
 def test_unknown_advantage_error_names_allowed_values():
     with pytest.raises(ValueError) as info:
         get_advantage("gae")
-    assert str(info.value) == "unknown algo.advantage 'gae'; allowed: grpo, rloo, reinforce"
+    assert str(info.value) == (
+        "unknown algo.advantage 'gae'; allowed: grpo, rloo, reinforce, reinforce_pp, "
+        "reinforce_pp_baseline"
+    )
 
 
 def test_unknown_loss_error_names_allowed_values():
     with pytest.raises(ValueError) as info:
         get_loss("dpo")
-    assert str(info.value) == "unknown algo.loss 'dpo'; allowed: ppo_clip, pg, rloo, online_dpo"
+    assert str(info.value) == (
+        "unknown algo.loss 'dpo'; allowed: ppo_clip, pg, rloo, online_dpo, gspo, cispo"
+    )
 
 
 def test_inserting_into_losses_registers_a_new_loss(monkeypatch: pytest.MonkeyPatch):
@@ -65,5 +70,41 @@ def test_inserting_into_losses_registers_a_new_loss(monkeypatch: pytest.MonkeyPa
 
 def test_public_surface_is_exactly_all():
     public = {name for name in vars(algo) if not name.startswith("_")}
-    modules = {"advantages", "losses", "registry"}
+    modules = {"advantages", "aggregation", "dpo", "losses", "registry", "shaping"}
     assert public - modules == set(algo.__all__)
+
+
+def test_gspo_and_cispo_are_registered_as_token_losses():
+    assert get_loss("gspo") is algo.gspo_loss and get_loss("cispo") is algo.cispo_loss
+    assert not algo.is_pair_loss("gspo") and not algo.is_pair_loss("cispo")
+
+
+def test_reinforce_pp_estimators_take_lengths_and_need_the_whole_batch():
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    lengths = torch.tensor([[1, 1], [1, 1]])
+    ctx = algo.AdvantageContext(std="population", std_eps=0.0, lengths=lengths)
+    # reinforce_pp: 4 tokens, mean 0.75, population std sqrt(0.1875) = 0.433013:
+    #   1 -> 0.25 / 0.433013 = 0.577350; 0 -> -0.75 / 0.433013 = -1.732051
+    a, b = 0.577350, -1.732051
+    expected = torch.tensor([[a, b], [a, a]])
+    torch.testing.assert_close(get_advantage("reinforce_pp")(rewards, ctx), expected)
+    # the baseline variant: group means 0.5 and 1 -> [0.5, -0.5], [0, 0]; mean 0, population
+    # std sqrt(0.5 / 4) = 0.353553 -> [1.414214, -1.414214], [0, 0]
+    s2 = 2.0**0.5
+    baseline = get_advantage("reinforce_pp_baseline")(rewards, ctx)
+    torch.testing.assert_close(baseline, torch.tensor([[s2, -s2], [0.0, 0.0]]))
+    assert [n for n in algo.ADVANTAGES if algo.is_batch_advantage(n)] == [
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+    ]
+    with pytest.raises(ValueError, match="needs each response's token count"):
+        get_advantage("reinforce_pp")(rewards, algo.AdvantageContext())
+
+
+def test_grpo_reads_std_and_eps_from_the_context():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    ctx = algo.AdvantageContext(std="population", std_eps=0.0)
+    # population std 0.5 -> +-1 (the default unbiased std + 1e-4 gives +-0.865875)
+    torch.testing.assert_close(
+        get_advantage("grpo")(rewards, ctx), torch.tensor([[1.0, -1.0, -1.0, 1.0]])
+    )

@@ -70,6 +70,9 @@ def test_trl_arguments_map_the_workload(model_dir, tmp_path):
     assert args["per_device_train_batch_size"] == 8 and args["gradient_accumulation_steps"] == 2
     assert args["max_steps"] == 3 and args["max_completion_length"] == 12
     assert args["loss_type"] == "dapo" and args["scale_rewards"] == "none"
+    assert args["mask_truncated_completions"] is False
+    masked = load_config(None, [*workload(model_dir), "algo.mask_truncated=true"])
+    assert trl_peer.trl_args(masked, tmp_path)["mask_truncated_completions"] is True
     config = GRPOConfig(**args)
     assert config.generation_batch_size == 16 and config.steps_per_generation == 2
     assert config.activation_checkpointing is False and config.optim == "adamw_torch"
@@ -85,6 +88,11 @@ def test_trl_arguments_map_the_workload(model_dir, tmp_path):
         ("train.micro_batch_groups=3", "not a multiple"),
         ("rollout.temperature=0", "rollout.temperature"),
         ("model.dtype='bfloat16'", "model.dtype"),
+        ("algo.std='population'", "algo.std = 'population'"),
+        ("algo.std_eps=1e-6", "algo.std_eps = 1e-06"),
+        ("algo.clip_ratio_c=3", "algo.clip_ratio_c"),
+        ("algo.kl_clamp=10", "algo.kl_clamp"),
+        ("reward.overlong_buffer=4", "reward.overlong_buffer"),
     ],
 )
 def test_workloads_trl_cannot_match_are_refused(model_dir, tmp_path, capsys, override, needle):

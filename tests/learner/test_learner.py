@@ -3,32 +3,12 @@ import math
 
 import pytest
 import torch
+from rollouts import Recorder, older_behaviour, sample_groups
 
 from cadence.algo import LossParams
-from cadence.backend import RolloutWorker
-from cadence.engine import HFEngine, SamplingParams
 from cadence.learner import Learner, LearnerParams, frozen_copy
 from cadence.rewards import TableReward
-from cadence.types import Prompt
 from updates import assert_same_update, capture_grads, max_relative_diff
-
-
-class LengthReward:
-    """Rewards short answers: gives the groups a spread of rewards without a trained model."""
-
-    def __call__(self, prompt: str, completion: str, answer: str) -> float:
-        return 1.0 if len(completion) < 20 else 0.0
-
-
-def _groups(model, tokenizer, n=4, group_size=4):
-    params = SamplingParams(max_new_tokens=10, stop_token_ids=(tokenizer.eos_token_id,))
-    worker = RolloutWorker(
-        HFEngine(model, tokenizer), tokenizer, LengthReward(), params, group_size, run_seed=3
-    )
-    prompts = [
-        Prompt(f"p{i}", f"Question: What is {i} + {i}?\nAnswer: ", "#### 0", i) for i in range(n)
-    ]
-    return worker.rollout(prompts, iteration=0, version=0)
 
 
 def _learner(model, tokenizer, kl_coef=0.1, **kw):
@@ -44,7 +24,7 @@ def _train(model, tokenizer, groups, **kw):
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "seq-sum-norm"])
 def test_update_does_not_depend_on_micro_batch_size(model, tokenizer, agg):
-    groups = _groups(model, tokenizer)
+    groups = sample_groups(model, tokenizer)
     assert any(len(set(g.rewards)) > 1 for g in groups)  # some signal to learn from
     a, b = copy.deepcopy(model), copy.deepcopy(model)
     _, la = _learner(a, tokenizer, micro_batch_groups=1, loss_agg=agg)
@@ -61,7 +41,7 @@ def test_update_does_not_depend_on_micro_batch_size(model, tokenizer, agg):
 
 
 def test_one_optimizer_step_per_iteration_and_version_advances(model, tokenizer):
-    groups = _groups(model, tokenizer)
+    groups = sample_groups(model, tokenizer)
     stats, learner = _train(model, tokenizer, groups)
     assert stats["optimizer_steps"] == 1 and learner.version == 1
     stats, learner = _train(copy.deepcopy(model), tokenizer, groups, mini_batches=2)
@@ -77,7 +57,7 @@ def _checksum(model):
 
 
 def test_reference_is_a_frozen_copy_whose_checksum_never_changes(model, tokenizer):
-    groups = _groups(model, tokenizer)
+    groups = sample_groups(model, tokenizer)
     ref, learner = _learner(model, tokenizer)
     before = _checksum(ref)
     optimized = {id(p) for g in learner.optimizer.param_groups for p in g["params"]}
@@ -90,23 +70,11 @@ def test_reference_is_a_frozen_copy_whose_checksum_never_changes(model, tokenize
     assert not learner.optimizer.state.keys() & set(ref.parameters())
 
 
-class _Recorder:
-    """Wraps the learner's loss to keep every micro-batch's PolicyBatch."""
-
-    def __init__(self, learner):
-        self.inner, self.batches = learner.loss_fn, []
-        learner.loss_fn = self
-
-    def __call__(self, batch, params):
-        self.batches.append(batch)
-        return self.inner(batch, params)
-
-
 @pytest.mark.parametrize("reuse", [True, False])
 def test_ratio_is_one_on_the_first_micro_batch(model, tokenizer, reuse):
-    groups = _groups(model, tokenizer)
+    groups = sample_groups(model, tokenizer)
     _, learner = _learner(model, tokenizer, micro_batch_groups=2, reuse_old_logprobs=reuse)
-    rec = _Recorder(learner)
+    rec = Recorder(learner)
     stats = learner.train_iteration(iter(groups), len(groups))
     first = rec.batches[0]
     mask = first.loss_mask.bool()
@@ -118,17 +86,17 @@ def test_ratio_is_one_on_the_first_micro_batch(model, tokenizer, reuse):
 
 
 def test_mini_batches_take_old_logprobs_from_the_iteration_start_policy(model, tokenizer):
-    groups = _groups(model, tokenizer)
+    groups = sample_groups(model, tokenizer)
     start = copy.deepcopy(model)
     _, learner = _learner(model, tokenizer, kl_coef=0.0, micro_batch_groups=2, mini_batches=2)
-    rec = _Recorder(learner)
+    rec = Recorder(learner)
     stats = learner.train_iteration(iter(groups), len(groups))
     assert stats["optimizer_steps"] == 2 and len(rec.batches) == 2
     # micro-batch 0 precedes any step (old = policy, no pass); micro-batch 1 follows one step
     assert stats["forward_passes_per_microbatch"] == 1.5
     second = rec.batches[1]
     _, check = _learner(start, tokenizer, kl_coef=0.0, micro_batch_groups=2)
-    want = _Recorder(check)
+    want = Recorder(check)
     check.train_iteration(iter(groups), len(groups))  # computes the start policy's log-probs
     mask = second.loss_mask.bool()
     old, at_start = second.old_logprobs[mask], want.batches[1].logprobs.detach()[mask]
@@ -137,7 +105,7 @@ def test_mini_batches_take_old_logprobs_from_the_iteration_start_policy(model, t
 
 
 def test_frozen_copies_memory_is_reported(model, tokenizer):
-    groups = _groups(model, tokenizer)
+    groups = sample_groups(model, tokenizer)
     size = sum(p.numel() * 4 for p in model.parameters()) + sum(
         b.numel() * b.element_size() for b in model.buffers()
     )
@@ -154,7 +122,7 @@ def test_kl_coef_without_reference_is_refused(model, tokenizer):
 
 def test_table_reward_drives_constant_groups_to_zero_advantage(model, tokenizer):
     # every completion scores 0.5: GRPO advantages are all 0, so the policy loss is 0
-    groups = _groups(model, tokenizer)
+    groups = sample_groups(model, tokenizer)
     for g in groups:
         for c in g.completions:
             c.reward = TableReward({}, default=0.5)("", c.text, "")
@@ -165,29 +133,21 @@ def test_table_reward_drives_constant_groups_to_zero_advantage(model, tokenizer)
 # --- stale groups, truncated importance sampling, rloo and online DPO --------------------------
 
 
-def _older_behaviour(groups, delta):
-    """Lower the recorded behaviour log-probs by `delta`, as if older weights had sampled them:
-    pi_old / pi_behaviour = exp(delta) on every token."""
-    for g in groups:
-        for c in g.completions:
-            c.logprobs = [lp - delta for lp in c.logprobs]
-
-
 def _rows(groups):
     return sum(g.group_size for g in groups)
 
 
 def test_stale_rows_take_behaviour_logprobs_fresh_rows_the_policy(model, tokenizer):
-    groups = _groups(model, tokenizer)  # sampled by `model`, tagged version 0
+    groups = sample_groups(model, tokenizer)  # sampled by `model`, tagged version 0
     for g in groups:
         for j, c in enumerate(g.completions):
             c.reward = float(j % 2)  # GRPO advantages +-1 in every group
     for g in groups[0::2]:
         g.policy_version = 1  # the learner below is at version 1 with these very weights: fresh
-    _older_behaviour(groups[1::2], 0.5)  # groups 1 and 3 are stale: version 0 < 1
+    older_behaviour(groups[1::2], 0.5)  # groups 1 and 3 are stale: version 0 < 1
     _, learner = _learner(model, tokenizer, kl_coef=0.0, micro_batch_groups=4)
     learner.version = 1
-    rec = _Recorder(learner)
+    rec = Recorder(learner)
     stats = learner.train_iteration(iter(groups), len(groups))
     (batch,) = rec.batches  # one micro-batch, fresh and stale groups interleaved
     mask = batch.loss_mask.bool()
@@ -213,13 +173,13 @@ def test_stale_rows_take_behaviour_logprobs_fresh_rows_the_policy(model, tokeniz
 
 
 def test_tis_keeps_the_policy_as_old_and_weighs_by_old_over_behaviour(model, tokenizer):
-    groups = _groups(model, tokenizer)  # version 0; the learner below is at version 1
-    _older_behaviour(groups[:2], 0.5)  # weight exp(0.5) = 1.648721 < cap 2: kept
-    _older_behaviour(groups[2:], 1.0)  # weight exp(1) = 2.718282 > cap 2: truncated to 2
+    groups = sample_groups(model, tokenizer)  # version 0; the learner below is at version 1
+    older_behaviour(groups[:2], 0.5)  # weight exp(0.5) = 1.648721 < cap 2: kept
+    older_behaviour(groups[2:], 1.0)  # weight exp(1) = 2.718282 > cap 2: truncated to 2
     params = LearnerParams(lr=1e-2, max_new_tokens=10, micro_batch_groups=4)
     learner = Learner(model, params, LossParams(tis_cap=2.0), tokenizer.pad_token_id)
     learner.version = 1
-    rec = _Recorder(learner)
+    rec = Recorder(learner)
     stats = learner.train_iteration(iter(groups), len(groups))
     (batch,) = rec.batches
     mask = batch.loss_mask.bool()
@@ -236,7 +196,7 @@ def test_tis_keeps_the_policy_as_old_and_weighs_by_old_over_behaviour(model, tok
 
 
 def test_a_micro_batch_of_stale_groups_costs_no_old_policy_pass(model, tokenizer):
-    groups = _groups(model, tokenizer)
+    groups = sample_groups(model, tokenizer)
     _, learner = _learner(model, tokenizer, kl_coef=0.0, micro_batch_groups=2, mini_batches=2)
     learner.version = 1  # every group is stale: old_logprobs are the behaviour log-probs
     stats = learner.train_iteration(iter(groups), len(groups))
@@ -244,7 +204,7 @@ def test_a_micro_batch_of_stale_groups_costs_no_old_policy_pass(model, tokenizer
 
 
 def test_group_from_a_newer_policy_than_the_learner_is_refused(model, tokenizer):
-    groups = _groups(model, tokenizer)
+    groups = sample_groups(model, tokenizer)
     groups[1].policy_version = 1
     _, learner = _learner(model, tokenizer, kl_coef=0.0)
     with pytest.raises(ValueError, match="newer than the learner's version 0"):
@@ -252,7 +212,7 @@ def test_group_from_a_newer_policy_than_the_learner_is_refused(model, tokenizer)
 
 
 def test_rloo_loss_updates_like_pg_with_rloo_advantages(model, tokenizer):
-    groups = _groups(model, tokenizer)
+    groups = sample_groups(model, tokenizer)
     a, b = copy.deepcopy(model), copy.deepcopy(model)
     _, la = _learner(a, tokenizer, kl_coef=0.0, loss="rloo", advantage="grpo")
     _, lb = _learner(b, tokenizer, kl_coef=0.0, loss="pg", advantage="rloo")
@@ -264,7 +224,7 @@ def test_rloo_loss_updates_like_pg_with_rloo_advantages(model, tokenizer):
 
 def _dpo_groups(model, tokenizer):
     """Four groups: the first three with a spread of rewards (a pair each), the last a tie."""
-    groups = _groups(model, tokenizer)
+    groups = sample_groups(model, tokenizer)
     for i, g in enumerate(groups):
         for j, c in enumerate(g.completions):
             c.reward = 1.0 if i == 3 else float((i + j) % 3)
@@ -316,7 +276,7 @@ def test_online_dpo_without_reference_is_refused(model, tokenizer):
 def test_a_non_finite_step_is_skipped_and_too_many_in_a_row_stop_training(model, tokenizer):
     from cadence.learner import BadStepsError
 
-    groups = _groups(model, tokenizer)
+    groups = sample_groups(model, tokenizer)
     _, learner = _learner(copy.deepcopy(model), tokenizer, max_bad_steps=1)
     poison = {"on": True}
 

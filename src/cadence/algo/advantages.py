@@ -1,13 +1,26 @@
 """Advantage estimators: one scalar advantage per sampled response, from its group's rewards.
 
 Every function maps rewards of shape (N, G), N prompts with G responses each, to advantages of
-the same shape. They are pure tensor functions: no model, no config, no state across calls, and
-no normalisation across groups (a group is the unit the estimators are defined on).
+the same shape. They are pure tensor functions: no model, no config, no state across calls. GRPO,
+RLOO and REINFORCE look at one group at a time; REINFORCE++ normalises over every response it is
+given, so the caller must give it the whole batch at once (`registry.BATCH_ADVANTAGES`).
+
+Dividing by a standard deviation: `std` is "unbiased" (divide the squared deviations by n - 1,
+`torch.std`'s default, which verl and TRL use) or "population" (divide by n), and `eps` is added
+to the std, not under the root. The default eps is 1e-4 (TRL's): a spread of rewards far below
+1e-4 is below the resolution of a reward on a 0-1 scale (a learned reward model's float noise, a
+tiny length bonus), and it stays far below 1 in advantage instead of being blown up to full scale
+(a group [1, 1 + 1e-6] gets +-0.005, where eps = 1e-6 gave +-0.3). A reward on another scale
+wants an eps at its own resolution (`algo.std_eps`).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
+
+STD_MODES = ("unbiased", "population")
+STD_EPS = 1e-4
 
 
 def _check_groups(rewards: Tensor) -> None:
@@ -17,23 +30,33 @@ def _check_groups(rewards: Tensor) -> None:
         )
 
 
-def grpo_advantages(rewards: Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+def _check_std(std: str) -> None:
+    if std not in STD_MODES:
+        raise ValueError(f"unknown std {std!r}; allowed: {', '.join(STD_MODES)}")
+
+
+def grpo_advantages(
+    rewards: Tensor, scale_by_std: bool = True, eps: float = STD_EPS, std: str = "unbiased"
+) -> Tensor:
     """Group-relative advantages.
 
     GRPO, outcome supervision (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, Sec. 4.1.2):
     A_i = (r_i - mean(r)) / (std(r) + eps), with mean and std over the G responses of one prompt.
-    The std is the population std (correction=0, divide by G), so [1, 0, 0, 1] maps to
-    [1, -1, -1, 1]. A group whose rewards are all equal gets zero advantages, not NaN.
+    With the unbiased std (the default, verl's and TRL's), [1, 0, 0, 1] maps to +-0.866; with the
+    population std to +-1, sqrt(G / (G - 1)) larger. A group whose rewards are all equal, or a
+    group of one, gets zero advantages, not NaN.
 
     With `scale_by_std=False` this is Dr. GRPO (Liu et al. 2025, arXiv 2503.20783):
     A_i = r_i - mean(r), dropping the std division that over-weights too-easy and too-hard prompts.
     """
     _check_groups(rewards)
+    _check_std(std)
     centered = rewards - rewards.mean(dim=1, keepdim=True)  # (N, G)
-    if not scale_by_std:
+    if not scale_by_std or rewards.shape[1] < 2:  # a group of one is centred to 0 already
         return centered
-    std = rewards.std(dim=1, keepdim=True, correction=0)  # (N, 1)
-    return centered / (std + eps)  # (N, G)
+    correction = 1 if std == "unbiased" else 0
+    spread = rewards.std(dim=1, keepdim=True, correction=correction)  # (N, 1)
+    return centered / (spread + eps)  # (N, G)
 
 
 def rloo_advantages(rewards: Tensor) -> Tensor:
@@ -62,3 +85,40 @@ def reinforce_advantages(rewards: Tensor, baseline: float = 0.0) -> Tensor:
     """
     _check_groups(rewards)
     return rewards - baseline  # (N, G)
+
+
+def reinforce_pp_advantages(
+    rewards: Tensor,
+    lengths: Tensor,
+    group_baseline: bool = False,
+    eps: float = STD_EPS,
+    std: str = "unbiased",
+) -> Tensor:
+    """REINFORCE++ advantages, normalised over the whole batch.
+
+    REINFORCE++ (Hu 2025, arXiv 2501.03262, Sec. 3, outcome reward, no discount, KL kept in the
+    loss): every token of response i carries the return r_i, and the advantages are normalised
+    with the mean and std over all the batch's response tokens, A_i = (r_i - mu) / (sigma + eps),
+    so a response counts once per token in mu and sigma (`lengths`, (N, G), are the tokens each
+    response trains; as verl's and OpenRLHF's whitening over the response mask). With
+    `group_baseline` (REINFORCE++-baseline, the same paper's variant for group sampling) each
+    group's mean reward is subtracted first, as in GRPO, and the result is normalised over the
+    batch the same way. The batch must be the whole global batch: the statistics are not those
+    of a single group. With fewer than two tokens in the batch the advantages are 0.
+    """
+    _check_groups(rewards)
+    _check_std(std)
+    if lengths.shape != rewards.shape:
+        raise ValueError(
+            f"lengths must have the shape of rewards {tuple(rewards.shape)}; "
+            f"got {tuple(lengths.shape)}"
+        )
+    scores = rewards - rewards.mean(dim=1, keepdim=True) if group_baseline else rewards  # (N, G)
+    tokens = lengths.to(scores.dtype)  # (N, G)
+    num_tokens = tokens.sum()  # ()
+    if num_tokens < 2:
+        return torch.zeros_like(scores)
+    mean = (scores * tokens).sum() / num_tokens  # ()
+    squares = ((scores - mean) ** 2 * tokens).sum()  # ()
+    var = squares / (num_tokens - 1 if std == "unbiased" else num_tokens)  # ()
+    return (scores - mean) / (var.sqrt() + eps)  # (N, G)

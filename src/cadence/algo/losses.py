@@ -1,17 +1,31 @@
-"""Policy losses, the online DPO pair loss, the KL penalty and loss aggregation, as pure functions.
+"""Policy losses and the KL penalty, as pure functions (aggregation.py: weights; dpo.py: DPO).
 
 A loss returns `(loss, metrics)` where `loss` is the weighted SUM of per-token losses over one
-micro-batch, not a mean (online DPO: the sum over its preference pairs, see `online_dpo_loss`).
-Aggregation is split in two: `token_weights` is known per micro-batch, `normaliser` only once
-the whole global batch is in. The learner sums micro-batch gradients and divides by the
-normaliser at step time, so streaming micro-batches gives the same update as one
-big batch. Metrics are weighted sums with the same weights, to be normalised the same way.
+micro-batch, not a mean. Aggregation is split in two (aggregation.py): `token_weights` is known
+per micro-batch, `normaliser` only once the whole global batch is in. The learner sums
+micro-batch gradients and divides by the normaliser at step time, so streaming micro-batches
+gives the same update as one big batch. Metrics are sums too: `*_frac` metrics
+(`TOKEN_METRICS`) count tokens, each valid token weighing 1 whatever the aggregation, and are
+divided by the global batch's number of response tokens (a token-weighted fraction in every
+mode); every other metric is a weighted sum with the loss's weights, divided by the loss's
+normaliser.
 
 Padding is masked by selection (`torch.where`), never by multiplying with zero, so a padded
 position holding a huge or infinite log-prob cannot turn the loss or its gradient into NaN.
+A log-ratio that is exponentiated (the policy ratio pi / pi_old, GSPO's sequence ratio, the TIS
+weight pi_old / pi_behaviour, k3's pi_ref / pi) is first clamped to [-LOG_RATIO_CLAMP,
+LOG_RATIO_CLAMP] = [-20, 20] (verl's bounds), so exp() stays finite (at most e^20 = 4.85e8) and a
+stale token whose behaviour log-prob is far below the policy's gives a finite loss and a finite
+gradient instead of NaN: the clamp's gradient is zero outside the bounds, so a clamped token
+contributes nothing to the gradient through its ratio. k3 itself can also be capped at
+`kl_clamp` (verl caps it at 10; 0, the default, leaves it uncapped as TRL does), where its
+gradient is zero too. `ratio_clamped_frac` counts tokens whose policy ratio's or k3's log-ratio
+was clamped (the TIS weight's clamp changes nothing: its cap is far below e^20),
+`kl_clamped_frac` tokens whose k3 was capped.
+
 Policy-gradient losses may read `behaviour_logprobs` (what the inference engine recorded when it
-sampled) for truncated importance sampling; `rloo_loss` and `online_dpo_loss` read each response's
-reward and group. This module must not know about models, optimisers or configs.
+sampled) for truncated importance sampling; `rloo_loss` reads each response's reward and group.
+This module must not know about models, optimisers or configs.
 """
 
 from __future__ import annotations
@@ -19,38 +33,54 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from cadence.algo.advantages import rloo_advantages
 
-AGG_MODES = ("token-mean", "seq-mean", "seq-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-DPO_LOSSES = ("sigmoid", "ipo")
-# Metrics that are counts, summed over a step; every other metric is a weighted sum that is
-# divided by the same normaliser as the loss.
+DPO_LOSSES = ("sigmoid", "ipo", "ipo_token_mean")
+# Metrics that are counts, summed over a step (online DPO's).
 COUNT_METRICS = ("num_pairs", "dpo_ties")
+# Metrics that are numbers of tokens, divided by the step's response tokens whatever the
+# aggregation mode; every other metric is divided by the same normaliser as the loss.
+TOKEN_METRICS = (
+    "clip_frac",
+    "dual_clip_frac",
+    "tis_trunc_frac",
+    "ratio_clamped_frac",
+    "kl_clamped_frac",
+)
+LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound before exp(): exp(20) = 4.85e8
 
 
 @dataclass(frozen=True)
 class LossParams:
     """Hyper-parameters of the losses; each loss reads the ones it uses."""
 
-    clip_low: float = 0.2  # ratio floor is 1 - clip_low
+    clip_low: float = 0.2  # ratio floor is 1 - clip_low (1: no floor, CISPO's usual setting)
     clip_high: float = 0.2  # ratio ceiling is 1 + clip_high (DAPO's clip-higher raises it alone)
+    clip_ratio_c: float = 0.0  # dual-clip PPO: loss of an A < 0 token at most -A * c; 0: off
     kl_coef: float = 0.0  # weight of the per-token KL(pi || ref) penalty; 0 turns it off
     kl_estimator: str = "k3"  # one of KL_ESTIMATORS
+    kl_clamp: float = 0.0  # cap on each token's k3 estimate (verl's: 10); 0: no cap
     tis_cap: float = 0.0  # truncated importance sampling cap (>= 1); 0 turns it off
     dpo_beta: float = 0.1  # DPO's beta (IPO's tau): strength of the pull towards the reference
     dpo_loss: str = "sigmoid"  # one of DPO_LOSSES
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.clip_low < 1.0:
-            raise ValueError(f"clip_low must be in [0, 1); got {self.clip_low}")
+        if not 0.0 <= self.clip_low <= 1.0:
+            raise ValueError(f"clip_low must be in [0, 1]; got {self.clip_low}")
         if self.clip_high < 0.0:
             raise ValueError(f"clip_high must be >= 0; got {self.clip_high}")
+        if self.clip_ratio_c != 0.0 and not self.clip_ratio_c > 1.0:
+            raise ValueError(
+                f"clip_ratio_c must be 0 (off) or > 1 (dual-clip bounds the loss of a negative "
+                f"advantage at -A * clip_ratio_c); got {self.clip_ratio_c}"
+            )
         if self.kl_coef < 0.0:
             raise ValueError(f"kl_coef must be >= 0; got {self.kl_coef}")
+        if self.kl_clamp < 0.0:
+            raise ValueError(f"kl_clamp must be >= 0 (0: no cap); got {self.kl_clamp}")
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         if self.tis_cap != 0.0 and not self.tis_cap >= 1.0:
             raise ValueError(
@@ -99,7 +129,16 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(allowed)}")
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor:
+def _clamped_exp(log_ratio: Tensor) -> tuple[Tensor, Tensor]:
+    """exp(log_ratio) with log_ratio clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP], and where
+    the clamp cut (True). The gradient is zero where it cut."""
+    clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # same shape
+    return torch.exp(clamped), clamped != log_ratio
+
+
+def kl_penalty(
+    logprobs: Tensor, ref_logprobs: Tensor, estimator: str, clamp: float = 0.0
+) -> Tensor:
     """Per-token estimate of KL(pi || ref) from log-probs of tokens sampled from pi.
 
     Schulman 2020, "Approximating KL Divergence" (blog), with log_ratio = log pi - log ref and
@@ -108,17 +147,28 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str) -> Tensor
       k2 = 0.5 * log_ratio**2           biased, low variance, >= 0
       k3 = r - 1 - log r                unbiased, low variance, >= 0 (GRPO's choice, eq. 4 of
                                         DeepSeekMath, arXiv 2402.03300)
+    k3 is computed with log_ratio clamped to [-20, 20], so it is at most e^20 - 21 = 4.85e8 and
+    finite, with zero gradient beyond the clamp. `clamp` > 0 also caps k3 at that value (verl
+    caps it at 10, which k3 reaches at log_ratio = -2.6 or 11), with zero gradient beyond.
     """
     _check_choice("kl_estimator", estimator, KL_ESTIMATORS)
-    return _kl_from_log_ratio(logprobs - ref_logprobs, estimator)  # (B, T)
+    return _kl_from_log_ratio(logprobs - ref_logprobs, estimator, clamp)[0]  # (B, T)
 
 
-def _kl_from_log_ratio(log_ratio: Tensor, estimator: str) -> Tensor:
+def _kl_from_log_ratio(
+    log_ratio: Tensor, estimator: str, clamp: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The estimate, where its log-ratio was clamped, where k3 was capped (all (B, T))."""
+    untouched = torch.zeros_like(log_ratio, dtype=torch.bool)  # (B, T)
     if estimator == "k1":
-        return log_ratio  # (B, T)
+        return log_ratio, untouched, untouched  # (B, T)
     if estimator == "k2":
-        return 0.5 * log_ratio**2  # (B, T)
-    return torch.exp(-log_ratio) - 1.0 + log_ratio  # (B, T)
+        return 0.5 * log_ratio**2, untouched, untouched  # (B, T)
+    log_r = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T) log(ref / pi)
+    k3 = torch.exp(log_r) - 1.0 - log_r  # (B, T)
+    if clamp == 0:
+        return k3, log_r != -log_ratio, untouched
+    return k3.clamp(max=clamp), log_r != -log_ratio, k3 > clamp
 
 
 def _masked_log_ratio(a: Tensor, b: Tensor, mask: Tensor) -> Tensor:
@@ -130,6 +180,11 @@ def _weighted_sum(values: Tensor, weights: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, values * weights, 0.0).sum()  # ()
 
 
+def _count(flags: Tensor, mask: Tensor) -> Tensor:
+    """Number of valid tokens where `flags` holds, as a float (a `TOKEN_METRICS` numerator)."""
+    return (flags & mask).sum().to(torch.float32)  # ()
+
+
 def tis_weights(
     old_logprobs: Tensor, behaviour_logprobs: Tensor, loss_mask: Tensor, cap: float
 ) -> tuple[Tensor, Tensor]:
@@ -139,10 +194,12 @@ def tis_weights(
     policy the inference engine sampled with (an older version for stale data, and even for fresh
     data not bit-identical: other kernels, batch shapes, precision). Truncating the ratio from
     above (Ionides 2008) bounds the variance at the cost of a small bias. Weights are detached:
-    they rescale the gradient, they are not trained through. 1 on padding.
+    they rescale the gradient, they are not trained through. 1 on padding. The log-ratio is
+    clamped to [-20, 20] before exp() like every other (the cap cuts far below e^20 anyway).
     """
     mask = loss_mask != 0  # (B, T)
-    raw = torch.exp(_masked_log_ratio(old_logprobs.detach(), behaviour_logprobs, mask))  # (B, T)
+    log_ratio = _masked_log_ratio(old_logprobs.detach(), behaviour_logprobs, mask)  # (B, T)
+    raw = _clamped_exp(log_ratio)[0]  # (B, T)
     return raw.clamp(max=cap), raw > cap  # (B, T), (B, T)
 
 
@@ -157,37 +214,66 @@ def _truncated_is(
     mask = batch.loss_mask != 0  # (B, T)
     weights = batch.token_weights * batch.loss_mask  # (B, T)
     w, cut = tis_weights(batch.old_logprobs, batch.behaviour_logprobs, mask, params.tis_cap)
-    metrics = {
-        "tis_weight": _weighted_sum(w, weights, mask),
-        "tis_trunc_frac": _weighted_sum(cut.to(weights.dtype), weights, mask),
-    }
+    metrics = {"tis_weight": _weighted_sum(w, weights, mask), "tis_trunc_frac": _count(cut, mask)}
     return w * pg_per_token, metrics  # (B, T)
 
 
+@dataclass
+class _Terms:
+    """What a policy-gradient loss hands to `_finish`, all (B, T)."""
+
+    pg_per_token: Tensor  # the policy-gradient loss of each token, with grad
+    ratio: Tensor  # the importance ratio it used (reported)
+    clipped: Tensor  # bool: where clipping cut the ratio (`clip_frac`)
+    clamped: Tensor  # bool: where the ratio's log was clamped (`ratio_clamped_frac`)
+
+
+def _kl_term(
+    batch: PolicyBatch, params: LossParams
+) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
+    """The per-token KL to the reference (with grad; None without ref_logprobs), where its
+    log-ratio was clamped, and its metrics."""
+    mask = batch.loss_mask != 0  # (B, T)
+    if params.kl_coef > 0 and batch.ref_logprobs is None:
+        raise ValueError(f"kl_coef={params.kl_coef} > 0 needs ref_logprobs; got None")
+    if batch.ref_logprobs is None:
+        return None, torch.zeros_like(mask), {"kl": torch.zeros((), device=mask.device)}
+    weights = batch.token_weights * batch.loss_mask  # (B, T)
+    log_ratio = _masked_log_ratio(batch.logprobs, batch.ref_logprobs, mask)  # (B, T)
+    kl, clamped, capped = _kl_from_log_ratio(log_ratio, params.kl_estimator, params.kl_clamp)
+    metrics = {
+        "kl": _weighted_sum(kl.detach(), weights, mask),
+        "kl_clamped_frac": _count(capped, mask),
+    }
+    return kl, clamped, metrics
+
+
 def _finish(
-    pg_per_token: Tensor, ratio: Tensor, is_clipped: Tensor, batch: PolicyBatch, params: LossParams
+    terms: _Terms, batch: PolicyBatch, params: LossParams, extra: dict[str, Tensor] | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Applies TIS, adds the optional KL term, reduces to weighted sums and builds the metrics."""
     mask = batch.loss_mask != 0  # (B, T)
     weights = batch.token_weights * batch.loss_mask  # (B, T)
-    pg_per_token, tis_metrics = _truncated_is(pg_per_token, batch, params)  # (B, T)
-    if params.kl_coef > 0 and batch.ref_logprobs is None:
-        raise ValueError(f"kl_coef={params.kl_coef} > 0 needs ref_logprobs; got None")
+    pg_per_token, tis_metrics = _truncated_is(terms.pg_per_token, batch, params)  # (B, T)
+    kl, kl_clamped, kl_metrics = _kl_term(batch, params)
     per_token = pg_per_token  # (B, T)
-    kl_sum = torch.zeros((), device=pg_per_token.device)
-    if batch.ref_logprobs is not None:
-        log_ratio = _masked_log_ratio(batch.logprobs, batch.ref_logprobs, mask)  # (B, T)
-        kl = _kl_from_log_ratio(log_ratio, params.kl_estimator)  # (B, T)
-        kl_sum = _weighted_sum(kl.detach(), weights, mask)
-        if params.kl_coef > 0:
-            per_token = per_token + params.kl_coef * kl  # (B, T)
+    if kl is not None and params.kl_coef > 0:
+        per_token = per_token + params.kl_coef * kl  # (B, T)
     metrics = {
         "pg_loss": _weighted_sum(pg_per_token.detach(), weights, mask),
-        "kl": kl_sum,
-        "clip_frac": _weighted_sum(is_clipped.to(weights.dtype), weights, mask),
-        "ratio": _weighted_sum(ratio.detach(), weights, mask),
-    } | tis_metrics
+        "clip_frac": _count(terms.clipped, mask),
+        "ratio": _weighted_sum(terms.ratio.detach(), weights, mask),
+        "ratio_clamped_frac": _count(terms.clamped | kl_clamped, mask),
+    }
+    metrics = metrics | kl_metrics | tis_metrics | (extra or {})
     return _weighted_sum(per_token, weights, mask), metrics
+
+
+def _policy_ratio(batch: PolicyBatch) -> tuple[Tensor, Tensor]:
+    """pi / pi_old per token (log-ratio clamped, 1 on padding) and where the clamp cut."""
+    mask = batch.loss_mask != 0  # (B, T)
+    ratio, clamped = _clamped_exp(_masked_log_ratio(batch.logprobs, batch.old_logprobs, mask))
+    return ratio, clamped  # (B, T), (B, T)
 
 
 def ppo_clip_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
@@ -195,12 +281,16 @@ def ppo_clip_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[
 
     PPO (Schulman et al. 2017, arXiv 1707.06347, eq. 7), negated to be minimised:
       loss_t = -min(ratio_t * A, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A),
-      ratio_t = exp(logprobs_t - old_logprobs_t),
+      ratio_t = exp(logprobs_t - old_logprobs_t)   (log-ratio clamped to [-20, 20]),
     with separate lower and upper clip bounds ("clip-higher", DAPO, arXiv 2503.14476, Sec. 3.1),
     plus kl_coef * KL_t when kl_coef > 0 (the per-token KL term of GRPO, arXiv 2402.03300, eq. 3).
-    Returns sum_t(loss_t * token_weights_t * loss_mask_t), not normalised. `clip_frac` sums the
-    weights of tokens where the clipped term was the smaller one, i.e. where clipping cut the
-    gradient off.
+    Returns sum_t(loss_t * token_weights_t * loss_mask_t), not normalised. `clip_frac` counts the
+    tokens where the clipped term was the smaller one, i.e. where clipping cut the gradient off.
+
+    Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, eq. 5) with `clip_ratio_c` = c > 1: for
+    A < 0 the loss is also capped, loss_t = min(loss_t, -c * A), so a token whose ratio has run
+    far above 1 under a negative advantage has a bounded loss and no gradient. Counted in
+    `dual_clip_frac`. verl applies it with c = 3 by default; here it is off unless set.
 
     With `tis_cap` > 0 each token's clipped term is multiplied by the truncated importance weight
     w_t = min(pi_old_t / pi_behaviour_t, tis_cap) (`tis_weights`): old_logprobs are then the
@@ -210,13 +300,19 @@ def ppo_clip_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[
     PPO with min(pi_old / pi_sampler, C)), which is also the decoupled PPO objective of AReaL (Fu
     et al. 2025, arXiv 2505.24298) with its behaviour weight truncated at C.
     """
-    mask = batch.loss_mask != 0  # (B, T)
-    ratio = torch.exp(_masked_log_ratio(batch.logprobs, batch.old_logprobs, mask))  # (B, T)
+    ratio, clamped = _policy_ratio(batch)  # (B, T), (B, T)
     adv = batch.advantages.unsqueeze(-1)  # (B, 1)
     unclipped = ratio * adv  # (B, T)
     clipped = ratio.clamp(1.0 - params.clip_low, 1.0 + params.clip_high) * adv  # (B, T)
     pg_per_token = -torch.minimum(unclipped, clipped)  # (B, T)
-    return _finish(pg_per_token, ratio, clipped < unclipped, batch, params)
+    extra = {}
+    if params.clip_ratio_c > 0:
+        bound = (-params.clip_ratio_c * adv).expand_as(pg_per_token)  # (B, T)
+        dual = (adv < 0) & (pg_per_token > bound)  # (B, T)
+        pg_per_token = torch.where(dual, bound, pg_per_token)  # (B, T)
+        extra["dual_clip_frac"] = _count(dual, batch.loss_mask != 0)
+    terms = _Terms(pg_per_token, ratio, clipped < unclipped, clamped)
+    return _finish(terms, batch, params, extra)
 
 
 def pg_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
@@ -229,11 +325,59 @@ def pg_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str, T
     convention as `ppo_clip_loss`; `clip_frac` is 0 and `ratio` reports
     exp(logprobs - old_logprobs) to show how off-policy the batch was.
     """
-    mask = batch.loss_mask != 0  # (B, T)
-    ratio = torch.exp(_masked_log_ratio(batch.logprobs, batch.old_logprobs, mask))  # (B, T)
+    ratio, clamped = _policy_ratio(batch)  # (B, T), (B, T)
     adv = batch.advantages.unsqueeze(-1)  # (B, 1)
     pg_per_token = -adv * batch.logprobs  # (B, T)
-    return _finish(pg_per_token, ratio, torch.zeros_like(mask), batch, params)
+    return _finish(_Terms(pg_per_token, ratio, torch.zeros_like(clamped), clamped), batch, params)
+
+
+def gspo_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
+    """Group Sequence Policy Optimisation: one clipped importance ratio per sequence.
+
+    GSPO (Zheng et al. 2025, arXiv 2507.18071, eqs. 5-7): the sequence ratio is the geometric
+    mean of its token ratios, s_i = exp(1/|y_i| * sum_t (logprobs_t - old_logprobs_t)), and the
+    loss of sequence i is -min(s_i * A_i, clip(s_i, 1 - clip_low, 1 + clip_high) * A_i): the
+    whole sequence is clipped or not. Its gradient is -A_i * s_i / |y_i| * sum_t grad log pi_t
+    where not clipped. Each token carries its sequence's loss, so with `loss_agg = "seq-mean"`
+    (weights 1/|y_i|, the paper's objective and verl's) the sum over tokens is the mean over
+    sequences; "token-mean" weighs each sequence by its length (GSPO-token's gradient with TRL's
+    default normalisation). The GSPO paper uses much smaller clip ranges than PPO's (3e-4 / 4e-4).
+    log s_i is clamped to [-20, 20]. `clip_frac` and `ratio` report each token's sequence.
+    """
+    mask = batch.loss_mask != 0  # (B, T)
+    log_ratio = _masked_log_ratio(batch.logprobs, batch.old_logprobs, mask)  # (B, T)
+    lengths = mask.sum(-1).clamp(min=1)  # (B,) an empty response: ratio 1, weight 0
+    seq_ratio, clamped = _clamped_exp(log_ratio.sum(-1) / lengths)  # (B,), (B,)
+    unclipped = seq_ratio * batch.advantages  # (B,)
+    clipped = seq_ratio.clamp(1.0 - params.clip_low, 1.0 + params.clip_high) * batch.advantages
+    pg_seq = -torch.minimum(unclipped, clipped)  # (B,)
+    shape = log_ratio.shape
+    terms = _Terms(
+        pg_per_token=pg_seq[:, None].expand(shape),  # (B, T) each token: its sequence's loss
+        ratio=seq_ratio[:, None].expand(shape),
+        clipped=(clipped < unclipped)[:, None].expand(shape),
+        clamped=clamped[:, None].expand(shape),
+    )
+    return _finish(terms, batch, params)
+
+
+def cispo_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped IS-weight policy optimisation: REINFORCE weighted by a clipped, detached ratio.
+
+    CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): loss_t = -sg(w_t) * A * logprobs_t with
+    w_t = clip(ratio_t, 1 - clip_low, 1 + clip_high) and sg the stop-gradient, so every token
+    keeps a gradient -w_t * A * grad log pi_t (PPO's clip zeroes it outside the trust region),
+    bounded by (1 + clip_high) * |A|. On-policy (ratio 1) it is `pg_loss`. The paper sets no
+    lower bound (`clip_low = 1`) and tunes the upper one; it aggregates per token ("token-mean").
+    `clip_frac` counts tokens whose weight was clipped.
+    """
+    ratio, clamped = _policy_ratio(batch)  # (B, T), (B, T)
+    low, high = 1.0 - params.clip_low, 1.0 + params.clip_high
+    weight = ratio.clamp(low, high).detach()  # (B, T)
+    adv = batch.advantages.unsqueeze(-1)  # (B, 1)
+    pg_per_token = -weight * adv * batch.logprobs  # (B, T)
+    clipped = (ratio < low) | (ratio > high)  # (B, T)
+    return _finish(_Terms(pg_per_token, ratio, clipped, clamped), batch, params)
 
 
 def rloo_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
@@ -261,115 +405,3 @@ def _rewards_by_group(batch: PolicyBatch, loss: str) -> Tensor:
             f"got group sizes {counts.tolist()} for groups {ids.tolist()}"
         )
     return batch.rewards.view(len(ids), int(counts[0]))  # (N, G)
-
-
-def preference_pairs(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, int]:
-    """One (chosen, rejected) pair per group: its highest- and lowest-reward responses.
-
-    Returns the row indices of the chosen (P,) and rejected (P,) responses and the number of
-    groups skipped because all their rewards are equal (a tie has no preference to learn). On
-    equal rewards the first row of the group wins (torch.argmax/argmin pick the first).
-    """
-    chosen: list[int] = []
-    rejected: list[int] = []
-    ties = 0
-    for group in torch.unique(group_ids):
-        rows = (group_ids == group).nonzero().flatten()  # (G,)
-        r = rewards[rows]  # (G,)
-        if r.max() == r.min():
-            ties += 1
-            continue
-        chosen.append(int(rows[r.argmax()]))
-        rejected.append(int(rows[r.argmin()]))
-    device = rewards.device
-    chosen_rows = torch.tensor(chosen, dtype=torch.long, device=device)  # (P,)
-    rejected_rows = torch.tensor(rejected, dtype=torch.long, device=device)  # (P,)
-    return chosen_rows, rejected_rows, ties
-
-
-def online_dpo_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
-    """Online DPO over each group's best and worst response, as a sum over pairs.
-
-    Pairs come from the policy's own samples (online DPO, Guo et al. 2024, arXiv 2402.04792), one
-    per group by `preference_pairs`, ties skipped. With sequence log-ratios
-    s(y) = sum_t (logprobs_t - ref_logprobs_t) over response tokens and h = s(chosen) - s(rejected):
-      sigmoid: loss = -log sigmoid(beta * h)     DPO (Rafailov et al. 2023, arXiv 2305.18290, eq. 7)
-      ipo:     loss = (h - 1 / (2 * beta))**2    IPO (Azar et al. 2023, arXiv 2310.12036, eq. 17)
-    with beta = `dpo_beta`. The objective holds for pairs drawn from any distribution (offline DPO
-    trains on a fixed data set), so stale samples need no importance correction: old_logprobs,
-    behaviour_logprobs, advantages and token_weights are not read.
-
-    Normalisation: the return is the SUM over the micro-batch's pairs. A micro-batch holds whole
-    groups, so every pair lies inside one micro-batch; `num_pairs` counts them, and the learner
-    divides the summed gradients by the global batch's `num_pairs` (instead of the token or
-    sequence normaliser of `loss_agg`), so the update is the mean over pairs however the groups
-    are split. Metrics, divided the same way: `dpo_margin` (beta * h, the implicit reward margin),
-    `dpo_accuracy` (chosen implicit reward above the rejected one's), `kl` (per-token KL to the
-    reference, averaged over each pair's two responses); `dpo_ties` and `num_pairs` are counts.
-    """
-    if batch.ref_logprobs is None:
-        raise ValueError("online_dpo needs ref_logprobs from a frozen reference model; got None")
-    if params.kl_coef > 0 or params.tis_cap > 0:
-        raise ValueError(
-            f"online_dpo takes no kl_coef or tis_cap (beta regularises towards the reference and "
-            f"there is no importance ratio); got kl_coef={params.kl_coef}, tis_cap={params.tis_cap}"
-        )
-    if batch.rewards is None or batch.group_ids is None:
-        raise ValueError("online_dpo needs rewards and group_ids, one per response; got None")
-    mask = batch.loss_mask != 0  # (B, T)
-    log_ratio = _masked_log_ratio(batch.logprobs, batch.ref_logprobs, mask)  # (B, T)
-    seq = log_ratio.sum(-1)  # (B,)
-    chosen, rejected, ties = preference_pairs(batch.rewards, batch.group_ids)  # (P,), (P,)
-    h = seq[chosen] - seq[rejected]  # (P,)
-    if params.dpo_loss == "sigmoid":
-        per_pair = -F.logsigmoid(params.dpo_beta * h)  # (P,)
-    else:
-        per_pair = (h - 1.0 / (2.0 * params.dpo_beta)) ** 2  # (P,)
-    kl = _kl_from_log_ratio(log_ratio.detach(), params.kl_estimator).sum(-1)  # (B,) 0 on padding
-    lengths = mask.sum(-1).to(kl.dtype)  # (B,)
-    pair_kl = (kl[chosen] + kl[rejected]) / (lengths[chosen] + lengths[rejected]).clamp(min=1)
-    margin = params.dpo_beta * h.detach()  # (P,)
-    metrics = {
-        "dpo_margin": margin.sum(),
-        "dpo_accuracy": (margin > 0).to(margin.dtype).sum(),
-        "kl": pair_kl.sum(),
-        "num_pairs": torch.tensor(float(len(h))),
-        "dpo_ties": torch.tensor(float(ties)),
-    }
-    return per_pair.sum(), metrics
-
-
-def token_weights(loss_mask: Tensor, mode: str) -> Tensor:
-    """Per-token loss weights of one micro-batch for aggregation `mode`; 0 on masked tokens.
-
-    token-mean:   1 per valid token (DAPO's token-level loss, arXiv 2503.14476, Sec. 3.3).
-    seq-mean:     1/len_i on each token of sequence i (GRPO, arXiv 2402.03300, eq. 3: 1/|o_i|).
-    seq-sum-norm: 1 per valid token; the constant normaliser does the rest (Dr. GRPO,
-                  arXiv 2503.20783, which removes GRPO's 1/|o_i| length bias).
-    """
-    _check_choice("loss aggregation mode", mode, AGG_MODES)
-    mask = loss_mask.to(torch.float32)  # (B, T)
-    if mode != "seq-mean":
-        return mask
-    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1.0)  # (B, 1)
-    return mask / lengths  # (B, T)
-
-
-def normaliser(mode: str, num_tokens: int, num_seqs: int, max_new_tokens: int) -> float:
-    """Global-batch divisor for `mode`: full loss = sum(token_loss * token_weights) / normaliser.
-
-    token-mean: valid tokens in the global batch; seq-mean: sequences in it; seq-sum-norm:
-    num_seqs * max_new_tokens, a constant that does not depend on response lengths (Dr. GRPO,
-    Liu et al. 2025, arXiv 2503.20783).
-    """
-    _check_choice("loss aggregation mode", mode, AGG_MODES)
-    if mode == "token-mean":
-        value, what = num_tokens, f"num_tokens={num_tokens}"
-    elif mode == "seq-mean":
-        value, what = num_seqs, f"num_seqs={num_seqs}"
-    else:
-        value = num_seqs * max_new_tokens
-        what = f"num_seqs * max_new_tokens = {num_seqs} * {max_new_tokens}"
-    if value <= 0:
-        raise ValueError(f"{mode} normaliser must be > 0; got {what}")
-    return float(value)

@@ -2,7 +2,8 @@
 
 The learner looks its algorithm up here by the config's name and never branches on it; a new
 loss is added by inserting it into `LOSSES` (and into `PAIR_LOSSES` when it is normalised per
-preference pair, like online DPO). Nothing here holds state.
+preference pair, like online DPO), a new estimator into `ADVANTAGES` (and into
+`BATCH_ADVANTAGES` when it needs the whole batch's rewards at once). Nothing here holds state.
 """
 
 from __future__ import annotations
@@ -13,11 +14,19 @@ from typing import TypeVar
 
 from torch import Tensor
 
-from cadence.algo.advantages import grpo_advantages, reinforce_advantages, rloo_advantages
+from cadence.algo.advantages import (
+    STD_EPS,
+    grpo_advantages,
+    reinforce_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from cadence.algo.dpo import online_dpo_loss
 from cadence.algo.losses import (
     LossParams,
     PolicyBatch,
-    online_dpo_loss,
+    cispo_loss,
+    gspo_loss,
     pg_loss,
     ppo_clip_loss,
     rloo_loss,
@@ -33,11 +42,14 @@ class AdvantageContext:
     """Everything any estimator may need beyond the rewards, so callers never branch on names."""
 
     scale_by_std: bool = True  # GRPO: divide by the group's std (False: Dr. GRPO)
+    std: str = "unbiased"  # GRPO, REINFORCE++: "unbiased" or "population" std
+    std_eps: float = STD_EPS  # added to that std
     baseline: float = 0.0  # REINFORCE: e.g. the previous iteration's mean reward
+    lengths: Tensor | None = None  # (N, G) tokens each response trains (REINFORCE++)
 
 
 def _grpo(rewards: Tensor, ctx: AdvantageContext) -> Tensor:
-    return grpo_advantages(rewards, scale_by_std=ctx.scale_by_std)
+    return grpo_advantages(rewards, ctx.scale_by_std, eps=ctx.std_eps, std=ctx.std)
 
 
 def _rloo(rewards: Tensor, ctx: AdvantageContext) -> Tensor:
@@ -48,16 +60,34 @@ def _reinforce(rewards: Tensor, ctx: AdvantageContext) -> Tensor:
     return reinforce_advantages(rewards, baseline=ctx.baseline)
 
 
+def _reinforce_pp(group_baseline: bool) -> AdvantageFn:
+    def estimator(rewards: Tensor, ctx: AdvantageContext) -> Tensor:
+        if ctx.lengths is None:
+            raise ValueError("reinforce_pp needs each response's token count (lengths); got None")
+        return reinforce_pp_advantages(
+            rewards, ctx.lengths, group_baseline, eps=ctx.std_eps, std=ctx.std
+        )
+
+    return estimator
+
+
 ADVANTAGES: dict[str, AdvantageFn] = {
     "grpo": _grpo,
     "rloo": _rloo,
     "reinforce": _reinforce,
+    "reinforce_pp": _reinforce_pp(group_baseline=False),
+    "reinforce_pp_baseline": _reinforce_pp(group_baseline=True),
 }
+# Estimators whose advantages depend on the whole batch (not one group at a time): the learner
+# computes them once over every group of the iteration, before its first micro-batch.
+BATCH_ADVANTAGES = frozenset({"reinforce_pp", "reinforce_pp_baseline"})
 LOSSES: dict[str, LossFn] = {
     "ppo_clip": ppo_clip_loss,
     "pg": pg_loss,
     "rloo": rloo_loss,
     "online_dpo": online_dpo_loss,
+    "gspo": gspo_loss,
+    "cispo": cispo_loss,
 }
 # Losses over preference pairs rather than tokens: the learner divides their sum by the global
 # batch's number of pairs (their `num_pairs` metric), they need the frozen reference, and they
@@ -79,6 +109,11 @@ def get_advantage(name: str) -> AdvantageFn:
 def get_loss(name: str) -> LossFn:
     """The policy loss registered as `name` (config key `algo.loss`)."""
     return _lookup(LOSSES, "algo.loss", name)
+
+
+def is_batch_advantage(name: str) -> bool:
+    """Whether estimator `name` needs the whole batch's rewards at once (see `BATCH_ADVANTAGES`)."""
+    return name in BATCH_ADVANTAGES
 
 
 def is_pair_loss(name: str) -> bool:

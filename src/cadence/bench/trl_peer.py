@@ -68,7 +68,6 @@ CPU_SETTINGS: dict[str, object] = {
     "num_iterations": 1,  # one optimizer step per generated batch, as cadence's mini_batches=1
     "shuffle_dataset": False,  # prompts in cadence's order
     "top_k": 0,  # no top-k filter (cadence has none)
-    "mask_truncated_completions": False,  # cadence trains on truncated responses too
     "disable_dropout": False,
     "report_to": "none",
     "save_strategy": "no",
@@ -116,6 +115,20 @@ def check_workload(cfg: Config) -> None:
         problems.append(f"algo.advantage = '{a.advantage}' (GRPOTrainer computes 'grpo')")
     if a.kl_coef > 0 and a.kl_estimator != "k3":
         problems.append(f"algo.kl_estimator = '{a.kl_estimator}' (TRL uses 'k3')")
+    if a.scale_by_std and (a.std != "unbiased" or a.std_eps != 1e-4):
+        problems.append(
+            f"algo.std = '{a.std}', algo.std_eps = {a.std_eps} (TRL divides by the unbiased std "
+            "plus 1e-4)"
+        )
+    if a.clip_ratio_c:
+        problems.append(f"algo.clip_ratio_c = {a.clip_ratio_c} (TRL has no dual clip)")
+    if a.kl_coef > 0 and a.kl_clamp:
+        problems.append(f"algo.kl_clamp = {a.kl_clamp} (TRL does not cap k3)")
+    if cfg.reward.overlong_buffer:
+        problems.append(
+            f"reward.overlong_buffer = {cfg.reward.overlong_buffer} (TRL shapes length with a "
+            "reward function of its own)"
+        )
     if t.mini_batches != 1:
         problems.append(f"train.mini_batches = {t.mini_batches} (compare with 1)")
     if t.prompts_per_iteration % t.micro_batch_groups:
@@ -162,6 +175,7 @@ def trl_args(cfg: Config, out: Path) -> dict:
         "epsilon_high": a.clip_high,
         "loss_type": LOSS_TYPES[a.loss_agg],
         "scale_rewards": "group" if a.scale_by_std else "none",
+        "mask_truncated_completions": a.mask_truncated,
         "seed": t.seed,
         "use_cpu": cfg.model.device == "cpu",
         **CPU_SETTINGS,

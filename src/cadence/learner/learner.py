@@ -15,6 +15,12 @@ only after a step, i.e. with `mini_batches` > 1, or when `reuse_old_logprobs` is
 `ref_logprobs` from the frozen reference, under no_grad. The loss and the advantage estimator
 come from `algo.registry`; the learner never branches on algorithm names.
 
+Before the loss (learner/batch.py) each group's rewards are shaped (DAPO's overlong penalty) and
+its advantages computed: group by group as groups arrive, or, for an estimator that normalises
+over the whole batch (REINFORCE++), once over every group of the iteration, which the learner
+then waits for before its first micro-batch. `mask_truncated` drops responses cut at
+`max_new_tokens` from the loss (not from their group's statistics).
+
 Stale data: a group whose `policy_version` is older than the learner's `version` was sampled by
 older weights, so the policy at the iteration's start is not its behaviour policy. For such a row
 `old_logprobs` are the behaviour log-probs the engine recorded at sampling time (chosen per row:
@@ -29,23 +35,27 @@ import copy
 import logging
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from cadence.algo import (
     COUNT_METRICS,
+    STD_EPS,
+    TOKEN_METRICS,
     AdvantageContext,
     LossParams,
     PolicyBatch,
     get_advantage,
     get_loss,
+    is_batch_advantage,
     is_pair_loss,
     needs_reference,
     normaliser,
     token_weights,
 )
+from cadence.learner.batch import Responses, Scored, Shaping, responses, reward_figures, score
 from cadence.learner.packing import LAYOUTS, Layout, check_layout
 from cadence.metrics.trace import Tracer
 from cadence.types import Group
@@ -62,6 +72,8 @@ class LearnerParams:
     loss: str = "ppo_clip"
     advantage: str = "grpo"
     scale_by_std: bool = True
+    std: str = "unbiased"  # GRPO / REINFORCE++ std: "unbiased" or "population"
+    std_eps: float = STD_EPS  # added to that std
     loss_agg: str = "token-mean"
     micro_batch_groups: int = 4
     mini_batches: int = 1
@@ -71,23 +83,13 @@ class LearnerParams:
     shared_prompt_impl: str = "prefix"  # "prefix" (prompt K/V reused) or "dense" (4-D mask)
     reuse_old_logprobs: bool = True  # before the first step, old_logprobs = policy's, detached
     max_bad_steps: int = 3  # steps in a row with a non-finite loss or gradient before giving up
+    overlong_buffer: int = 0  # DAPO's overlong penalty ramps over these last tokens; 0: off
+    overlong_penalty: float = 1.0  # the penalty at max_new_tokens
+    mask_truncated: bool = False  # drop responses cut at max_new_tokens from the loss
 
 
 class BadStepsError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
-
-
-@dataclass
-class _Responses:
-    """Response-aligned tensors of one micro-batch (B responses, T = longest response)."""
-
-    tokens: torch.Tensor  # (B, T) response token ids, right-padded
-    loss_mask: torch.Tensor  # (B, T) 1.0 on response tokens
-    behaviour_logprobs: torch.Tensor  # (B, T) recorded by the engine at sampling time
-    advantages: torch.Tensor  # (B,)
-    rewards: torch.Tensor  # (B,)
-    group_ids: torch.Tensor  # (B,) index of each response's group in the micro-batch
-    stale: torch.Tensor  # (B,) True where the group's policy_version is older than the learner's
 
 
 class _Sums:
@@ -140,6 +142,13 @@ class Learner:
         self.loss_fn = get_loss(params.loss)
         self.advantage_fn = get_advantage(params.advantage)
         self.pair_loss = is_pair_loss(params.loss)
+        self.batch_advantage = is_batch_advantage(params.advantage)
+        self.shaping = Shaping(
+            params.max_new_tokens,
+            params.overlong_buffer,
+            params.overlong_penalty,
+            params.mask_truncated,
+        )
         if needs_reference(params.loss, loss_params.kl_coef) and ref_model is None:
             why = "algo.kl_coef > 0" if loss_params.kl_coef > 0 else f"algo.loss = {params.loss!r}"
             raise ValueError(f"{why} needs a reference model")
@@ -189,11 +198,11 @@ class Learner:
         if self.old_model is not None:  # the old policy is the policy at the iteration's start
             self.old_model.load_state_dict(self.model.state_dict())
         self._steps_this_iteration = 0
-        buffer: list[Group] = []
-        sums, steps, rewards = _Sums(), [], []
-        for i, group in enumerate(groups, start=1):
+        buffer: list[Scored] = []
+        sums, steps, scored = _Sums(), [], []
+        for i, group in enumerate(self._scored(groups), start=1):
             buffer.append(group)
-            rewards.extend(group.rewards)
+            scored.append(group)
             end_of_step = i % per_step == 0 or i == num_groups
             if len(buffer) == self.params.micro_batch_groups or end_of_step:
                 self._forward_backward(buffer, sums)
@@ -205,10 +214,10 @@ class Learner:
             self._forward_backward(buffer, sums)
         if sums.values:
             steps.append(self._step(sums))
-        if not steps or len(rewards) == 0:
+        if not steps or not scored:
             raise RuntimeError(f"learner got no groups (expected {num_groups})")
         self.version += 1
-        self.baseline = sum(rewards) / len(rewards)
+        self.baseline = float(torch.cat([s.rewards for s in scored]).mean())
         totals = {k: sum(s[k] for s in steps) for k in _TOTALS}
         counts = (*COUNT_METRICS, "skipped_steps")  # add up over the steps, the rest is averaged
         summed = {*_TOTALS, *counts}
@@ -222,14 +231,31 @@ class Learner:
                 "frozen_copies_mb": self.frozen_copies_bytes / 2**20,
                 "optimizer_steps": float(len(steps)),
             }
+            | reward_figures(scored, self.shaping)
         )
 
-    def _forward_backward(self, groups: list[Group], sums: _Sums) -> None:
+    def _scored(self, groups: Iterable[Group]) -> Iterator[Scored]:
+        """Each group with its shaped rewards and advantages: one group at a time as they come,
+        or, for an estimator over the whole batch, all of the iteration's groups at once."""
+        ctx = AdvantageContext(
+            scale_by_std=self.params.scale_by_std,
+            std=self.params.std,
+            std_eps=self.params.std_eps,
+            baseline=self.baseline,
+        )
+        if self.batch_advantage:
+            yield from score(list(groups), self.advantage_fn, ctx, self.shaping)
+            return
+        for group in groups:
+            yield from score([group], self.advantage_fn, ctx, self.shaping)
+
+    def _forward_backward(self, scored: list[Scored], sums: _Sums) -> None:
+        groups = [s.group for s in scored]
         with self.tracer.span("forward_backward", "learner"):
             device = next(self.model.parameters()).device
             tokens = [(g.prompt_ids, [c.token_ids for c in g.completions]) for g in groups]
             layout = LAYOUTS[self.layout](tokens, self.pad_id).to(device)
-            resp = self._responses(groups, device)
+            resp = self._responses(scored, device)
             logprobs, entropy = self._logprobs(self.model, layout, resp, with_entropy=True)
             old_logprobs, old_passes = self._old_logprobs(logprobs, layout, resp)
             passes = 1 + old_passes
@@ -256,7 +282,7 @@ class Learner:
             entropy_sum=float((entropy * mask).sum()),
             num_stale_tokens=float(mask[resp.stale].sum()),
             num_response_tokens=float(mask.sum()),
-            num_seqs=float(mask.shape[0]),
+            num_seqs=float(mask.shape[0]),  # empty and masked responses count (TRL's way)
             num_tokens=float(sum(g.num_tokens for g in groups)),
             tokens_computed=float(layout.tokens_computed),
             forward_passes=float(passes),
@@ -264,7 +290,7 @@ class Learner:
         )
 
     def _old_logprobs(
-        self, logprobs: torch.Tensor, layout: Layout, resp: _Responses
+        self, logprobs: torch.Tensor, layout: Layout, resp: Responses
     ) -> tuple[torch.Tensor, int]:
         """`old_logprobs` per row, and the forward passes they cost (0 or 1).
 
@@ -287,38 +313,20 @@ class Learner:
             start, passes = self._frozen_logprobs(self.old_model, layout, resp), 1
         return torch.where(use_behaviour[:, None], behaviour, start), passes  # (B, T)
 
-    def _responses(self, groups: list[Group], device: torch.device) -> _Responses:
-        for g in groups:
-            if g.policy_version > self.version:
+    def _responses(self, scored: list[Scored], device: torch.device) -> Responses:
+        for s in scored:
+            if s.group.policy_version > self.version:
                 raise ValueError(
-                    f"group {g.prompt.uid} has policy_version {g.policy_version}, newer than the "
-                    f"learner's version {self.version}"
+                    f"group {s.group.prompt.uid} has policy_version {s.group.policy_version}, "
+                    f"newer than the learner's version {self.version}"
                 )
-        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # (N, G)
-        ctx = AdvantageContext(scale_by_std=self.params.scale_by_std, baseline=self.baseline)
-        adv = self.advantage_fn(rewards, ctx)  # (N, G)
-        sizes = [g.group_size for g in groups]
-        group_ids = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor(sizes))  # (B,)
-        stale = torch.tensor([g.policy_version < self.version for g in groups])  # (N,)
-        completions = [c for g in groups for c in g.completions]
-        width = max([len(c.token_ids) for c in completions] + [1])
-        tokens = torch.full((len(completions), width), self.pad_id, dtype=torch.long)  # (B, T)
-        behaviour = torch.zeros((len(completions), width))  # (B, T)
-        mask = torch.zeros((len(completions), width))  # (B, T)
-        for b, c in enumerate(completions):
-            n = len(c.token_ids)
-            tokens[b, :n] = torch.tensor(c.token_ids, dtype=torch.long)
-            behaviour[b, :n] = torch.tensor(c.logprobs)
-            mask[b, :n] = 1
-        per_row = (adv.flatten(), rewards.flatten(), group_ids, stale[group_ids])
-        moved = (t.to(device) for t in (tokens, mask, behaviour, *per_row))
-        return _Responses(*moved)
+        return responses(scored, self.pad_id, self.version, device)
 
     @torch.no_grad()
-    def _frozen_logprobs(self, model, layout: Layout, resp: _Responses) -> torch.Tensor:
+    def _frozen_logprobs(self, model, layout: Layout, resp: Responses) -> torch.Tensor:
         return self._logprobs(model, layout, resp, with_entropy=False)[0]
 
-    def _logprobs(self, model, layout: Layout, resp: _Responses, with_entropy: bool):
+    def _logprobs(self, model, layout: Layout, resp: Responses, with_entropy: bool):
         """Log-probs (and entropy) of each response token under softmax(logits / temperature)."""
         pred = layout.logits(model).float() / self.params.temperature  # (B, T, V)
         log_z = pred.logsumexp(-1)  # (B, T)
@@ -333,6 +341,8 @@ class Learner:
     def _normaliser(self, sums: _Sums) -> float:
         if self.pair_loss:  # the mean over the global batch's pairs; none (all ties): grads are 0
             return max(sums["num_pairs"], 1.0)
+        if sums["num_response_tokens"] == 0:  # every response dropped or empty: grads are 0
+            return 1.0
         return normaliser(
             self.params.loss_agg,
             num_tokens=int(sums["num_response_tokens"]),
@@ -356,8 +366,9 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             self._steps_this_iteration += 1
         self._count_bad_step(bad)
-        out = {k: sums[k] if k in COUNT_METRICS else sums[k] / norm for k in sums.loss_metrics}
         num_response_tokens = max(sums["num_response_tokens"], 1.0)
+        divisor = {k: 1.0 for k in COUNT_METRICS} | {k: num_response_tokens for k in TOKEN_METRICS}
+        out = {k: sums[k] / divisor.get(k, norm) for k in sums.loss_metrics}
         out["entropy"] = sums["entropy_sum"] / num_response_tokens
         out["stale_token_frac"] = sums["num_stale_tokens"] / num_response_tokens
         out["grad_norm"] = float(grad_norm)
