@@ -20,14 +20,14 @@ def _config(args: argparse.Namespace) -> Config:
 
 def cmd_init_model(args: argparse.Namespace) -> int:
     from cadence.models import init_model
-    from cadence.pipeline.params import make_task
+    from cadence.pipeline.params import tokenizer_corpus
 
     cfg = load_config(args.config, args.set)
     out = Path(args.out)
     if (out / "config.json").exists() and not args.force:
         print(f"{out} already holds a model; pass --force to rebuild it")
         return 0
-    corpus = make_task(cfg).corpus(args.corpus_size)
+    corpus = tokenizer_corpus(cfg, args.corpus_size)
     init_model(args.preset, out, corpus, seed=cfg.train.seed)
     print(f"built '{args.preset}' model and tokenizer in {out}")
     return 0
@@ -62,13 +62,16 @@ def cmd_init_reward_model(args: argparse.Namespace) -> int:
 def cmd_sft(args: argparse.Namespace) -> int:
     from cadence.learner.sft import cache_key, is_cached, run_sft
     from cadence.models.io import check_model_dir
-    from cadence.pipeline.params import make_task, set_threads
+    from cadence.pipeline.params import make_task, set_threads, sft_segments
 
     cfg = _config(args)
     s = cfg.sft
     base, out = Path(s.base), Path(s.out)
     check_model_dir(base)
-    key = cache_key(s.model_dump(), cfg.data.model_dump(), cfg.train.seed, base)
+    data = cfg.data.model_dump()
+    if cfg.env.kind != "single_turn":  # the demonstrations differ (single-turn keys stay as were)
+        data["env"] = cfg.env.model_dump()
+    key = cache_key(s.model_dump(), data, cfg.train.seed, base)
     if is_cached(out, key) and not args.force:
         print(f"SFT model in {out} is up to date (cached); pass --force to retrain")
         return 0
@@ -84,6 +87,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
         warmup_steps=s.warmup_steps,
         key=key,
         progress=cfg.metrics.progress,
+        segments=sft_segments(cfg),
     )
     print(
         f"SFT done: {record['steps']} steps, loss {record['final_loss']:.3f}, "
@@ -121,9 +125,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from cadence.engine import make_engine
+    from cadence.envs import make_env
     from cadence.models import load_model, load_tokenizer
     from cadence.pipeline.evaluate import evaluate
-    from cadence.pipeline.params import make_task, sampling_params, set_threads
+    from cadence.pipeline.params import env_spec, make_task, sampling_params, set_threads
     from cadence.pipeline.prompts import heldout_prompts
     from cadence.rewards import load_reward
 
@@ -139,6 +144,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         load_reward(cfg.reward.function),
         prompts,
         sampling_params(cfg, tokenizer),
+        make_env(env_spec(cfg)),
     )
     print(json.dumps({"model": str(args.model_dir), "num_prompts": len(prompts)} | result))
     return 0

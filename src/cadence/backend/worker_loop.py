@@ -22,11 +22,12 @@ import os
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cadence.backend.pool import TaskResult
 from cadence.backend.rollout import RolloutWorker
 from cadence.engine import SamplingParams
+from cadence.envs import EnvSpec
 from cadence.types import Group
 
 
@@ -43,11 +44,13 @@ class WorkerSpec:
     threads: int
     max_num_seqs: int
     engine: str = "continuous"
+    env: EnvSpec = field(default_factory=EnvSpec)  # single turn unless told otherwise
 
 
 def build_worker(spec: WorkerSpec):
     """(model, RolloutWorker) as `spec` describes; transformers is imported here, not before."""
     from cadence.engine import make_engine
+    from cadence.envs import make_env
     from cadence.models import DTYPES, load_model, load_tokenizer
     from cadence.rewards import load_reward
 
@@ -55,8 +58,9 @@ def build_worker(spec: WorkerSpec):
     model = load_model(spec.model_path, dtype=DTYPES[spec.dtype])
     engine = make_engine(spec.engine, model, tokenizer, max_num_seqs=spec.max_num_seqs)
     reward = load_reward(spec.reward) if spec.reward else None
+    env = make_env(spec.env)
     return model, RolloutWorker(
-        engine, tokenizer, reward, spec.sampling, spec.group_size, spec.run_seed
+        engine, tokenizer, reward, spec.sampling, spec.group_size, spec.run_seed, env=env
     )
 
 
@@ -73,6 +77,7 @@ class WorkerLoop:
         self.backlog: collections.deque = collections.deque()  # messages not yet acted on
         self.busy_since = 0.0
         self.occupancy: list[tuple[float, int]] = []
+        self.spans: list[tuple[str, float, float]] = []  # tool calls not yet reported
 
     def run(self) -> None:
         parent = os.getppid()
@@ -120,6 +125,7 @@ class WorkerLoop:
         for task_id, group in self.worker.poll():
             by_task.setdefault(task_id, []).append(group)
         self.occupancy.extend(self.worker.take_occupancy())
+        self.spans.extend(self.worker.take_spans())
         for task_id, groups in by_task.items():
             now = time.perf_counter()
             result = TaskResult(
@@ -130,6 +136,7 @@ class WorkerLoop:
                 now,
                 task_done=self.worker.task_done(task_id),
                 occupancy=self.occupancy,
+                spans=self.spans,
             )
             self.outbox.put(("groups", self.wid, result))
-            self.busy_since, self.occupancy = now, []
+            self.busy_since, self.occupancy, self.spans = now, [], []

@@ -309,7 +309,7 @@ class Learner:
             n = len(c.token_ids)
             tokens[b, :n] = torch.tensor(c.token_ids, dtype=torch.long)
             behaviour[b, :n] = torch.tensor(c.logprobs)
-            mask[b, :n] = 1
+            mask[b, :n] = 1 if c.loss_mask is None else torch.tensor(c.loss_mask)  # 0: env token
         per_row = (adv.flatten(), rewards.flatten(), group_ids, stale[group_ids])
         moved = (t.to(device) for t in (tokens, mask, behaviour, *per_row))
         return _Responses(*moved)
