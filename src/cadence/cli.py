@@ -1,4 +1,4 @@
-"""`cadence` command line: init-model, sft, train, eval.
+"""`cadence` command line: init-model, sft, train, eval, serve, and the measurements.
 
 Exit codes: 0 success, 1 a failure during the run, 2 bad input (config key or value, a model
 directory that is missing or not a causal LM, malformed data), with a message naming what is wrong.
@@ -248,6 +248,26 @@ def cmd_study(args: argparse.Namespace) -> int:
     return 0 if rows else 1
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from cadence.models.io import check_model_dir
+    from cadence.pipeline.params import set_threads
+    from cadence.serve import build_server, check_binding, run
+
+    token = args.token or os.environ.get("CADENCE_SERVE_TOKEN") or None
+    try:
+        check_binding(args.host, token)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    check_model_dir(Path(args.model_dir))
+    set_threads(args.threads)
+    server = build_server(args.model_dir, args.max_num_seqs, args.max_tokens)
+    print(f"cadence serve: {args.model_dir} on http://{args.host}:{args.port}/v1")
+    run(server, args.host, args.port, token)
+    return 0
+
+
 def print_summary(summary: dict, out: Path) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -420,6 +440,23 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--iterations", type=int, default=0, help="iterations per run (0: config)")
     with_config(sp, required=False)
     sp.set_defaults(fn=cmd_study)
+
+    sp = sub.add_parser(
+        "serve", help="an OpenAI-compatible chat-completions endpoint over a model directory"
+    )
+    sp.add_argument("model_dir", help="local Hugging Face causal-LM directory")
+    sp.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    sp.add_argument("--port", type=int, default=8000, help="port to bind")
+    sp.add_argument(
+        "--token",
+        default=None,
+        help="bearer token every request must carry (default: $CADENCE_SERVE_TOKEN); needed "
+        "unless bound to loopback",
+    )
+    sp.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded at once")
+    sp.add_argument("--max-tokens", type=int, default=256, help="most tokens per completion")
+    sp.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    sp.set_defaults(fn=cmd_serve)
 
     sp = sub.add_parser("eval", help="held-out accuracy of a model directory")
     sp.add_argument("model_dir")
