@@ -104,6 +104,7 @@ def make_app(server: Server, token: str | None = None):
         except RuntimeError as e:
             raise HTTPException(status_code=500, detail=str(e)) from None
 
+    @app.post("/v1/tokenize")
     @app.post("/tokenize")
     async def tokenize(body: dict[str, Any]) -> dict[str, Any]:
         text = body.get("prompt")
