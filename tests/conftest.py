@@ -34,7 +34,7 @@ def model(model_dir):
 
 @pytest.fixture(scope="session")
 def calculator_model_dir(tmp_path_factory):
-    """The 'test' preset warm-started for 60 steps on calculator demonstrations: it writes
+    """The 'test' preset warm-started for 60 steps of 16 calculator demonstrations: it writes
     `<call>calculator: ...</call>` turns often enough that episodes run several turns."""
     from itertools import islice
 
@@ -54,7 +54,7 @@ def calculator_model_dir(tmp_path_factory):
         root / "sft",
         steps=60,
         batch_size=16,
-        lr=3e-3,
+        lr=1e-2,
         warmup_steps=5,
         key="test",
         progress=False,
