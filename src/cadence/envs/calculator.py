@@ -1,9 +1,10 @@
 """The `calculator` tool: arithmetic evaluated by parsing, never by `eval`.
 
-The argument is parsed with Python's `ast` in expression mode and walked by hand: only number
-literals, + - * / // % ** and unary signs (with parentheses) are accepted, and sizes are bounded
-(the text, the number of nodes, every intermediate value, exponents), so no model output can run
-code or make the process compute for long. Anything else raises `CalculatorError` with a message
+The argument may hold only digits, '.', operators, parentheses and spaces; it is parsed with
+Python's `ast` in expression mode and walked by hand: only number literals, + - * / // % ** and
+unary signs (with parentheses) are accepted, and sizes are bounded (the text, the number of
+nodes, every intermediate value, exponents), so no model output can run code or make the
+process compute for long. Anything else raises `CalculatorError` with a message
 the policy reads.
 
 `demonstration` turns a worked answer ("123 + 456 = 579\\n#### 579") into the calls and results
@@ -23,6 +24,7 @@ MAX_EXPRESSION_CHARS = 200
 MAX_NODES = 64
 MAX_ABS = 10**15  # no intermediate value may exceed this in magnitude
 
+_ALLOWED = re.compile(r"[\d\s.+\-*/%()]*")
 _BINARY = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -43,6 +45,8 @@ def calculator(expression: str) -> str:
     """The value of an arithmetic expression, as text ("3 + 4" -> "7", "7 / 2" -> "3.5")."""
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    if not _ALLOWED.fullmatch(expression):  # before parsing: no names, strings or attributes
+        raise CalculatorError("an expression may hold only digits, '.', + - * / % ( ) and spaces")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError:
