@@ -59,6 +59,7 @@ def _box(timeout_s=5.0):
 
 
 def test_a_tool_that_raises_returns_garbage_or_hangs_gives_an_error_reply():
+    fixtures_tools.RELEASE.clear()  # hang until the end of the test
     box = _box(timeout_s=0.3)
     ok = box.call("calculator", "3 + 4")
     assert (ok.reply, ok.error, ok.timeout) == ("<result>7</result>", False, False)
