@@ -1,4 +1,4 @@
-"""`cadence` command line: init-model, sft, train, eval.
+"""`cadence` command line: init-model, sft, train, eval, serve, and the measurements.
 
 Exit codes: 0 success, 1 a failure during the run, 2 bad input (config key or value, a model
 directory that is missing or not a causal LM, malformed data), with a message naming what is wrong.
@@ -21,14 +21,14 @@ def _config(args: argparse.Namespace) -> Config:
 
 def cmd_init_model(args: argparse.Namespace) -> int:
     from cadence.models import init_model
-    from cadence.pipeline.params import make_task
+    from cadence.pipeline.params import tokenizer_corpus
 
     cfg = load_config(args.config, args.set)
     out = Path(args.out)
     if (out / "config.json").exists() and not args.force:
         print(f"{out} already holds a model; pass --force to rebuild it")
         return 0
-    corpus = make_task(cfg).corpus(args.corpus_size)
+    corpus = tokenizer_corpus(cfg, args.corpus_size)
     init_model(args.preset, out, corpus, seed=cfg.train.seed)
     print(f"built '{args.preset}' model and tokenizer in {out}")
     return 0
@@ -64,13 +64,16 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from cadence.learner.sft import cache_key, is_cached, run_sft
     from cadence.models import load_tokenizer
     from cadence.models.io import check_model_dir
-    from cadence.pipeline.params import make_task, prompt_render, set_threads
+    from cadence.pipeline.params import make_task, prompt_render, set_threads, sft_segments
 
     cfg = _config(args)
     s = cfg.sft
     base, out = Path(s.base), Path(s.out)
     check_model_dir(base)
-    key = cache_key(s.model_dump(), cfg.data.model_dump(), cfg.train.seed, base)
+    data = cfg.data.model_dump()
+    if cfg.env.kind != "single_turn":  # the demonstrations differ (single-turn keys stay as were)
+        data["env"] = cfg.env.model_dump()
+    key = cache_key(s.model_dump(), data, cfg.train.seed, base)
     if is_cached(out, key) and not args.force:
         print(f"SFT model in {out} is up to date (cached); pass --force to retrain")
         return 0
@@ -86,6 +89,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
         warmup_steps=s.warmup_steps,
         key=key,
         progress=cfg.metrics.progress,
+        segments=sft_segments(cfg),
     )
     print(
         f"SFT done: {record['steps']} steps, loss {record['final_loss']:.3f}, "
@@ -123,9 +127,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from cadence.engine import make_engine
+    from cadence.envs import make_env
     from cadence.models import load_model, load_tokenizer, max_positions
     from cadence.pipeline.evaluate import evaluate
     from cadence.pipeline.params import (
+        env_spec,
         make_task,
         prompt_filter,
         prompt_render,
@@ -149,6 +155,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         load_reward(cfg.reward.function, cfg.reward.answer_format, cfg.reward.timeout_s),
         prompts,
         sampling_params(cfg, tokenizer),
+        make_env(env_spec(cfg)),
     )
     print(json.dumps({"model": str(args.model_dir), "num_prompts": len(prompts)} | result))
     return 0
@@ -250,6 +257,26 @@ def cmd_study(args: argparse.Namespace) -> int:
         rows = study_offpolicy(config, overrides, losses, staleness, out)
     print((out / "study.md").read_text())
     return 0 if rows else 1
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from cadence.models.io import check_model_dir
+    from cadence.pipeline.params import set_threads
+    from cadence.serve import build_server, check_binding, run
+
+    token = args.token or os.environ.get("CADENCE_SERVE_TOKEN") or None
+    try:
+        check_binding(args.host, token)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    check_model_dir(Path(args.model_dir))
+    set_threads(args.threads)
+    server = build_server(args.model_dir, args.max_num_seqs, args.max_tokens)
+    print(f"cadence serve: {args.model_dir} on http://{args.host}:{args.port}/v1")
+    run(server, args.host, args.port, token)
+    return 0
 
 
 def print_summary(summary: dict, out: Path) -> None:
@@ -424,6 +451,23 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--iterations", type=int, default=0, help="iterations per run (0: config)")
     with_config(sp, required=False)
     sp.set_defaults(fn=cmd_study)
+
+    sp = sub.add_parser(
+        "serve", help="an OpenAI-compatible chat-completions endpoint over a model directory"
+    )
+    sp.add_argument("model_dir", help="local Hugging Face causal-LM directory")
+    sp.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
+    sp.add_argument("--port", type=int, default=8000, help="port to bind")
+    sp.add_argument(
+        "--token",
+        default=None,
+        help="bearer token every request must carry (default: $CADENCE_SERVE_TOKEN); needed "
+        "unless bound to loopback",
+    )
+    sp.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded at once")
+    sp.add_argument("--max-tokens", type=int, default=256, help="most tokens per completion")
+    sp.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    sp.set_defaults(fn=cmd_serve)
 
     sp = sub.add_parser("eval", help="held-out accuracy of a model directory")
     sp.add_argument("model_dir")

@@ -571,6 +571,53 @@ RAY_ONLY = (
 )
 
 
+class EnvConfig(_Section):
+    kind: Literal["single_turn", "tool"] = Field(
+        "single_turn",
+        description="single_turn: one prompt, one response; tool: multi-turn episodes in which "
+        "the policy calls tools with <call>NAME: ARGUMENT</call> and reads <result>...</result> "
+        "(src/cadence/envs/syntax.py); a turn without a call is the final answer.",
+    )
+    tools: list[str] = Field(
+        default_factory=lambda: ["calculator"],
+        description="kind 'tool': the tools the policy may call: 'calculator' (arithmetic, parsed "
+        "safely) or 'module:function' (fn(argument: str) -> str, called by its function name).",
+    )
+    max_turns: int = Field(
+        4, ge=1, description="kind 'tool': most policy turns per episode (each a call or the end)."
+    )
+    max_total_tokens: int = Field(
+        256,
+        ge=1,
+        description="kind 'tool': most tokens per episode after the prompt, policy and tool "
+        "replies together (each turn is also capped by rollout.max_new_tokens).",
+    )
+    tool_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="kind 'tool': a tool call still running after this many seconds is cut off; "
+        "the policy reads an error (counted as tool_timeouts), the run goes on.",
+    )
+
+    @model_validator(mode="after")
+    def _tool_keys_need_tools(self) -> EnvConfig:
+        if self.kind == "single_turn":
+            for key in TOOL_ONLY:
+                if getattr(self, key) != EnvConfig.model_fields[key].get_default(
+                    call_default_factory=True
+                ):
+                    raise ValueError(
+                        f"env.{key} applies to env.kind = 'tool' only: set env.kind = 'tool' or "
+                        f"leave env.{key} out"
+                    )
+        elif not self.tools:
+            raise ValueError("env.kind = 'tool' needs at least one tool in env.tools")
+        return self
+
+
+TOOL_ONLY = ("tools", "max_turns", "max_total_tokens", "tool_timeout_s")
+
+
 class SFTConfig(_Section):
     base: str = Field("runs/base", description="Model directory SFT starts from.")
     out: str = Field("runs/sft", description="Where the SFT model is written (cached).")
@@ -606,6 +653,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 

@@ -30,8 +30,26 @@ REWARD_TIMEOUT = "RewardTimeout:"
 
 
 @dataclass
+class EpisodeStats:
+    """What one multi-turn episode did besides its tokens (cadence.envs)."""
+
+    turns: int = 1  # policy turns
+    tool_calls: int = 0
+    tool_errors: int = 0  # calls that raised, returned something not a string, or were malformed
+    tool_timeouts: int = 0  # calls cut off at env.tool_timeout_s
+    env_s: float = 0.0  # seconds the episode waited on its environment between turns
+    env_tokens: int = 0  # environment tokens in the trajectory (loss_mask 0)
+
+
+@dataclass
 class Completion:
-    """One sampled response to a prompt."""
+    """One sampled response to a prompt: one turn, or a whole multi-turn trajectory.
+
+    A trajectory's `token_ids` are the tokens the engine saw after the prompt: the policy's turns
+    interleaved with the environment's replies. `loss_mask` is 1 on policy tokens (trained, with
+    their behaviour log-probs) and 0 on environment tokens (never trained; their `logprobs` are
+    0.0). None means every token is the policy's (a single turn).
+    """
 
     token_ids: list[int]  # response tokens only, EOS included when the model emitted it
     logprobs: list[float]  # behaviour log-prob of each sampled token under the sampling policy
@@ -39,6 +57,8 @@ class Completion:
     finish_reason: str = "length"  # "eos" | "stop" | "length"
     reward: float = 0.0
     reward_error: str | None = None  # set when the reward function raised or returned NaN
+    loss_mask: list[int] | None = None  # per token: 1 policy, 0 environment; None: all policy
+    episode: EpisodeStats | None = None  # set for multi-turn episodes
 
     @property
     def reward_timed_out(self) -> bool:

@@ -2,6 +2,7 @@ import pytest
 
 from cadence.cli import main
 from cadence.data import ArithmeticTask, make_prompt
+from cadence.envs import demonstration
 from cadence.learner.sft import encode_batch
 
 
@@ -14,6 +15,26 @@ def test_sft_loss_covers_answer_and_eos_only(tokenizer):
     assert (labels[0, : len(prompt)] == -100).all()
     assert labels[0, len(prompt) :].tolist() == [*answer, tokenizer.eos_token_id]
     assert attn.sum().item() == ids.shape[1]
+
+
+def test_a_demonstration_trains_the_policys_pieces_only(tokenizer):
+    # the calls and the final answer carry a loss; the tool's results do not, and every piece
+    # is tokenised on its own, as a rollout worker appends them
+    ex = ArithmeticTask(seed=0).train_examples(1)[0]
+    segments = demonstration(ex.answer)
+    ids, _, labels = encode_batch(
+        [ex], tokenizer, "Question: {question}\nAnswer: ", demonstration_of
+    )
+    prompt = tokenizer(make_prompt(ex.question), add_special_tokens=False)["input_ids"]
+    pieces = [(tokenizer(t, add_special_tokens=False)["input_ids"], keep) for t, keep in segments]
+    assert ids[0].tolist() == prompt + [t for p, _ in pieces for t in p] + [tokenizer.eos_token_id]
+    want = [t if keep else -100 for p, keep in pieces for t in p] + [tokenizer.eos_token_id]
+    assert labels[0, len(prompt) :].tolist() == want
+    assert [keep for _, keep in segments] == [True, False, True] and -100 in want
+
+
+def demonstration_of(example):
+    return demonstration(example.answer)
 
 
 @pytest.mark.slow

@@ -231,3 +231,35 @@ def test_periodic_update_equals_sync_update_with_dynamic_sampling(model_dir, tmp
     _, col_records, _ = _train(colocated, tmp_path / "colocated")
     assert figures == [(r["filtered_groups"], r["oversampled_prompts"]) for r in col_records]
     assert [r["reward_mean"] for r in col_records] == [r["reward_mean"] for r in sync_records]
+
+
+def test_periodic_update_equals_sync_update_for_multi_turn_episodes(calculator_model_dir, tmp_path):
+    # the calculator warm start calls its tool: episodes of several turns, tool results in them
+    tool = [
+        "env.kind='tool'",
+        "env.max_turns=3",
+        "env.max_total_tokens=40",
+        "rollout.max_new_tokens=16",
+    ]  # the reward stays even_length: the transcripts' lengths vary, so every step has a gradient
+    sync_grads, per_grads = [], []
+    sync_run, sync_records, _ = _train(
+        _cfg(calculator_model_dir, "sync", *tool), tmp_path / "sync", sync_grads
+    )
+    per_run, per_records, pids = _train(
+        _cfg(calculator_model_dir, "periodic", *tool), tmp_path / "periodic", per_grads
+    )
+    assert all(r["turns_mean"] > 1 and r["tool_calls"] > 0 for r in per_records)
+    assert all(0 < r["env_token_frac"] < 1 for r in per_records)
+    for key in ("reward_mean", "turns_mean", "tool_calls", "tool_errors", "env_token_frac"):
+        assert [r[key] for r in sync_records] == [r[key] for r in per_records], key
+    assert max_relative_diff(per_grads[0], sync_grads[0]) <= 1e-5
+    assert_same_update(
+        per_run.learner.model, sync_run.learner.model, per_grads, sync_grads, grad_rtol=5e-5
+    )
+    assert all(r["policy_version"] == r["iteration"] for r in per_records)
+    # tool calls are on the timeline, under their worker
+    tools = [s for s in per_run.tracer.spans if s.name == "tool"]
+    assert tools and all(
+        s.track.startswith("worker-") and s.track.endswith(" tools") for s in tools
+    )
+    assert not _pids_alive(pids) and not multiprocessing.active_children()

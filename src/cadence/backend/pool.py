@@ -26,6 +26,7 @@ class TaskResult:
     end: float  # [start, end): busy time since the worker's previous result, without overlap
     task_done: bool = True
     occupancy: list[tuple[float, int]] = field(default_factory=list)  # (time, active slots)
+    spans: list[tuple[str, float, float]] = field(default_factory=list)  # tool calls (name, a, b)
 
 
 Lost = dict[int, tuple[list[Prompt], int]]  # task id -> (prompts not returned, iteration)

@@ -391,6 +391,7 @@ class RayPool:
             result.start += offset
             result.end += offset
             result.occupancy = [(t + offset, n) for t, n in result.occupancy]
+            result.spans = [(name, a + offset, b + offset) for name, a, b in result.spans]
 
     def close(self) -> None:
         """Kill the actors, leave the weights' group, and shut down a Ray this pool started."""

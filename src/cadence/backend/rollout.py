@@ -8,14 +8,20 @@ groups leave unscored, and the producer does not write their reward).
 Two ways in: `rollout` generates a list of prompts and returns when all are done; `submit` and
 `poll` stream, for a worker process that keeps its engine's slots full across tasks and hands each
 group out the moment it is complete. The loaded weights must not change while `busy`.
+
+With an environment (cadence.envs) each sample is a multi-turn episode (backend/episodes.py): a
+group is handed out once its G episodes have all ended, so `busy` covers every unfinished
+episode and weights never change inside one. Without one (`env.kind = "single_turn"`) a sample
+is one response, exactly as before.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from cadence.backend.episodes import EpisodeRunner
 from cadence.engine import (
     Engine,
     Request,
@@ -24,6 +30,7 @@ from cadence.engine import (
     as_streaming,
     derive_seed,
 )
+from cadence.envs import Environment
 from cadence.rewards import RewardFn, safe_reward
 from cadence.types import Completion, Group, Prompt
 
@@ -47,14 +54,21 @@ class RolloutWorker:
         sampling: SamplingParams,
         group_size: int,
         run_seed: int,
+        env: Environment | None = None,
     ) -> None:
         self._jobs: dict[Hashable, _Job] = {}  # by (task, position in task)
+        self.episodes: EpisodeRunner | None = None
+        if env is not None:  # a turn ends at the environment's stop strings too
+            missing = tuple(s for s in env.stop if s not in sampling.stop)
+            sampling = replace(sampling, stop=sampling.stop + missing)
         self.engine = engine
         self.tokenizer = tokenizer
         self.reward = reward
         self.sampling = sampling
         self.group_size = group_size
         self.run_seed = run_seed
+        if env is not None:
+            self.episodes = EpisodeRunner(self.engine, tokenizer, env, sampling)
 
     @property
     def engine(self) -> StreamingEngine:
@@ -65,6 +79,8 @@ class RolloutWorker:
         if self.busy:
             raise RuntimeError("cannot swap the engine of a busy worker")
         self._engine = as_streaming(engine)
+        if self.episodes is not None:
+            self.episodes.engine = self._engine
 
     @property
     def busy(self) -> bool:
@@ -85,15 +101,30 @@ class RolloutWorker:
                 for j in range(self.group_size)
             ]
             self._jobs[(task, pos)] = _Job(task, prompt, ids, iteration, version, now)
-            self.engine.add((task, pos), Request(ids, seeds), self.sampling)
+            if self.episodes is not None:
+                self.episodes.add((task, pos), prompt, ids, seeds)
+            else:
+                self.engine.add((task, pos), Request(ids, seeds), self.sampling)
 
     def poll(self) -> list[tuple[Hashable, Group]]:
         """One engine step; the (task, group) of every prompt that finished in it, scored."""
         out = []
+        if self.episodes is not None:
+            for key, completions, env_rewards in self.episodes.step():
+                job = self._jobs.pop(key)
+                out.append((job.task, self._score(job, completions, env_rewards)))
+            return out
         for key, completions in self.engine.step():
             job = self._jobs.pop(key)
             out.append((job.task, self._score(job, completions)))
         return out
+
+    def take_spans(self) -> list[tuple[str, float, float]]:
+        """(name, start, end) of the tool calls since the last call (time.perf_counter())."""
+        if self.episodes is None:
+            return []
+        spans, self.episodes.spans = self.episodes.spans, []
+        return spans
 
     def take_occupancy(self) -> list[tuple[float, int]]:
         """(time.perf_counter(), sequences decoding) samples since the last call."""
@@ -114,9 +145,14 @@ class RolloutWorker:
                 done[group.prompt.index] = group
         return [done[p.index] for p in prompts]
 
-    def _score(self, job: _Job, completions: list[Completion]) -> Group:
-        if self.reward is not None:
-            for c in completions:
+    def _score(
+        self, job: _Job, completions: list[Completion], env_rewards: list | None = None
+    ) -> Group:
+        """Rewards: an environment's own where it gave one, else the reward function's."""
+        for i, c in enumerate(completions):
+            if env_rewards is not None and env_rewards[i] is not None:
+                c.reward = env_rewards[i]
+            elif self.reward is not None:
                 result = safe_reward(self.reward, job.prompt.text, c.text, job.prompt.answer)
                 c.reward, c.reward_error = result.value, result.error
         group = Group(job.prompt, job.prompt_ids, completions, job.version, job.iteration)

@@ -22,11 +22,12 @@ import os
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cadence.backend.pool import TaskResult
 from cadence.backend.rollout import RolloutWorker
 from cadence.engine import SamplingParams
+from cadence.envs import EnvSpec
 from cadence.types import Group
 
 
@@ -45,11 +46,13 @@ class WorkerSpec:
     engine: str = "continuous"
     reward_timeout_s: float = 0.0  # longest one reward call may take (0: no limit)
     answer_format: str = "auto"  # reward.answer_format of the "math" reward
+    env: EnvSpec = field(default_factory=EnvSpec)  # single turn unless told otherwise
 
 
 def build_worker(spec: WorkerSpec):
     """(model, RolloutWorker) as `spec` describes; transformers is imported here, not before."""
     from cadence.engine import make_engine
+    from cadence.envs import make_env
     from cadence.models import DTYPES, load_model, load_tokenizer
     from cadence.rewards import load_reward
 
@@ -59,8 +62,9 @@ def build_worker(spec: WorkerSpec):
     reward = (
         load_reward(spec.reward, spec.answer_format, spec.reward_timeout_s) if spec.reward else None
     )
+    env = make_env(spec.env)
     return model, RolloutWorker(
-        engine, tokenizer, reward, spec.sampling, spec.group_size, spec.run_seed
+        engine, tokenizer, reward, spec.sampling, spec.group_size, spec.run_seed, env=env
     )
 
 
@@ -77,6 +81,7 @@ class WorkerLoop:
         self.backlog: collections.deque = collections.deque()  # messages not yet acted on
         self.busy_since = 0.0
         self.occupancy: list[tuple[float, int]] = []
+        self.spans: list[tuple[str, float, float]] = []  # tool calls not yet reported
 
     def run(self) -> None:
         parent = os.getppid()
@@ -124,6 +129,7 @@ class WorkerLoop:
         for task_id, group in self.worker.poll():
             by_task.setdefault(task_id, []).append(group)
         self.occupancy.extend(self.worker.take_occupancy())
+        self.spans.extend(self.worker.take_spans())
         for task_id, groups in by_task.items():
             now = time.perf_counter()
             result = TaskResult(
@@ -134,6 +140,7 @@ class WorkerLoop:
                 now,
                 task_done=self.worker.task_done(task_id),
                 occupancy=self.occupancy,
+                spans=self.spans,
             )
             self.outbox.put(("groups", self.wid, result))
-            self.busy_since, self.occupancy = now, []
+            self.busy_since, self.occupancy, self.spans = now, [], []

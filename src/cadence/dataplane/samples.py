@@ -30,6 +30,8 @@ GENERATED = (
     "response_text",
     "finish_reason",
     "gen_s",  # seconds the group took to generate (the group's, repeated per row)
+    "loss_mask",  # multi-turn: 1 on policy tokens, 0 on environment tokens (None: one turn)
+    "episode",  # multi-turn: the episode's EpisodeStats (None: one turn)
 )
 REWARD = ("reward", "reward_error")  # written by whoever scores: a rollout worker or reward stage
 TRAIN = GENERATED + REWARD  # what the learner reads
@@ -55,6 +57,8 @@ def group_rows(
         "response_text": [c.text for c in cs],
         "finish_reason": [c.finish_reason for c in cs],
         "gen_s": [group.gen_s] * size,
+        "loss_mask": [c.loss_mask for c in cs],
+        "episode": [c.episode for c in cs],
     }
     if scored:
         fields["reward"] = [c.reward for c in cs]
@@ -80,6 +84,8 @@ def batch_groups(batch: SampleBatch) -> list[Group]:
                 finish_reason=d["finish_reason"][i],
                 reward=d["reward"][i],
                 reward_error=d["reward_error"][i],
+                loss_mask=d["loss_mask"][i],
+                episode=d["episode"][i],
             )
             for i in positions
         ]

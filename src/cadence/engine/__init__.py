@@ -9,6 +9,7 @@ from cadence.engine.base import (
     StreamingEngine,
     as_streaming,
     derive_seed,
+    derive_turn_seed,
     sample_tokens,
     step_uniforms,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "as_streaming",
     "check_continuous",
     "derive_seed",
+    "derive_turn_seed",
     "make_engine",
     "sample_tokens",
     "step_uniforms",

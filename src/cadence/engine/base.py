@@ -30,10 +30,20 @@ class SamplingParams:
 
 @dataclass
 class Request:
-    """Generate `len(seeds)` samples for one prompt, sample j seeded by `seeds[j]`."""
+    """Generate `len(seeds)` samples for one prompt, sample j seeded by `seeds[j]`.
+
+    `max_new_tokens` caps this request below the params' own limit (a multi-turn episode's token
+    budget); None: the params' limit alone."""
 
     prompt_ids: list[int]
     seeds: list[int] = field(default_factory=list)
+    max_new_tokens: int | None = None
+
+    def limit(self, params: SamplingParams) -> int:
+        """The most tokens a sample of this request may have under `params`."""
+        if self.max_new_tokens is None:
+            return params.max_new_tokens
+        return min(self.max_new_tokens, params.max_new_tokens)
 
 
 class Engine(Protocol):
@@ -92,6 +102,15 @@ def as_streaming(engine: Engine) -> StreamingEngine:
 def derive_seed(run_seed: int, iteration: int, prompt_index: int, sample_index: int) -> int:
     """A 63-bit seed for one sample, stable across processes and Python versions."""
     key = f"{run_seed}:{iteration}:{prompt_index}:{sample_index}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
+
+
+def derive_turn_seed(seed: int, turn: int) -> int:
+    """The seed of turn `turn` of a multi-turn sample whose first turn is seeded by `seed`:
+    turn 0 keeps `seed` (a single-turn sample's), later turns hash (seed, turn)."""
+    if turn == 0:
+        return seed
+    key = f"{seed}:turn:{turn}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
 
 

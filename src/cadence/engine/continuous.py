@@ -287,7 +287,7 @@ class ContinuousEngine:
                 finished.append((s, "eos"))
             elif p.stop and self._hits_stop(slot.tokens, p.stop):
                 finished.append((s, "stop"))
-            elif len(slot.tokens) >= p.max_new_tokens:
+            elif len(slot.tokens) >= slot.job.request.limit(p):
                 finished.append((s, "length"))
         return finished
 

@@ -37,7 +37,7 @@ class ScriptedEngine:
             for seed in req.seeds:
                 if self.delay_s is not None:
                     time.sleep(self.delay_s(req.prompt_ids, seed))
-                ids = self.script(req.prompt_ids, seed)[: params.max_new_tokens]
+                ids = self.script(req.prompt_ids, seed)[: req.limit(params)]
                 reason = "eos" if ids and ids[-1] in params.stop_token_ids else "length"
                 group.append(Completion(ids, [self.logprob] * len(ids), self.decode(ids), reason))
             out.append(group)

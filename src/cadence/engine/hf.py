@@ -56,7 +56,8 @@ class HFEngine:
         cache.batch_select_indices(rep)
         logits, mask, pos = logits[rep], mask[rep], pos[rep]  # (R, V), (R, L), (R,)
         seeds = torch.tensor([s for r in reqs for s in r.seeds], dtype=torch.int64, device=device)
-        tokens, logprobs, reasons = self._decode(logits, cache, mask, pos, seeds, params)
+        limits = [r.limit(params) for r in reqs for _ in r.seeds]
+        tokens, logprobs, reasons = self._decode(logits, cache, mask, pos, seeds, params, limits)
         return self._to_completions(reqs, tokens, logprobs, reasons)
 
     def _prefill(self, reqs: list[Request], device: torch.device):
@@ -79,7 +80,7 @@ class HFEngine:
         )
         return out.logits[:, -1], out.past_key_values, mask, mask.sum(-1)
 
-    def _decode(self, logits, cache, mask, pos, seeds, params: SamplingParams):
+    def _decode(self, logits, cache, mask, pos, seeds, params: SamplingParams, limits: list[int]):
         num_rows = seeds.shape[0]
         tokens: list[list[int]] = [[] for _ in range(num_rows)]
         logprobs: list[list[float]] = [[] for _ in range(num_rows)]
@@ -101,6 +102,8 @@ class HFEngine:
                     reasons[row], live[b] = "eos", False
                 elif params.stop and self._hits_stop(tokens[row], params.stop):
                     reasons[row], live[b] = "stop", False
+                elif len(tokens[row]) >= limits[row]:
+                    live[b] = False  # "length"
             num_live = int(live.sum())
             if num_live == 0 or step == params.max_new_tokens - 1:
                 break

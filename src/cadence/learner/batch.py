@@ -99,7 +99,8 @@ def responses(scored: list[Scored], pad_id: int, version: int, device: torch.dev
         n = len(c.token_ids)
         tokens[b, :n] = torch.tensor(c.token_ids, dtype=torch.long)
         behaviour[b, :n] = torch.tensor(c.logprobs)
-        mask[b, :n] = float(trains[b])
+        kept = 1.0 if c.loss_mask is None else torch.tensor(c.loss_mask, dtype=torch.float32)
+        mask[b, :n] = float(trains[b]) * kept  # loss_mask 0: an environment's token
     advantages = torch.cat([s.advantages for s in scored])  # (B,)
     rewards = torch.cat([s.rewards for s in scored])  # (B,)
     per_row = (advantages, rewards, group_ids, stale[group_ids])

@@ -1,7 +1,10 @@
 """Supervised warm start: train on reference solutions so RL starts from a non-zero reward.
 
 The prompt and the answer are tokenized separately, exactly as RL sees them (prompt alone, then
-response tokens), and the loss covers answer tokens and EOS only. The result is cached: a marker
+response tokens), and the loss covers answer tokens and EOS only. A multi-turn demonstration
+(`segments`: the answer as (text, trained) pieces, e.g. the policy's tool calls and the tool's
+results) is tokenized piece by piece, as a rollout worker appends them, and only the policy's
+pieces and EOS carry a loss. The result is cached: a marker
 file records a key of the SFT and data settings and the base model, and a second call with the
 same key does nothing.
 """
@@ -12,11 +15,12 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from cadence.data import Render, as_render
+from cadence.data import Example, Render, as_render
 from cadence.models import load_model, load_tokenizer, save_pretrained
 
 MARKER = "sft.json"
@@ -33,24 +37,39 @@ def is_cached(out: Path, key: str) -> bool:
     return marker.is_file() and json.loads(marker.read_text()).get("key") == key
 
 
-def encode_batch(examples, tokenizer, template: str | Render) -> tuple[torch.Tensor, ...]:
-    """input_ids, attention_mask, labels (-100 on prompt and padding); right-padded. The prompt
-    is rendered as RL renders it (`template`: a plain template or a chat renderer)."""
+Segments = Callable[[Example], list[tuple[str, bool]]]  # an answer as (text, trained) pieces
+
+
+def whole_answer(example: Example) -> list[tuple[str, bool]]:
+    return [(example.answer, True)]
+
+
+def encode_batch(
+    examples, tokenizer, template: str | Render, segments: Segments = whole_answer
+) -> tuple[torch.Tensor, ...]:
+    """input_ids, attention_mask, labels (-100 on prompt, untrained pieces and padding);
+    right-padded. The prompt is rendered as RL renders it (`template`: a plain template or a chat
+    renderer)."""
     render = as_render(template)
     rows = []
     for ex in examples:
         p = tokenizer(render(ex), add_special_tokens=False)["input_ids"]
-        a = tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((p, a))
-    width = max(len(p) + len(a) for p, a in rows)
+        a, trained = [], []
+        for text, train in segments(ex):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            a += piece
+            trained += [train] * len(piece)
+        rows.append((p, [*a, tokenizer.eos_token_id], [*trained, True]))
+    width = max(len(p) + len(a) for p, a, _ in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)  # (B, L)
     attn = torch.zeros_like(ids)  # (B, L)
     labels = torch.full_like(ids, -100)  # (B, L)
-    for b, (p, a) in enumerate(rows):
+    for b, (p, a, trained) in enumerate(rows):
         n = len(p) + len(a)
         ids[b, :n] = torch.tensor(p + a)
         attn[b, :n] = 1
-        labels[b, len(p) : n] = torch.tensor(a)
+        kept = [t if keep else -100 for t, keep in zip(a, trained, strict=True)]
+        labels[b, len(p) : n] = torch.tensor(kept)
     return ids, attn, labels
 
 
@@ -76,6 +95,7 @@ def run_sft(
     warmup_steps: int,
     key: str,
     progress: bool = True,
+    segments: Segments = whole_answer,
 ) -> dict:
     """Train `steps` steps of `batch_size` examples from `task.train_iter()`, save to `out`."""
     from rich.progress import Progress
@@ -90,7 +110,7 @@ def run_sft(
         job = bar.add_task("SFT", total=steps)
         for _ in range(steps):
             batch = [next(examples) for _ in range(batch_size)]
-            ids, attn, labels = encode_batch(batch, tokenizer, template)
+            ids, attn, labels = encode_batch(batch, tokenizer, template, segments)
             loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from cadence.metrics.trace import Tracer, overlap_length
-from cadence.types import Group, SourceStats
+from cadence.types import Completion, Group, SourceStats
 
 TRAIN_SPANS = ("forward_backward", "optimizer_step")
 
@@ -56,13 +56,34 @@ def sample_figures(groups: list[Group], version: int, max_staleness: int) -> dic
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": max(staleness),
         "staleness_hist": [staleness.count(s) for s in range(max_staleness + 1)],
+    } | episode_figures(completions)
+
+
+def episode_figures(completions: list[Completion]) -> dict[str, float]:
+    """Multi-turn episodes (none: no figures): policy turns per episode, tool calls, errors and
+    timeouts (counts over the iteration), seconds episodes waited on their environment (summed
+    over episodes), and the share of response tokens the policy wrote (trained) against the
+    environment's (never trained)."""
+    episodes = [c.episode for c in completions if c.episode is not None]
+    if not episodes:
+        return {}
+    tokens = sum(len(c.token_ids) for c in completions)
+    env_tokens = sum(e.env_tokens for e in episodes)
+    return {
+        "turns_mean": sum(e.turns for e in episodes) / len(episodes),
+        "tool_calls": sum(e.tool_calls for e in episodes),
+        "tool_errors": sum(e.tool_errors for e in episodes),
+        "tool_timeouts": sum(e.tool_timeouts for e in episodes),
+        "env_s": sum(e.env_s for e in episodes),
+        "trained_token_frac": (tokens - env_tokens) / max(tokens, 1),
+        "env_token_frac": env_tokens / max(tokens, 1),
     }
 
 
 def pipeline_figures(tracer: Tracer, stats: SourceStats, start: float, wall: float) -> dict:
     """Busy, idle and overlap times of generation and training over one iteration. `gen_s` and
     `train_s` are the busy times under their older names."""
-    gen_spans = tracer.select("worker", since=start)
+    gen_spans = tracer.select("worker", since=start, names=("generate",))
     gen = [(s.start, s.end) for s in gen_spans]
     train = [(s.start, s.end) for s in tracer.select("learner", since=start, names=TRAIN_SPANS)]
     num_workers = max(len({s.track for s in gen_spans}), 1)

@@ -104,7 +104,7 @@ def write_chrome_trace(spans: list[Span], path: str | Path, samples: list[Sample
 
 
 # The pipeline's own span names keep one colour in every picture; other names take the rest.
-_KNOWN = ("generate", "forward_backward", "optimizer_step", "weight_sync", "score")
+_KNOWN = ("generate", "forward_backward", "optimizer_step", "weight_sync", "score", "tool")
 
 
 def _name_colours(spans: list[Span]) -> dict[str, tuple[float, ...]]:

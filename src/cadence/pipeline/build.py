@@ -16,6 +16,7 @@ from cadence.backend import RewardSpec, RewardStage, RolloutWorker, make_pool
 from cadence.config import Config, ConfigError, PipelineConfig, to_toml
 from cadence.dataplane import Store
 from cadence.engine import make_engine
+from cadence.envs import make_env
 from cadence.learner import Learner
 from cadence.metrics import Tracer
 from cadence.models import DTYPES, load_model, load_tokenizer, max_positions
@@ -25,6 +26,7 @@ from cadence.pipeline.evaluate import Evaluator
 from cadence.pipeline.loop import LoopParams, Run
 from cadence.pipeline.params import (
     check_group_size,
+    env_spec,
     learner_params,
     learner_threads,
     make_task,
@@ -189,8 +191,9 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
     reward = load_reward(cfg.reward.function, cfg.reward.answer_format, cfg.reward.timeout_s)
     sampling = sampling_params(cfg, tokenizer)
+    env = make_env(env_spec(cfg))
     worker = RolloutWorker(
-        engine, tokenizer, reward, sampling, cfg.rollout.group_size, cfg.train.seed
+        engine, tokenizer, reward, sampling, cfg.rollout.group_size, cfg.train.seed, env=env
     )
     task = make_task(cfg)
     cursor = resume.state["cursor"] if resume else 0
@@ -205,7 +208,7 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
         tokenizer=tokenizer,
         learner=learner,
         source=build_source(cfg, model, worker, tracer, stream, first_iteration=first),
-        heldout_accuracy=Evaluator(model, engine, tokenizer, reward, heldout, sampling),
+        heldout_accuracy=Evaluator(model, engine, tokenizer, reward, heldout, sampling, env),
         num_heldout=len(heldout),
         stream=stream,
         tracer=tracer,

@@ -1,13 +1,18 @@
-"""Held-out accuracy: greedy decoding, scored by the run's reward function."""
+"""Held-out accuracy: greedy decoding, scored by the run's reward function.
+
+With an environment (`env.kind = "tool"`) each held-out problem is a greedy episode, tools and
+all, run by the same rollout worker code that training uses; without one, a single response."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any
 
+from cadence.backend import RolloutWorker
 from cadence.engine import Engine, Request, SamplingParams
+from cadence.envs import Environment
 from cadence.rewards import RewardFn, safe_reward
-from cadence.types import Prompt
+from cadence.types import Completion, Prompt
 
 
 def evaluate(
@@ -16,19 +21,32 @@ def evaluate(
     reward: RewardFn,
     prompts: list[Prompt],
     sampling: SamplingParams,
+    env: Environment | None = None,
 ) -> dict[str, float]:
     """Fraction of held-out prompts whose greedy answer scores >= 1, and mean response length."""
     greedy = replace(sampling, temperature=0.0)
-    requests = [
-        Request(tokenizer(p.text, add_special_tokens=False)["input_ids"], [0]) for p in prompts
-    ]
-    outputs = engine.generate(requests, greedy)
+    if env is not None:
+        completions = _episodes(engine, tokenizer, reward, prompts, greedy, env)
+    else:
+        completions = _responses(engine, tokenizer, prompts, greedy)
     correct, tokens = 0, 0
-    for p, (c,) in zip(prompts, outputs, strict=True):
+    for p, c in zip(prompts, completions, strict=True):
         correct += safe_reward(reward, p.text, c.text, p.answer).value >= 1.0
         tokens += len(c.token_ids)
     n = max(len(prompts), 1)
     return {"accuracy": correct / n, "response_tokens_mean": tokens / n}
+
+
+def _responses(engine, tokenizer, prompts, greedy) -> list[Completion]:
+    requests = [
+        Request(tokenizer(p.text, add_special_tokens=False)["input_ids"], [0]) for p in prompts
+    ]
+    return [c for (c,) in engine.generate(requests, greedy)]
+
+
+def _episodes(engine, tokenizer, reward, prompts, greedy, env) -> list[Completion]:
+    worker = RolloutWorker(engine, tokenizer, None, greedy, 1, 0, env=env)
+    return [g.completions[0] for g in worker.rollout(prompts, 0, 0)]
 
 
 @dataclass
@@ -41,9 +59,11 @@ class Evaluator:
     reward: RewardFn
     prompts: list[Prompt]
     sampling: SamplingParams
+    env: Environment | None = None
 
     def __call__(self) -> float:
         self.model.eval()
-        return evaluate(self.engine, self.tokenizer, self.reward, self.prompts, self.sampling)[
-            "accuracy"
-        ]
+        result = evaluate(
+            self.engine, self.tokenizer, self.reward, self.prompts, self.sampling, self.env
+        )
+        return result["accuracy"]

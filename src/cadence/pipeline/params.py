@@ -6,6 +6,7 @@ a run themselves. Only the CLI, the builder and these helpers read the config tr
 from __future__ import annotations
 
 import os
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -13,8 +14,9 @@ import torch
 from cadence.algo import ADVANTAGES, AdvantageContext, LossParams, get_advantage, is_pair_loss
 from cadence.backend import WorkerSpec
 from cadence.config import Config, ConfigError
-from cadence.data import ChatRender, PlainRender, Render, load_task
+from cadence.data import ChatRender, Example, PlainRender, Render, load_task, make_prompt
 from cadence.engine import SamplingParams
+from cadence.envs import EnvSpec, demonstration, load_tools
 from cadence.learner import LearnerParams
 from cadence.pipeline.prompts import PromptFilter
 
@@ -219,4 +221,42 @@ def worker_spec(cfg: Config, sampling: SamplingParams) -> WorkerSpec:
         engine=cfg.rollout.engine,
         reward_timeout_s=cfg.reward.timeout_s,
         answer_format=cfg.reward.answer_format,
+        env=env_spec(cfg),
     )
+
+
+def env_spec(cfg: Config) -> EnvSpec:
+    """The episode settings workers build their environment from; tools that cannot be loaded
+    are a config error here, before any worker starts."""
+    e = cfg.env
+    if e.kind == "single_turn":
+        return EnvSpec()
+    try:
+        load_tools(e.tools)
+    except ValueError as err:
+        raise ConfigError(f"config key 'env.tools': {err}") from None
+    return EnvSpec(e.kind, tuple(e.tools), e.max_turns, e.max_total_tokens, e.tool_timeout_s)
+
+
+def sft_segments(cfg: Config):
+    """How the warm start splits an answer into (text, trained) pieces: with the calculator among
+    the tools, each worked step becomes a call (trained) and its result (not trained); else the
+    whole answer is trained."""
+    if cfg.env.kind == "tool" and "calculator" in cfg.env.tools:
+        return lambda example: demonstration(example.answer)
+    return lambda example: [(example.answer, True)]
+
+
+def tokenizer_corpus(cfg: Config, n: int) -> list[str]:
+    """Texts to train the embedded model's tokenizer on: the task's, and with tools its
+    demonstrations too (so the call syntax gets tokens of its own)."""
+    task = make_task(cfg)
+    corpus = task.corpus(n)
+    if cfg.env.kind == "tool":
+        split = sft_segments(cfg)
+        examples: list[Example] = list(islice(task.train_iter(), n))
+        template = cfg.data.prompt_template
+        corpus += [
+            make_prompt(e.question, template) + "".join(t for t, _ in split(e)) for e in examples
+        ]
+    return corpus

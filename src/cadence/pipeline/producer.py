@@ -217,6 +217,8 @@ class Producer:
         origin, track = self.tracer.origin, f"worker-{result.worker}"
         self.tracer.add(Span("generate", track, result.start - origin, result.end - origin))
         self.tracer.add_samples("slots", track, result.occupancy)
+        for name, t0, t1 in result.spans:  # tool calls: where episodes waited on their tools
+            self.tracer.add(Span(name, f"{track} tools", t0 - origin, t1 - origin))
         self.on_result(result)
 
 

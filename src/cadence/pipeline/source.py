@@ -28,7 +28,7 @@ from cadence.dataplane import (
     batch_groups,
     record_depths,
 )
-from cadence.metrics.trace import Tracer
+from cadence.metrics.trace import Span, Tracer
 from cadence.pipeline.oversample import Oversampler
 from cadence.pipeline.producer import Producer
 from cadence.pipeline.recovery import Recovery
@@ -89,6 +89,9 @@ class ColocatedSource:
                 groups = self.worker.rollout(prompts, iteration, version)
             self._rows += sum(g.group_size for g in groups)
             self.tracer.add_samples("slots", "worker-0", self.worker.take_occupancy())
+            origin = self.tracer.origin
+            for name, t0, t1 in self.worker.take_spans():  # tool calls
+                self.tracer.add(Span(name, "worker-0 tools", t0 - origin, t1 - origin))
             prompts = []
             for group in groups:
                 train, more = sampler.offer(group)

@@ -1,0 +1,175 @@
+"""Multi-turn episodes inside a rollout worker, continuously batched with everything else.
+
+An episode alternates between the engine and its environment. Each policy turn is one engine
+request whose prompt is the whole episode so far (the task's prompt, then every token already
+in the trajectory), seeded by `derive_turn_seed(sample seed, turn)`, so a turn's tokens depend on
+nothing but the episode itself. The turn's tokens and behaviour log-probs are appended as they
+came out of the engine (`loss_mask` 1); the environment's reply is tokenised once and appended
+(`loss_mask` 0, log-prob 0.0). Text is never re-tokenised: the trajectory is exactly the token
+sequence the engine saw.
+
+The environment's `step` runs in a thread pool, so while one episode waits on a tool the engine
+decodes the others; each `step()` here collects the replies that are ready, and when the engine
+has nothing to decode it waits briefly on the first reply instead of spinning. An episode ends
+when its environment says so, on EOS, after `budget.max_turns` turns, or when its tokens after
+the prompt reach `budget.max_total_tokens` (a reply that would leave no room for a policy token
+is not appended). A request's group of G episodes is handed out once all G have ended.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from cadence.engine import Request, SamplingParams, StreamingEngine, derive_turn_seed
+from cadence.envs import Environment, Episode
+from cadence.types import Completion, EpisodeStats
+
+ENV_THREADS = 16  # environment steps in flight at once per worker (tool calls wait in them)
+IDLE_WAIT_S = 0.05  # longest wait on a reply while the engine has nothing to decode
+
+
+@dataclass(eq=False)
+class _Group:
+    key: Hashable
+    prompt_ids: list[int]
+    episodes: list[_Episode] = field(default_factory=list)
+    remaining: int = 0
+
+
+@dataclass(eq=False)
+class _Episode:
+    group: _Group
+    sample: int
+    seed: int
+    env: Episode
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    parts: list[str] = field(default_factory=list)  # turn and reply texts, in order
+    stats: EpisodeStats = field(default_factory=lambda: EpisodeStats(turns=0))
+    finish_reason: str = "length"
+    reward: float | None = None  # the environment's own, when it gave one
+    asked: float = 0.0  # when its environment was handed the latest turn
+
+    def completion(self) -> Completion:
+        return Completion(
+            self.token_ids,
+            self.logprobs,
+            "".join(self.parts),
+            self.finish_reason,
+            loss_mask=self.loss_mask,
+            episode=self.stats,
+        )
+
+
+Finished = tuple[Hashable, list[Completion], list[float | None]]  # key, completions, env rewards
+
+
+class EpisodeRunner:
+    """Runs groups of episodes on a streaming engine: `add` a prompt's G episodes, `step` until
+    they come back (key, completions, the environment's rewards: None where it gave none)."""
+
+    def __init__(
+        self, engine: StreamingEngine, tokenizer, env: Environment, sampling: SamplingParams
+    ) -> None:
+        self.engine, self.tokenizer, self.env, self.sampling = engine, tokenizer, env, sampling
+        self.spans: list[tuple[str, float, float]] = []  # tool calls, for the timeline
+        self._groups: dict[Hashable, _Group] = {}
+        self._in_engine: dict[Hashable, _Episode] = {}
+        self._waiting: dict[cf.Future, _Episode] = {}
+        self._done: list[Finished] = []
+        self._pool: cf.ThreadPoolExecutor | None = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._groups)
+
+    def add(self, key: Hashable, prompt, prompt_ids: list[int], seeds: list[int]) -> None:
+        group = _Group(key, list(prompt_ids), remaining=len(seeds))
+        self._groups[key] = group
+        for j, seed in enumerate(seeds):
+            episode = _Episode(group, j, seed, self.env.start(prompt))
+            group.episodes.append(episode)
+            self._next_turn(episode)
+
+    def step(self) -> list[Finished]:
+        self._take_replies()
+        if self.engine.busy:
+            for key, (completion,) in self.engine.step():
+                self._turn_done(self._in_engine.pop(key), completion)
+        elif self._waiting:
+            cf.wait(list(self._waiting), timeout=IDLE_WAIT_S, return_when=cf.FIRST_COMPLETED)
+            self._take_replies()
+        done, self._done = self._done, []
+        return done
+
+    def _next_turn(self, episode: _Episode) -> None:
+        seed = derive_turn_seed(episode.seed, episode.stats.turns)
+        room = self.env.budget.max_total_tokens - len(episode.token_ids)
+        key = (episode.group.key, episode.sample)
+        self._in_engine[key] = episode
+        prompt = episode.group.prompt_ids + episode.token_ids
+        self.engine.add(key, Request(prompt, [seed], max_new_tokens=room), self.sampling)
+
+    def _turn_done(self, episode: _Episode, turn: Completion) -> None:
+        n = len(turn.token_ids)
+        episode.token_ids += turn.token_ids
+        episode.logprobs += turn.logprobs
+        episode.loss_mask += [1] * n
+        episode.parts.append(turn.text)
+        episode.stats.turns += 1
+        episode.finish_reason = turn.finish_reason
+        budget = self.env.budget
+        if len(episode.token_ids) >= budget.max_total_tokens:
+            episode.finish_reason = "length"
+        if (
+            turn.finish_reason == "eos"
+            or episode.stats.turns >= budget.max_turns
+            or len(episode.token_ids) >= budget.max_total_tokens
+        ):
+            self._finish(episode)
+            return
+        episode.asked = time.perf_counter()
+        self._waiting[self._executor().submit(episode.env.step, turn.text)] = episode
+
+    def _take_replies(self) -> None:
+        for future in [f for f in self._waiting if f.done()]:
+            episode = self._waiting.pop(future)
+            reply = future.result()  # an environment that raises is a bug: the worker fails
+            stats = episode.stats
+            stats.env_s += time.perf_counter() - episode.asked
+            stats.tool_calls += reply.tool_calls
+            stats.tool_errors += reply.tool_errors
+            stats.tool_timeouts += reply.tool_timeouts
+            self.spans.extend(reply.spans)
+            if reply.done:
+                episode.reward = reply.reward
+                self._finish(episode)
+                continue
+            ids = self.tokenizer(reply.text, add_special_tokens=False)["input_ids"]
+            if len(episode.token_ids) + len(ids) >= self.env.budget.max_total_tokens:
+                episode.finish_reason = "length"  # no room left for the policy to answer
+                self._finish(episode)
+                continue
+            episode.token_ids += ids
+            episode.logprobs += [0.0] * len(ids)
+            episode.loss_mask += [0] * len(ids)
+            episode.parts.append(reply.text)
+            stats.env_tokens += len(ids)
+            self._next_turn(episode)
+
+    def _finish(self, episode: _Episode) -> None:
+        group = episode.group
+        group.remaining -= 1
+        if group.remaining == 0:
+            del self._groups[group.key]
+            completions = [e.completion() for e in group.episodes]
+            self._done.append((group.key, completions, [e.reward for e in group.episodes]))
+
+    def _executor(self) -> cf.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(ENV_THREADS, thread_name_prefix="cadence-env")
+        return self._pool

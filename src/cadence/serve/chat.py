@@ -1,0 +1,154 @@
+"""The chat-completions request and response, OpenAI's schema plus token ids.
+
+A request's messages become prompt tokens one of two ways. A model with a chat template renders
+them with it. A model without one (the embedded default) takes the messages' contents in order,
+each tokenised on its own and concatenated, with nothing between them and roles ignored: the
+way a rollout worker builds an episode, prompt, turn and reply tokenised apart. An agent that
+must be token-exact across turns sends `prompt_token_ids` (the previous response's
+`prompt_token_ids` + `token_ids`, then its own reply's tokens, from `/tokenize`): they are used
+as the prompt as they are, and the messages are not rendered.
+
+Every response carries `prompt_token_ids` (top level) and, per choice, `token_ids` (every token
+sampled, a stop string's included) and `logprobs.content` (each sampled token's log-prob under
+the sampling distribution, softmax(logits / temperature)), as vLLM does with
+`return_token_ids`. Choice j is seeded by `seed + j`; without a seed, by a random one.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cadence.types import Completion
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
+        if len(parts) != len(self.content):
+            raise ValueError("only text content parts are supported")
+        return "".join(parts)
+
+
+class ChatRequest(BaseModel):
+    """What /v1/chat/completions accepts; unknown OpenAI fields are ignored, unsupported values
+    of known ones are refused by name."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    messages: list[ChatMessage] = Field(default_factory=list)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=64)
+    seed: int | None = Field(None, ge=0, lt=2**62)
+    stop: str | list[str] | None = None
+    stream: Literal[False] = False
+    logprobs: bool | None = None  # accepted; log-probs are always returned
+    top_logprobs: Literal[0] | None = None
+    prompt_token_ids: list[int] | None = None  # cadence: the prompt, exactly
+    return_token_ids: bool | None = None  # vLLM's flag: accepted; token ids are always returned
+    include_stop_str_in_output: bool = False  # vLLM's flag: keep the stop string in `content`
+
+    @property
+    def stops(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def seeds(self) -> list[int]:
+        base = self.seed if self.seed is not None else secrets.randbits(62)
+        return [base + j for j in range(self.n)]
+
+
+def render(request: ChatRequest, tokenizer) -> list[int]:
+    """The prompt's token ids (see the module docstring)."""
+    if request.prompt_token_ids is not None:
+        return list(request.prompt_token_ids)
+    if not request.messages:
+        raise ValueError("messages: at least one message is needed (or prompt_token_ids)")
+    if tokenizer.chat_template:
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        out = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+        return list(out["input_ids"])
+    ids: list[int] = []
+    for m in request.messages:
+        ids += tokenizer(m.text(), add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def _content(c: Completion, stops: list[str], keep_stop: bool) -> str:
+    if c.finish_reason != "stop" or keep_stop:
+        return c.text
+    cut = min((c.text.find(s) for s in stops if s in c.text), default=-1)
+    return c.text if cut < 0 else c.text[:cut]
+
+
+def _logprobs(c: Completion, tokenizer) -> dict[str, Any]:
+    content = []
+    for token_id, logprob in zip(c.token_ids, c.logprobs, strict=True):
+        token = tokenizer.decode([token_id])
+        content.append(
+            {
+                "token": token,
+                "logprob": logprob,
+                "bytes": list(token.encode("utf-8")),
+                "top_logprobs": [],
+            }
+        )
+    return {"content": content}
+
+
+def response(
+    request: ChatRequest,
+    model: str,
+    prompt_ids: list[int],
+    completions: list[Completion],
+    tokenizer,
+) -> dict[str, Any]:
+    """The OpenAI chat.completion object, with `prompt_token_ids` and each choice's `token_ids`."""
+    stops = request.stops
+    choices = [
+        {
+            "index": j,
+            "message": {
+                "role": "assistant",
+                "content": _content(c, stops, request.include_stop_str_in_output),
+            },
+            "finish_reason": "length" if c.finish_reason == "length" else "stop",
+            "logprobs": _logprobs(c, tokenizer),
+            "token_ids": c.token_ids,
+        }
+        for j, c in enumerate(completions)
+    ]
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt_ids) + completion_tokens,
+        },
+        "prompt_token_ids": prompt_ids,
+    }
