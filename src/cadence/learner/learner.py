@@ -171,6 +171,9 @@ class Learner:
         self._steps_this_iteration = 0
         self.bad_steps_in_a_row = 0
 
+    def close(self) -> None:
+        """Nothing to release: this learner lives in the driver process (see RankedLearner)."""
+
     def _choose_layout(self) -> str:
         if not self.params.shared_prompt:
             return "unpacked"

@@ -21,6 +21,7 @@ import hashlib
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,9 +77,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(
-    out: Path, iteration: int, learner, tokenizer, extra: dict[str, Any], keep: int
+    out: Path,
+    iteration: int,
+    learner,
+    tokenizer,
+    extra: dict[str, Any],
+    keep: int,
+    shards: Callable[[Path], dict[str, Any]] | None = None,
 ) -> Path:
-    """Write `out/checkpoints/iter-<iteration>` atomically; keep the newest `keep`."""
+    """Write `out/checkpoints/iter-<iteration>` atomically; keep the newest `keep`. `shards`: a
+    sharded learner's (pipeline/ranks.py), which writes its optimizer state into the directory
+    itself and returns what the state records instead of `optimizer` and `scheduler`."""
     root = out / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{iteration:06d}"
@@ -87,10 +96,16 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     save_pretrained(learner.model, tokenizer, tmp / "policy")
+    if shards is None:
+        trainer = {
+            "optimizer": learner.optimizer.state_dict(),
+            "scheduler": learner.scheduler.state_dict(),
+        }
+    else:
+        trainer = shards(tmp)
     state = {
         "iteration": iteration,
-        "optimizer": learner.optimizer.state_dict(),
-        "scheduler": learner.scheduler.state_dict(),
+        **trainer,
         "version": learner.version,
         "baseline": learner.baseline,
         "bad_steps_in_a_row": learner.bad_steps_in_a_row,

@@ -42,6 +42,7 @@ from cadence.pipeline.checkpoint import (
     set_rng_state,
 )
 from cadence.pipeline.prompts import PromptStream
+from cadence.pipeline.ranks import RankedLearner
 from cadence.pipeline.source import GroupSource
 from cadence.rewards import RewardErrorBudget
 from cadence.types import Group
@@ -76,7 +77,7 @@ class Run:
 
     params: LoopParams
     tokenizer: Any
-    learner: Learner
+    learner: Learner | RankedLearner  # one process, or learner.ranks torch.distributed ranks
     source: GroupSource
     heldout_accuracy: Callable[[], float]  # greedy accuracy of the current policy
     stream: PromptStream
@@ -87,6 +88,14 @@ class Run:
     @property
     def first_iteration(self) -> int:
         return self.resume.iteration if self.resume else 0
+
+    def close(self) -> None:
+        """Stop the learner's ranks (if any), then the source's workers: the source may own the
+        Ray that ranks on Ray run in."""
+        try:
+            self.learner.close()
+        finally:
+            self.source.close()
 
 
 def on_policy(groups: Iterator[Group], version: int, seen: list[Group]) -> Iterator[Group]:
@@ -183,7 +192,7 @@ def train(
     finally:
         for s in sinks:
             s.close()
-        run.source.close()
+        run.close()
         write_timeline(run, out)
     accuracy_after = run.heldout_accuracy() if evaluate else float("nan")
     save_pretrained(run.learner.model, run.tokenizer, out / "final")
@@ -207,7 +216,7 @@ def _begin(run: Run, out: Path, evaluate: bool) -> tuple[list[dict[str, Any]], f
     try:
         start_fresh(out)
     except CheckpointError:
-        run.source.close()
+        run.close()
         raise
     return [], run.heldout_accuracy() if evaluate else float("nan")
 
@@ -252,9 +261,10 @@ def checkpoint(run: Run, out: Path, iteration: int, records: list, accuracy_befo
         "reference_path": run.params.reference_path,
         "reference_digest": run.reference_digest,
     }
+    shards = run.learner.save_shards if isinstance(run.learner, RankedLearner) else None
     with run.tracer.span("checkpoint", "learner"):
         save_checkpoint(
-            out, iteration, run.learner, run.tokenizer, extra, run.params.keep_checkpoints
+            out, iteration, run.learner, run.tokenizer, extra, run.params.keep_checkpoints, shards
         )
 
 
