@@ -48,7 +48,7 @@ from cadence.algo import (
     token_weights,
 )
 from cadence.learner.packing import LAYOUTS, Layout, check_layout
-from cadence.learner.sums import TOTALS, StepSums, iteration_stats
+from cadence.learner.sums import TOTALS, StepSums, iteration_stats, peak_memory
 from cadence.metrics.trace import Tracer
 from cadence.types import Group
 
@@ -218,7 +218,9 @@ class Learner:
             raise RuntimeError(f"learner got no groups (expected {num_groups})")
         self.version += 1
         self.baseline = sum(rewards) / len(rewards)
-        return iteration_stats(steps, self.frozen_copies_bytes)
+        device = next(self.model.parameters()).device
+        memory = {f"learner_{k}": v for k, v in peak_memory(device).items()}
+        return iteration_stats(steps, self.frozen_copies_bytes) | {"learner_ranks": 1} | memory
 
     def begin_iteration(self) -> None:
         """Training mode; the old copy (if any) becomes the policy at the iteration's start."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import resource
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch
 from cadence.algo import LossParams
 from cadence.learner.learner import Collective, Learner, LearnerParams
 from cadence.learner.sharded_state import load_sharded, save_sharded
-from cadence.learner.sums import StepSums
+from cadence.learner.sums import StepSums, peak_memory
 from cadence.metrics.trace import Tracer
 from cadence.models import DTYPES, load_model
 from cadence.types import Completion, Group, Prompt
@@ -70,15 +69,6 @@ class Rendezvous:
 
     init_method: str
     env: dict[str, str] = field(default_factory=dict)
-
-
-def peak_memory(device: torch.device) -> dict[str, float]:
-    """This process's peak resident memory (`peak_rss_mb`) and, on a GPU, the peak CUDA memory
-    allocated (`peak_cuda_mb`)."""
-    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB
-    if device.type == "cuda":
-        out["peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-    return out
 
 
 def build_rank(

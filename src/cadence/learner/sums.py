@@ -1,4 +1,5 @@
-"""What the learner adds up over an optimizer step's micro-batches, and an iteration's figures.
+"""What the learner adds up over an optimizer step's micro-batches, and an iteration's figures
+(with the process's peak memory).
 
 A step's sums are plain floats keyed by name: the loss's weighted sums and counts, and the
 learner's own (response tokens, sequences, passes). They are all sums, so the sums of several
@@ -7,6 +8,10 @@ it normalises (learner/ranks.py), and the figures below come out the same whatev
 """
 
 from __future__ import annotations
+
+import resource
+
+import torch
 
 from cadence.algo import COUNT_METRICS
 
@@ -50,3 +55,12 @@ def iteration_stats(steps: list[dict[str, float]], frozen_copies_bytes: int) -> 
             "optimizer_steps": float(len(steps)),
         }
     )
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """This process's peak resident memory (`peak_rss_mb`) and, on a GPU, the peak CUDA memory
+    allocated (`peak_cuda_mb`)."""
+    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB
+    if device.type == "cuda":
+        out["peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
