@@ -5,6 +5,7 @@ delays (`backend.fake.ThreadPool`), so they arrive in a different order every it
 
 import random
 import time
+from typing import ClassVar
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ def _group(uid: str, tokens: int) -> Group:
 
 def test_split_round_fills_each_rank_up_to_its_share_balanced_by_tokens():
     rng = random.Random(0)
-    for trial in range(200):
+    for _trial in range(200):
         ranks, per_rank = rng.randint(1, 4), rng.randint(1, 4)
         groups = [
             _group(f"g{i}", rng.randint(2, 40)) for i in range(rng.randint(1, ranks * per_rank))
@@ -53,7 +54,7 @@ def test_split_round_fills_each_rank_up_to_its_share_balanced_by_tokens():
 class RecordingRank:
     """A rank that trains nothing: it records every call into `log` and answers as a rank does."""
 
-    log: list = []
+    log: ClassVar[list] = []
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
