@@ -87,8 +87,8 @@ def serve(rank: int, factory: Factory, spawn_args: tuple, inbox, results) -> Non
             try:
                 kind, payload = inbox.get(timeout=1.0)
             except queue.Empty:
-                if os.getppid() != parent:  # the driver died without stopping us
-                    return
+                if os.getppid() != parent:  # the driver died without stopping us: nothing to
+                    os._exit(1)  # flush, and tearing torch.distributed down can take seconds
                 continue
             if kind == "stop":
                 break

@@ -224,7 +224,13 @@ class RankLearner:
         """Resume: parameters and optimizer state from the shards under `path`, whatever number
         of ranks wrote them; `trainer` is what `save` returned."""
         load_sharded(self.model, self.learner.optimizer, Path(path))
-        self.learner.scheduler.load_state_dict(trainer["scheduler"])
+        scheduler = self.learner.scheduler
+        scheduler.load_state_dict(trainer["scheduler"])
+        # the learning rate the schedule had reached: the shards hold no param_groups
+        for group, lr in zip(
+            self.learner.optimizer.param_groups, scheduler.get_last_lr(), strict=True
+        ):
+            group["lr"] = lr
         self.learner.bad_steps_in_a_row = trainer["bad_steps_in_a_row"]
 
     def _report(self) -> dict[str, Any]:
