@@ -2,9 +2,12 @@
 actors) makes the single-process update, in sync and periodic mode with worker processes; a
 killed rank stops the run cleanly.
 
-Five groups an iteration, two per micro-batch: with two ranks each iteration is one round of two
-micro-batches of two groups, then one round in which one rank trains a single group and the
-other an idle pass, so micro-batches of different sizes and an odd number of groups are covered.
+Nine groups an iteration in two optimizer steps (`train.mini_batches = 2`: five groups, then
+four), two groups per micro-batch. With two ranks the first step is a round of two micro-batches
+of two groups, then a round in which one rank trains a single group and the other an idle pass;
+the second step is one round of two and two. So an odd number of groups, micro-batches of
+different sizes, idle passes and several steps per iteration (with the frozen old copy, sharded
+like the policy) are all covered by every run.
 """
 
 import json
@@ -37,8 +40,9 @@ def _cfg(model_dir, mode="sync", *extra):
             "pipeline.prompts_per_task=1",
             "pipeline.learner_threads=2",
             "train.iterations=3",
-            "train.prompts_per_iteration=5",
+            "train.prompts_per_iteration=9",
             "train.micro_batch_groups=2",
+            "train.mini_batches=2",
             "train.lr=1e-3",
             "train.checkpoint_every=0",
             "rollout.group_size=4",
@@ -133,7 +137,7 @@ def test_two_ranks_make_the_one_process_update(one_process, ranked, model_dir, s
         assert r["num_tokens"] == w["num_tokens"] and r["tokens_computed"] == w["tokens_computed"]
         assert r["loss"] == pytest.approx(w["loss"], rel=1e-4, abs=1e-7)
         assert r["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4)
-        assert r["optimizer_steps"] == 1 and r["learner_ranks"] == 2
+        assert r["optimizer_steps"] == 2 and r["learner_ranks"] == 2
         assert len(r["learner_rank_busy_s"]) == 2 and min(r["learner_rank_busy_s"]) > 0
         assert r["learner_peak_rss_mb"] == max(r["learner_rank_peak_rss_mb"]) > 0
     fresh = load_model(model_dir).named_parameters()
