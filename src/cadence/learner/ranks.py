@@ -238,19 +238,32 @@ class RankLearner:
         return {"spans": spans, "memory": peak_memory(self.device)}
 
     def describe(self) -> dict[str, Any]:
-        """What this rank holds (bytes of the policy's parameters and of its frozen copies: its
-        shards, with FSDP) and its process id."""
-        return {
-            "param_bytes": _local_bytes(self.model),
-            "frozen_bytes": self.learner.frozen_copies_bytes,
-            "pid": os.getpid(),
-        }
+        """What this rank holds (its shards, with FSDP) and its process id."""
+        return state_bytes(self.learner) | {"pid": os.getpid()}
 
     def close(self) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def state_bytes(learner: Learner) -> dict[str, int]:
+    """Bytes of training state a learner's process holds (a DTensor counts its local shard):
+    `param_bytes` of the policy, `optimizer_bytes` of the optimizer's state (none before the
+    first step), `frozen_bytes` of the reference and old copies; gradients, while they exist,
+    take as much as the parameters."""
+    optimizer = 0
+    for state in learner.optimizer.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor):
+                local = t.to_local() if _is_dtensor(t) else t
+                optimizer += local.numel() * local.element_size()
+    return {
+        "param_bytes": _local_bytes(learner.model),
+        "optimizer_bytes": optimizer,
+        "frozen_bytes": _local_bytes(learner.ref_model) + _local_bytes(learner.old_model),
+    }
 
 
 def _init_group(rank: int, spec: RankSpec, rendezvous: Rendezvous, device: torch.device) -> None:
