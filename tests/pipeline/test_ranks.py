@@ -17,6 +17,8 @@ from cadence.engine import SamplingParams, ScriptedEngine
 from cadence.learner import LearnerParams
 from cadence.metrics import Tracer
 from cadence.pipeline import WorkerSource
+from cadence.pipeline.build import check_sharded
+from cadence.pipeline.checkpoint import Checkpoint, CheckpointError
 from cadence.pipeline.ranks import RankedLearner, split_round
 from cadence.types import Completion, Group, Prompt
 
@@ -179,3 +181,14 @@ def test_the_baseline_is_the_previous_iterations_mean_reward_over_all_ranks():
     learner.train_iteration(iter(groups), 3)
     begins = [e for e in log if e[0] == "begin"]
     assert [e[3] for e in begins] == [0.0, 0.0, 0.5, 0.5]  # (1 + 0 + 0.5) / 3, sent to both
+
+
+def test_a_checkpoint_is_refused_by_a_learner_that_cannot_read_its_optimizer_state(tmp_path):
+    sharded = Checkpoint(tmp_path, {"learner_shards": {"ranks": 2, "strategy": "fsdp"}})
+    with pytest.raises(CheckpointError, match=r"written by 2 learner ranks .* learner.ranks=N"):
+        check_sharded(sharded, ranks=1)
+    check_sharded(sharded, ranks=3)  # DCP reshards: any number of ranks reads it
+    single = Checkpoint(tmp_path, {"optimizer": {}, "scheduler": {}})
+    with pytest.raises(CheckpointError, match="single-process learner: resume it with"):
+        check_sharded(single, ranks=2)
+    check_sharded(single, ranks=1)
