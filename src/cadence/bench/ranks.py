@@ -27,7 +27,8 @@ import torch
 from cadence.bench.shared_prompt import synthetic_groups
 
 # the workload: groups of one prompt and G responses, fixed lengths
-WORKLOAD = dict(num_groups=8, prompt_len=32, response_len=32, group_size=4)
+WORKLOAD = dict(num_groups=4, prompt_len=16, response_len=16, group_size=4)
+TIMEOUT_S = 3600.0  # an iteration of a large model on a few CPU cores takes minutes
 
 
 class OneLearner:
@@ -62,7 +63,9 @@ class OneLearner:
 def _one_process(spec, threads: int, groups, iterations: int) -> dict[str, Any]:
     from cadence.backend.ranks import LocalRanks
 
-    ranks = LocalRanks(OneLearner, 1, spawn_args=lambda r: (spec, threads), name="learner")
+    ranks = LocalRanks(
+        OneLearner, 1, spawn_args=lambda r: (spec, threads), timeout_s=TIMEOUT_S, name="learner"
+    )
     try:
         ranks.call(0, "build")
         for _ in range(iterations):
@@ -124,7 +127,7 @@ def bench_ranks(
     model = load_model(cfg.model.path)  # the driver's copy, for the ranks' gathered weights
     vocab = model.get_input_embeddings().num_embeddings
     groups = synthetic_groups(vocab, **WORKLOAD)
-    base = rank_spec(cfg, tokenizer.pad_token_id)
+    base = replace(rank_spec(cfg, tokenizer.pad_token_id), timeout_s=TIMEOUT_S)
     cells = {f"1 x {threads} threads": None}
     for strategy in ("fsdp", "ddp"):
         cells[f"{ranks} x {threads // ranks} thread(s) {strategy}"] = replace(
