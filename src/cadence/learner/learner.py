@@ -232,8 +232,8 @@ class Learner:
     def forward_backward(self, groups: list[Group], sums: StepSums, idle: bool = False) -> None:
         """Log-probs, loss and backward of one micro-batch; its sums added to `sums`.
 
-        `idle`: the same passes with the loss multiplied by 0 (gradients 0) and only the loss's
-        metric names recorded: a rank without groups in a round runs one to keep in step."""
+        `idle`: the same passes with the loss multiplied by 0 (gradients 0), every sum recorded
+        as 0: a rank without groups in a round runs one to keep in step with the others."""
         with self.tracer.span("forward_backward", self.track):
             device = next(self.model.parameters()).device
             tokens = [(g.prompt_ids, [c.token_ids for c in g.completions]) for g in groups]
@@ -259,21 +259,22 @@ class Learner:
             )
             loss, metrics = self.loss_fn(batch, self.loss_params)
             (loss * 0.0 if idle else loss).backward()
-        if idle:
-            sums.add_loss_metrics(**dict.fromkeys(["loss", *metrics], 0.0))
-            return
         mask = resp.loss_mask
-        sums.add_loss_metrics(loss=loss.item(), **{k: v.item() for k, v in metrics.items()})
-        sums.add(
-            entropy_sum=float((entropy * mask).sum()),
-            num_stale_tokens=float(mask[resp.stale].sum()),
-            num_response_tokens=float(mask.sum()),
-            num_seqs=float(mask.shape[0]),
-            num_tokens=float(sum(g.num_tokens for g in groups)),
-            tokens_computed=float(layout.tokens_computed),
-            forward_passes=float(passes),
-            micro_batches=1.0,
-        )
+        loss_metrics = {"loss": loss.item(), **{k: v.item() for k, v in metrics.items()}}
+        own = {
+            "entropy_sum": float((entropy * mask).sum()),
+            "num_stale_tokens": float(mask[resp.stale].sum()),
+            "num_response_tokens": float(mask.sum()),
+            "num_seqs": float(mask.shape[0]),
+            "num_tokens": float(sum(g.num_tokens for g in groups)),
+            "tokens_computed": float(layout.tokens_computed),
+            "forward_passes": float(passes),
+            "micro_batches": 1.0,
+        }
+        if idle:  # every name a real pass records (the ranks add their sums up by name), as 0
+            loss_metrics, own = dict.fromkeys(loss_metrics, 0.0), dict.fromkeys(own, 0.0)
+        sums.add_loss_metrics(**loss_metrics)
+        sums.add(**own)
 
     def _old_logprobs(
         self, logprobs: torch.Tensor, layout: Layout, resp: _Responses
