@@ -8,14 +8,15 @@ from dataclasses import replace
 import pytest
 
 from cadence.algo import LossParams
+from cadence.backend import RolloutWorker
+from cadence.engine import HFEngine, SamplingParams
 from cadence.learner import Learner, LearnerParams
 from cadence.learner.ranks import RankSpec
 from cadence.metrics import Tracer
 from cadence.models import load_model
 from cadence.pipeline.ranks import start_local_ranks
-from learner.test_learner import _groups
-from pipeline.test_ranks_e2e import assert_same_params
-from updates import capture_grads
+from cadence.types import Prompt
+from updates import assert_same_params, capture_grads
 
 pytestmark = pytest.mark.slow
 
@@ -55,3 +56,20 @@ def test_two_ranks_make_the_one_process_update_with_a_rank_idle_for_a_whole_step
 
 def frozen(model):
     return copy.deepcopy(model).requires_grad_(False)
+
+
+def _groups(model, tokenizer, n):
+    """`n` groups of four responses sampled by `model`, rewarded for being short."""
+    params = SamplingParams(max_new_tokens=10, stop_token_ids=(tokenizer.eos_token_id,))
+    worker = RolloutWorker(
+        HFEngine(model, tokenizer),
+        tokenizer,
+        lambda prompt, completion, answer: float(len(completion) < 20),
+        params,
+        4,
+        run_seed=3,
+    )
+    prompts = [
+        Prompt(f"p{i}", f"Question: What is {i} + {i}?\nAnswer: ", "#### 0", i) for i in range(n)
+    ]
+    return worker.rollout(prompts, iteration=0, version=0)
