@@ -31,6 +31,8 @@ def test_required_keys_exist():
         "learner.shared_prompt",
         "learner.shared_prompt_impl",
         "learner.reuse_old_logprobs",
+        "learner.ranks",
+        "learner.strategy",
     ]:
         section, field = key.split(".")
         assert field in type(getattr(cfg, section)).model_fields, key
@@ -52,6 +54,8 @@ def test_required_keys_exist():
             "learner.shared_prompt_impl",
             "'prefix' or 'dense'",
         ),
+        (["learner.ranks=0"], "learner.ranks", "greater than or equal to 1"),
+        (['learner.strategy="zero3"'], "learner.strategy", "'fsdp' or 'ddp'"),
     ],
 )
 def test_bad_keys_and_values_name_the_key(override, key, hint):
@@ -159,6 +163,11 @@ RAY = ["pipeline.backend='ray'", "pipeline.placement='separate'"]
         (
             [*RAY, "pipeline.weight_sync='broadcast'", "model.device='cuda'"],
             "set pipeline.num_gpus_per_worker > 0",
+        ),
+        (["learner.num_gpus_per_rank=1"], "learner.num_gpus_per_rank applies to"),
+        (
+            [*RAY, "learner.ranks=2", "model.device='cuda'"],
+            "set learner.num_gpus_per_rank > 0",
         ),
     ],
 )

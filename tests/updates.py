@@ -62,3 +62,21 @@ def assert_same_update(
         assert well.any(), name
         diff = (pa - params_b[name]).abs()[well].max().item()
         assert diff <= param_atol, f"{name}: {diff:.2e}"
+
+
+def assert_same_params(got, want, grads, atol=1e-6, conditioned=1e-6):
+    """Parameters equal within `atol` wherever every step of the reference was well-conditioned
+    (|g| > `conditioned`, or exactly 0: a step without signal): Adam's step
+    lr * g / (|g| + eps) magnifies float noise where |g| is near eps (tests/updates.py). Two runs
+    whose sums of micro-batch gradients run in another order (ranks add theirs up in another
+    order than one process) differ by such noise only."""
+    checked = 0
+    for name, want_p in want.items():
+        well = torch.ones_like(want_p, dtype=torch.bool)
+        for step in grads:
+            well &= (step[name].abs() > conditioned) | (step[name] == 0)
+        diff = (got[name] - want_p).abs()[well]
+        assert diff.numel() == 0 or diff.max().item() <= atol, f"{name}: {diff.max().item():.2e}"
+        checked += int(well.sum())
+    total = sum(p.numel() for p in want.values())
+    assert checked > 0.5 * total  # most entries are compared

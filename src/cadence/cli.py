@@ -166,6 +166,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench,
         bench_ablation,
         bench_engine,
+        bench_ranks,
         bench_shared_prompt,
         bench_trl,
         parse_modes,
@@ -187,6 +188,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.suite == "shared-prompt":
         rows = bench_shared_prompt(args.config, list(args.set), args.repeats, Path(args.out))
         print((Path(args.out) / "bench.md").read_text())
+        return 0 if rows else 1
+    if args.suite == "ranks":
+        out = Path(args.out)
+        rows = bench_ranks(args.config, list(args.set), args.repeats, out, args.iterations or 3)
+        print((out / "bench.md").read_text())
         return 0 if rows else 1
     overrides = list(args.set) + (
         [f"train.iterations={args.iterations}"] if args.iterations else []
@@ -372,12 +378,12 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--suite",
         default="modes",
-        choices=["modes", "shared-prompt", "engine", "trl", "ablation"],
+        choices=["modes", "shared-prompt", "engine", "trl", "ablation", "ranks"],
         help="modes: the RL workload in each pipeline mode; shared-prompt: one training "
         "iteration with the prompt shared or not; engine: static vs continuous batching vs "
         "model.generate on long-tailed and uniform response lengths; trl: cadence and TRL's "
         "GRPOTrainer on the same workload; ablation: pipeline x shared prompt x old-logprob "
-        "reuse, plus TRL",
+        "reuse, plus TRL; ranks: one learner process against learner.ranks ranks (time, memory)",
     )
     sp.add_argument(
         "--model",

@@ -439,6 +439,32 @@ class LearnerConfig(_Section):
         description="Before an iteration's first optimizer step the old policy is the policy: use "
         "its log-probs detached instead of a pass of the frozen old copy.",
     )
+    ranks: int = Field(
+        1,
+        ge=1,
+        description="Learner ranks: 1 trains in the driver process; N > 1 trains as N "
+        "torch.distributed processes (gloo on CPU, NCCL on GPUs; local processes, or Ray actors "
+        "with pipeline.backend = 'ray'), each on its share of every iteration's groups, one "
+        "optimizer step together: the same update as one rank.",
+    )
+    strategy: Literal["fsdp", "ddp"] = Field(
+        "fsdp",
+        description="With ranks > 1: fsdp (FSDP2: parameters, gradients and optimizer state "
+        "sharded per decoder layer across the ranks) or ddp (each rank a whole replica, "
+        "gradients all-reduced).",
+    )
+    threads_per_rank: int = Field(
+        0, ge=0, description="torch threads of each rank (0: the learner's threads / ranks)."
+    )
+    num_cpus_per_rank: float = Field(
+        1.0, ge=0, description="ray: CPUs each learner rank actor reserves (Ray's num_cpus)."
+    )
+    num_gpus_per_rank: float = Field(
+        0.0,
+        ge=0,
+        description="ray: GPUs each learner rank actor reserves; above 0 the ranks train on "
+        "their GPU over NCCL.",
+    )
 
 
 class PipelineConfig(_Section):
@@ -674,6 +700,30 @@ class Config(_Section):
                 f"reward.overlong_buffer = {buffer} is longer than rollout.max_new_tokens = "
                 f"{longest}: the penalty ramps over the last tokens before max_new_tokens; set "
                 f"reward.overlong_buffer <= {longest}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _learner_ranks(self) -> Config:
+        ranks, backend = self.learner, self.pipeline.backend
+        if backend != "ray":
+            for key in ("num_cpus_per_rank", "num_gpus_per_rank"):
+                if getattr(ranks, key) != LearnerConfig.model_fields[key].default:
+                    raise ValueError(
+                        f"learner.{key} applies to pipeline.backend = 'ray' only: set the "
+                        f"backend or leave learner.{key} out"
+                    )
+        on_gpu = self.model.device.startswith("cuda")
+        if ranks.ranks > 1 and backend == "ray" and on_gpu and ranks.num_gpus_per_rank == 0:
+            raise ValueError(
+                f"learner.ranks = {ranks.ranks} on Ray with model.device = "
+                f"'{self.model.device}': set learner.num_gpus_per_rank > 0 (each rank "
+                "trains on a GPU of its own)"
+            )
+        if ranks.ranks > 1 and self.model.lora is not None:
+            raise ValueError(
+                f"learner.ranks = {ranks.ranks} with model.lora: the ranks shard a full model; "
+                "train a LoRA adapter with learner.ranks = 1"
             )
         return self
 

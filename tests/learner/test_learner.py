@@ -304,3 +304,21 @@ def test_a_non_finite_step_is_skipped_and_too_many_in_a_row_stop_training(model,
         learner.train_iteration(iter(groups), len(groups))
     for n, p in learner.model.named_parameters():
         assert torch.equal(p, good[n]), n
+
+
+def test_an_idle_pass_records_every_name_of_a_real_one_as_zero_and_leaves_no_gradient(
+    model, tokenizer
+):
+    # a rank without groups in a round runs an idle pass; the ranks add their step sums up by
+    # name, so a rank that was idle for a whole step must have the names a training rank has
+    from cadence.learner import StepSums, score_groups
+
+    _, learner = _learner(model, tokenizer)
+    groups = list(score_groups(sample_groups(model, tokenizer)[:1], learner.params, 0.0))
+    real, idle = StepSums(), StepSums()
+    learner.forward_backward(groups, real)
+    learner.optimizer.zero_grad(set_to_none=False)
+    learner.forward_backward(groups, idle, idle=True)
+    assert idle.values.keys() == real.values.keys() and set(idle.values.values()) == {0.0}
+    assert list(idle.loss_metrics) == list(real.loss_metrics)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())

@@ -30,6 +30,18 @@ MODES = {
         ],
         3 * 16 + 8,
     ),
+    # two learner ranks (FSDP2): the ranks' shards are checkpointed with DCP and read back
+    "periodic-2-ranks": (
+        [
+            "pipeline.mode='periodic'",
+            "pipeline.placement='separate'",
+            "pipeline.num_workers=1",
+            "pipeline.learner_threads=2",
+            "pipeline.prompts_per_task=4",
+            "learner.ranks=2",
+        ],
+        3 * 16 + 8,
+    ),
 }
 
 

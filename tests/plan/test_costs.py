@@ -74,3 +74,27 @@ def test_profile_round_trips_through_json_values():
     assert math.isinf(Throughput.from_dict(inf.to_dict()).kv_cache_bytes)
     with pytest.raises(ValueError, match="unknown throughput field"):
         Throughput.from_dict({"decode_step": 1.0})
+
+
+def test_memory_per_learner_rank():
+    t = from_hardware(MODEL, DEVICE, seq_tokens=1000, reference_model=True).separate
+    # 16 bytes of training state per parameter (16 GB) and the 2 GB reference; FSDP shards both
+    # and holds one gathered layer (2 GB / 10) and its gradient on top
+    assert t.rank_memory(4, "fsdp") == pytest.approx((16e9 + 2e9) / 4 + 2 * 0.2e9)
+    assert t.rank_memory(4, "ddp") == pytest.approx(16e9 + 2e9)  # a whole replica per rank
+    assert t.train_memory_bytes == pytest.approx(0.9 * 10e9)
+    assert not t.fits(1) and not t.fits(2) and t.fits(3)  # 6.4 GB on 3 ranks, 9.4 GB on 2
+    assert not t.fits(64, "ddp")
+
+
+def test_fsdp_gathers_hide_behind_compute_until_they_take_longer():
+    t = from_hardware(MODEL, DEVICE, seq_tokens=1000, reference_model=False).separate
+    per_token = 3 * (2e9 + 2e7) / 1e15
+    gathers = 3 * 2e9 / 1e10 * 3 / 4  # three passes over the weights, (D - 1) / D of them, D = 4
+    assert t.train_time(1e6, 4) == pytest.approx(1e6 * per_token / 4)  # 0.76 s > 0.45 s: hidden
+    assert t.train_time(1e5, 4) == pytest.approx(gathers)  # 0.08 s of compute waits for them
+    assert t.train_time(1e5, 4, "ddp") == pytest.approx(1e5 * per_token / 4)  # at the step only
+    assert t.train_time(1e5, 1) == pytest.approx(1e5 * per_token)  # one rank gathers nothing
+    # the step: FSDP ranks update their shard, DDP ranks the whole model
+    assert t.optimizer_time(4) == pytest.approx(16e9 / 1e12 / 4 + 2 * 2e9 / 1e10)
+    assert t.optimizer_time(4, "ddp") == pytest.approx(16e9 / 1e12 + 2 * 2e9 / 1e10)

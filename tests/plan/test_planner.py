@@ -27,8 +27,11 @@ def test_recommended_split_maximises_tpspd_over_every_simulated_split():
         best = max(r.tpspd for r in cluster.results)
         assert cluster.recommended.tpspd >= best * (1 - TIE)
         separate = [r for r in cluster.results if r.shape.placement == "separate"]
-        # few candidates: every split of every separate mode is simulated
-        assert len(separate) == 3 * (cluster.devices - 1)
+        # few candidates: every split of every separate mode whose learner fits is simulated (the
+        # 7B model's 137 GB of training state and reference need 2 ranks of 72 GB)
+        assert cluster.min_training_devices == 2
+        assert len(separate) == 3 * (cluster.devices - 2)
+        assert all(r.fits and r.shape.num_training >= 2 for r in separate)
         for label, r in cluster.best.items():
             assert r.tpspd == max(x.tpspd for x in cluster.results if x.shape.label == label)
 
@@ -105,3 +108,31 @@ def test_empirical_lengths_from_a_run(tmp_path):
 def test_bad_input_names_the_key(override, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         plan(load_spec(None, ["workload.max_new_tokens=256", override]))
+
+
+LLAMA_70B = ["model.params=70.6e9", "model.layers=80", "model.hidden=8192", "model.kv_dim=1024"]
+
+
+def test_the_learner_gets_as_many_training_devices_as_its_memory_needs():
+    # 16 x 70.6e9 bytes of training state + a 141 GB reference = 1,271 GB; with one gathered layer
+    # and its gradient (3.5 GB), a rank of 72 GB holds 1/19 of it, not 1/18 (74.1 GB)
+    result = plan(load_spec(None, [*SMALL, *LLAMA_70B, "cluster.devices=[24]"]))
+    cluster = result.clusters[0]
+    assert cluster.min_training_devices == 19
+    assert {r.shape.num_training for r in cluster.results if r.shape.placement == "separate"} == {
+        19,
+        20,
+        21,
+        22,
+        23,
+    }
+    assert cluster.recommended.shape.num_training >= 19 and cluster.recommended.fits
+    assert any(
+        "at least 19 training devices (fsdp: 74.1 GB per rank on 18" in n for n in result.notes
+    )
+    with pytest.raises(ConfigError, match=r"the learner does not fit \(ddp: 1,270\.8 GB per rank"):
+        plan(
+            load_spec(
+                None, [*SMALL, *LLAMA_70B, "cluster.devices=[24]", "cluster.learner_strategy=ddp"]
+            )
+        )

@@ -8,15 +8,18 @@ drift hits all of them alike, and reports the median. Suites:
   long-tailed and a uniform response-length workload.
 - `trl` (bench/trl_peer.py): cadence and TRL's GRPOTrainer on the same workload.
 - `ablation` (bench/ablation.py): pipeline x shared prompt x old-logprob reuse, plus TRL.
+- `ranks` (bench/ranks.py): one learner process against `learner.ranks` ranks (FSDP, DDP):
+  iteration time and memory per process.
 """
 
 from cadence.bench.ablation import bench_ablation
 from cadence.bench.engine import bench_engine
 from cadence.bench.modes import MODES, bench, markdown_table, parse_modes
+from cadence.bench.ranks import bench_ranks
 from cadence.bench.shared_prompt import bench_shared_prompt
 from cadence.bench.trl_peer import bench_trl
 
-SUITES = ("modes", "shared-prompt", "engine", "trl", "ablation")
+SUITES = ("modes", "shared-prompt", "engine", "trl", "ablation", "ranks")
 
 __all__ = [
     "MODES",
@@ -24,6 +27,7 @@ __all__ = [
     "bench",
     "bench_ablation",
     "bench_engine",
+    "bench_ranks",
     "bench_shared_prompt",
     "bench_trl",
     "markdown_table",

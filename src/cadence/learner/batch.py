@@ -40,6 +40,10 @@ class Scored:
     advantages: torch.Tensor  # (G,)
     trains: torch.Tensor  # (G,) bool: False for a response dropped from the loss
 
+    @property
+    def num_tokens(self) -> int:
+        return self.group.num_tokens
+
 
 @dataclass
 class Responses:

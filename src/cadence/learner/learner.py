@@ -34,8 +34,9 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,7 @@ from cadence.algo import (
 )
 from cadence.learner.batch import Responses, Scored, Shaping, responses, reward_figures, score
 from cadence.learner.packing import LAYOUTS, Layout, check_layout
+from cadence.learner.sums import TOTALS, StepSums, iteration_stats, peak_memory
 from cadence.metrics.trace import Tracer
 from cadence.types import Group
 
@@ -92,23 +94,50 @@ class BadStepsError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
-class _Sums:
-    """Running sums over one optimizer step's micro-batches."""
+@dataclass(frozen=True)
+class Collective:
+    """How a learner that is one of several torch.distributed ranks differs from a lone one
+    (learner/ranks.py builds it). Each rank trains its own micro-batches; with a `Collective`:
 
-    def __init__(self) -> None:
-        self.values: dict[str, float] = {}
-        self.loss_metrics: dict[str, None] = {}  # names the loss returned, in order
+    - `reduce_sums` turns this rank's step sums into the sums over all ranks before the step
+      normalises, so every rank divides by the global batch's normaliser and takes one decision
+      on a non-finite loss;
+    - every micro-batch runs the same passes whatever its rows (a pass of a sharded model is a
+      collective every rank must join), and an `idle` pass keeps a rank without groups in step;
+    - forward passes go through `forward_model` (a DDP wrapper) when given, and the frozen old
+      copy is made by `old_copy` (sharded like the policy) instead of a deep copy.
+    """
 
-    def add(self, **kv: float) -> None:
-        for k, v in kv.items():
-            self.values[k] = self.values.get(k, 0.0) + float(v)
+    reduce_sums: Callable[[dict[str, float]], dict[str, float]]
+    forward_model: torch.nn.Module | None = None
+    old_copy: Callable[[torch.nn.Module], torch.nn.Module] | None = None
 
-    def add_loss_metrics(self, **kv: float) -> None:
-        self.add(**kv)
-        self.loss_metrics.update(dict.fromkeys(kv))
 
-    def __getitem__(self, k: str) -> float:
-        return self.values.get(k, 0.0)
+def reward_shaping(params: LearnerParams) -> Shaping:
+    return Shaping(
+        params.max_new_tokens,
+        params.overlong_buffer,
+        params.overlong_penalty,
+        params.mask_truncated,
+    )
+
+
+def score_groups(
+    groups: Iterable[Group], params: LearnerParams, baseline: float
+) -> Iterator[Scored]:
+    """Each group with its shaped rewards and advantages: one group at a time as they come, or,
+    for an estimator over the whole batch (REINFORCE++), all of the iteration's groups at once.
+    `baseline` is the previous iteration's mean reward (the `reinforce` advantage's)."""
+    advantage_fn = get_advantage(params.advantage)
+    ctx = AdvantageContext(
+        scale_by_std=params.scale_by_std, std=params.std, std_eps=params.std_eps, baseline=baseline
+    )
+    shaping = reward_shaping(params)
+    if is_batch_advantage(params.advantage):
+        yield from score(list(groups), advantage_fn, ctx, shaping)
+        return
+    for group in groups:
+        yield from score([group], advantage_fn, ctx, shaping)
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -132,31 +161,26 @@ class Learner:
         pad_id: int,
         ref_model: torch.nn.Module | None = None,
         tracer: Tracer | None = None,
+        collective: Collective | None = None,
     ) -> None:
         self.model = model
+        self.collective = collective
+        self.forward_model = (collective and collective.forward_model) or model
+        self.track = "learner"  # the timeline's track of this learner's spans
         self.ref_model = ref_model
         self.params = params
         self.loss_params = loss_params
         self.pad_id = pad_id
         self.tracer = tracer or Tracer()
         self.loss_fn = get_loss(params.loss)
-        self.advantage_fn = get_advantage(params.advantage)
+        get_advantage(params.advantage)  # an unknown name fails here, not at the first group
         self.pair_loss = is_pair_loss(params.loss)
-        self.batch_advantage = is_batch_advantage(params.advantage)
-        self.shaping = Shaping(
-            params.max_new_tokens,
-            params.overlong_buffer,
-            params.overlong_penalty,
-            params.mask_truncated,
-        )
+        self.shaping = reward_shaping(params)
         if needs_reference(params.loss, loss_params.kl_coef) and ref_model is None:
             why = "algo.kl_coef > 0" if loss_params.kl_coef > 0 else f"algo.loss = {params.loss!r}"
             raise ValueError(f"{why} needs a reference model")
-        self.layout = self._choose_layout()
-        after_a_step = params.mini_batches > 1 or not params.reuse_old_logprobs
-        needs_old = after_a_step and not self.pair_loss  # pair losses read no old log-probs
-        self.old_model = frozen_copy(model) if needs_old else None
-        self.frozen_copies_bytes = model_bytes(ref_model) + model_bytes(self.old_model)
+        # Built before the layout check runs the model: a forward pass of an FSDP2-sharded model
+        # swaps its root's parameters for unsharded ones until the next backward.
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=params.lr,
@@ -166,10 +190,19 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup)
         )
+        self.layout = self._choose_layout()
+        after_a_step = params.mini_batches > 1 or not params.reuse_old_logprobs
+        needs_old = after_a_step and not self.pair_loss  # pair losses read no old log-probs
+        old_copy = (collective and collective.old_copy) or frozen_copy
+        self.old_model = old_copy(model) if needs_old else None
+        self.frozen_copies_bytes = model_bytes(ref_model) + model_bytes(self.old_model)
         self.version = 0  # policy version: number of iterations trained
         self.baseline = 0.0  # previous iteration's mean reward (for "reinforce")
         self._steps_this_iteration = 0
         self.bad_steps_in_a_row = 0
+
+    def close(self) -> None:
+        """Nothing to release: this learner lives in the driver process (see RankedLearner)."""
 
     def _choose_layout(self) -> str:
         if not self.params.shared_prompt:
@@ -194,69 +227,56 @@ class Learner:
         Fewer may come (the pipeline dropped a group staler than allowed): what did is trained
         and stepped when the iterable ends."""
         per_step = math.ceil(num_groups / self.params.mini_batches)
-        self.model.train()
-        if self.old_model is not None:  # the old policy is the policy at the iteration's start
-            self.old_model.load_state_dict(self.model.state_dict())
-        self._steps_this_iteration = 0
+        self.begin_iteration()
         buffer: list[Scored] = []
-        sums, steps, scored = _Sums(), [], []
-        for i, group in enumerate(self._scored(groups), start=1):
+        sums, steps, scored = StepSums(), [], []
+        for i, group in enumerate(score_groups(groups, self.params, self.baseline), start=1):
             buffer.append(group)
             scored.append(group)
             end_of_step = i % per_step == 0 or i == num_groups
             if len(buffer) == self.params.micro_batch_groups or end_of_step:
-                self._forward_backward(buffer, sums)
+                self.forward_backward(buffer, sums)
                 buffer = []
             if end_of_step:
-                steps.append(self._step(sums))
-                sums = _Sums()
+                steps.append(self.step(sums))
+                sums = StepSums()
         if buffer:
-            self._forward_backward(buffer, sums)
+            self.forward_backward(buffer, sums)
         if sums.values:
-            steps.append(self._step(sums))
+            steps.append(self.step(sums))
         if not steps or not scored:
             raise RuntimeError(f"learner got no groups (expected {num_groups})")
         self.version += 1
         self.baseline = float(torch.cat([s.rewards for s in scored]).mean())
-        totals = {k: sum(s[k] for s in steps) for k in _TOTALS}
-        counts = (*COUNT_METRICS, "skipped_steps")  # add up over the steps, the rest is averaged
-        summed = {*_TOTALS, *counts}
+        device = next(self.model.parameters()).device
+        memory = {f"learner_{k}": v for k, v in peak_memory(device).items()}
         return (
-            {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k not in summed}
-            | {k: sum(s[k] for s in steps) for k in counts if k in steps[0]}
-            | {
-                "num_tokens": totals["num_tokens"],
-                "tokens_computed": totals["tokens_computed"],
-                "forward_passes_per_microbatch": totals["forward_passes"] / totals["micro_batches"],
-                "frozen_copies_mb": self.frozen_copies_bytes / 2**20,
-                "optimizer_steps": float(len(steps)),
-            }
+            iteration_stats(steps, self.frozen_copies_bytes)
             | reward_figures(scored, self.shaping)
+            | {"learner_ranks": 1}
+            | memory
         )
 
-    def _scored(self, groups: Iterable[Group]) -> Iterator[Scored]:
-        """Each group with its shaped rewards and advantages: one group at a time as they come,
-        or, for an estimator over the whole batch, all of the iteration's groups at once."""
-        ctx = AdvantageContext(
-            scale_by_std=self.params.scale_by_std,
-            std=self.params.std,
-            std_eps=self.params.std_eps,
-            baseline=self.baseline,
-        )
-        if self.batch_advantage:
-            yield from score(list(groups), self.advantage_fn, ctx, self.shaping)
-            return
-        for group in groups:
-            yield from score([group], self.advantage_fn, ctx, self.shaping)
+    def begin_iteration(self) -> None:
+        """Training mode; the old copy (if any) becomes the policy at the iteration's start."""
+        self.forward_model.train()
+        if self.old_model is not None:
+            self.old_model.load_state_dict(self.model.state_dict())
+        self._steps_this_iteration = 0
 
-    def _forward_backward(self, scored: list[Scored], sums: _Sums) -> None:
+    def forward_backward(self, scored: list[Scored], sums: StepSums, idle: bool = False) -> None:
+        """Log-probs, loss and backward of one micro-batch (groups with their advantages, from
+        `score_groups`); its sums added to `sums`.
+
+        `idle`: the same passes with the loss multiplied by 0 (gradients 0), every sum recorded
+        as 0: a rank without groups in a round runs one to keep in step with the others."""
         groups = [s.group for s in scored]
-        with self.tracer.span("forward_backward", "learner"):
+        with self.tracer.span("forward_backward", self.track):
             device = next(self.model.parameters()).device
             tokens = [(g.prompt_ids, [c.token_ids for c in g.completions]) for g in groups]
             layout = LAYOUTS[self.layout](tokens, self.pad_id).to(device)
             resp = self._responses(scored, device)
-            logprobs, entropy = self._logprobs(self.model, layout, resp, with_entropy=True)
+            logprobs, entropy = self._logprobs(self.forward_model, layout, resp, True)
             old_logprobs, old_passes = self._old_logprobs(logprobs, layout, resp)
             passes = 1 + old_passes
             ref_logprobs = None
@@ -275,19 +295,23 @@ class Learner:
                 group_ids=resp.group_ids,
             )
             loss, metrics = self.loss_fn(batch, self.loss_params)
-            loss.backward()
+            (loss * 0.0 if idle else loss).backward()
         mask = resp.loss_mask
-        sums.add_loss_metrics(loss=loss.item(), **{k: v.item() for k, v in metrics.items()})
-        sums.add(
-            entropy_sum=float((entropy * mask).sum()),
-            num_stale_tokens=float(mask[resp.stale].sum()),
-            num_response_tokens=float(mask.sum()),
-            num_seqs=float(mask.shape[0]),  # empty and masked responses count (TRL's way)
-            num_tokens=float(sum(g.num_tokens for g in groups)),
-            tokens_computed=float(layout.tokens_computed),
-            forward_passes=float(passes),
-            micro_batches=1.0,
-        )
+        loss_metrics = {"loss": loss.item(), **{k: v.item() for k, v in metrics.items()}}
+        own = {
+            "entropy_sum": float((entropy * mask).sum()),
+            "num_stale_tokens": float(mask[resp.stale].sum()),
+            "num_response_tokens": float(mask.sum()),
+            "num_seqs": float(mask.shape[0]),  # empty and masked responses count (TRL's way)
+            "num_tokens": float(sum(g.num_tokens for g in groups)),
+            "tokens_computed": float(layout.tokens_computed),
+            "forward_passes": float(passes),
+            "micro_batches": 1.0,
+        }
+        if idle:  # every name a real pass records (the ranks add their sums up by name), as 0
+            loss_metrics, own = dict.fromkeys(loss_metrics, 0.0), dict.fromkeys(own, 0.0)
+        sums.add_loss_metrics(**loss_metrics)
+        sums.add(**own)
 
     def _old_logprobs(
         self, logprobs: torch.Tensor, layout: Layout, resp: Responses
@@ -303,7 +327,9 @@ class Learner:
         behaviour = resp.behaviour_logprobs  # (B, T)
         tis = self.loss_params.tis_cap > 0
         use_behaviour = torch.zeros_like(resp.stale) if tis else resp.stale  # (B,)
-        if self.pair_loss or bool(use_behaviour.all()):
+        # ranks run the same passes whatever their rows: a pass of a sharded model is a collective
+        all_behaviour = self.collective is None and bool(use_behaviour.all())
+        if self.pair_loss or all_behaviour:
             return behaviour, 0
         if self.old_model is None or (
             self._steps_this_iteration == 0 and self.params.reuse_old_logprobs
@@ -338,7 +364,7 @@ class Learner:
             entropy = log_z - (p * pred).sum(-1)  # (B, T)
         return logprobs, entropy
 
-    def _normaliser(self, sums: _Sums) -> float:
+    def _normaliser(self, sums: StepSums) -> float:
         if self.pair_loss:  # the mean over the global batch's pairs; none (all ties): grads are 0
             return max(sums["num_pairs"], 1.0)
         if sums["num_response_tokens"] == 0:  # every response dropped or empty: grads are 0
@@ -350,14 +376,18 @@ class Learner:
             max_new_tokens=self.params.max_new_tokens,
         )
 
-    def _step(self, sums: _Sums) -> dict[str, float]:
-        with self.tracer.span("optimizer_step", "learner"):
+    def step(self, sums: StepSums) -> dict[str, float]:
+        """Divide the gradients by the global batch's normaliser, clip, step (unless the loss or
+        gradient is not finite); the step's figures."""
+        with self.tracer.span("optimizer_step", self.track):
+            if self.collective is not None:
+                sums.values = self.collective.reduce_sums(sums.values)
             norm = self._normaliser(sums)
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.div_(norm)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), self.params.max_grad_norm
+            grad_norm = _scalar(
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.params.max_grad_norm)
             )
             bad = not (math.isfinite(grad_norm) and math.isfinite(sums["loss"]))
             if not bad:
@@ -374,7 +404,7 @@ class Learner:
         out["grad_norm"] = float(grad_norm)
         out["skipped_steps"] = float(bad)
         out["num_response_tokens"] = sums["num_response_tokens"]
-        return out | {k: sums[k] for k in _TOTALS}
+        return out | {k: sums[k] for k in TOTALS}
 
     def _count_bad_step(self, bad: bool) -> None:
         """A step whose loss or gradient is NaN or inf is skipped (weights and optimizer state
@@ -394,5 +424,11 @@ class Learner:
             )
 
 
-# figures summed over an iteration's optimizer steps (the others are averaged)
-_TOTALS = ("num_tokens", "tokens_computed", "forward_passes", "micro_batches")
+def _scalar(norm: torch.Tensor) -> float:
+    """A gradient norm as a float; a sharded model's is a DTensor, replicated on every rank.
+    (torch.distributed.tensor is looked up, not imported: it costs a second to import, and a
+    DTensor cannot exist before something else has imported it.)"""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(norm, dtensor.DTensor):
+        norm = norm.full_tensor()
+    return float(norm)

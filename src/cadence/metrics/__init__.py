@@ -2,6 +2,7 @@
 the summary). Nothing here runs the pipeline or reads the config."""
 
 from cadence.metrics.figures import (
+    TRAIN_SPANS,
     binomial_stderr,
     pipeline_figures,
     sample_figures,
@@ -19,6 +20,7 @@ from cadence.metrics.sinks import (
 from cadence.metrics.trace import Sample, Span, Tracer
 
 __all__ = [
+    "TRAIN_SPANS",
     "ConsoleProgress",
     "JsonlSink",
     "MemorySink",

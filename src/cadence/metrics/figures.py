@@ -85,10 +85,12 @@ def pipeline_figures(tracer: Tracer, stats: SourceStats, start: float, wall: flo
     `train_s` are the busy times under their older names."""
     gen_spans = tracer.select("worker", since=start, names=("generate",))
     gen = [(s.start, s.end) for s in gen_spans]
-    train = [(s.start, s.end) for s in tracer.select("learner", since=start, names=TRAIN_SPANS)]
+    train_spans = tracer.select("learner", since=start, names=TRAIN_SPANS)
+    train = [(s.start, s.end) for s in train_spans]
     num_workers = max(len({s.track for s in gen_spans}), 1)
+    num_ranks = max(len({s.track for s in train_spans}), 1)  # learner-0.. with learner.ranks
     gen_busy = sum(b - a for a, b in gen) / num_workers
-    train_busy = sum(b - a for a, b in train)
+    train_busy = sum(b - a for a, b in train) / num_ranks
     depths = stats.queue_depths or [0]
     return {
         "gen_s": gen_busy,
@@ -126,11 +128,12 @@ def stage_figures(
         s: (workers, rows - before.stages.get(s, (0, 0))[1])
         for s, (workers, rows) in after.stages.items()
     }
-    stages["train"] = (1, rows_trained)
+    stages["train"] = (0, rows_trained)  # as many workers as tracks: ranks of the learner
     figures: dict[str, float] = {}
     for stage, (workers, rows) in stages.items():
         prefix, names = STAGE_SPANS[stage]
         spans = tracer.select(prefix, since=start, names=names)
+        workers = workers or len({s.track for s in spans})
         busy = sum(max(min(s.end, end) - s.start, 0.0) for s in spans) / max(workers, 1)
         figures |= {
             f"stage_{stage}_busy_s": busy,

@@ -21,7 +21,12 @@ from cadence.learner import Learner
 from cadence.metrics import Tracer
 from cadence.models import DTYPES, load_model, load_tokenizer, max_positions
 from cadence.models.lora import AdapterOff, LoraSpec, MergedWeights, apply_lora, is_lora
-from cadence.pipeline.checkpoint import Checkpoint, restore_learner, weights_digest
+from cadence.pipeline.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    restore_learner,
+    weights_digest,
+)
 from cadence.pipeline.evaluate import Evaluator
 from cadence.pipeline.loop import LoopParams, Run
 from cadence.pipeline.params import (
@@ -33,11 +38,13 @@ from cadence.pipeline.params import (
     max_staleness,
     prompt_filter,
     prompt_render,
+    rank_spec,
     sampling_params,
     set_threads,
     worker_spec,
 )
 from cadence.pipeline.prompts import PromptStream, heldout_prompts
+from cadence.pipeline.ranks import RankedLearner, start_local_ranks, start_ray_ranks
 from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
 from cadence.rewards import load_reward
 from cadence.types import Prompt
@@ -174,20 +181,17 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
     tokenizer = load_tokenizer(cfg.model.path)
     model = load_model(cfg.model.path, dtype=dtype, device=device)
-    ref = None
     lora = cfg.model.lora
     if lora is not None:  # only the adapter trains; the reference is the adapter switched off
         spec = LoraSpec(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules))
         model = apply_lora(model, spec, base_path=cfg.model.path)
-        ref = AdapterOff(model) if needs_reference(cfg.algo.loss, cfg.algo.kl_coef) else None
-    elif needs_reference(cfg.algo.loss, cfg.algo.kl_coef):  # frozen: no grads, no optimizer state
-        ref = load_model(cfg.model.path, dtype=dtype, device=device).requires_grad_(False)
     tracer = Tracer()
-    params, loss = learner_params(cfg)
-    learner = Learner(model, params, loss, tokenizer.pad_token_id, ref_model=ref, tracer=tracer)
-    digest = weights_digest(ref) if resume or cfg.train.checkpoint_every else None
-    if resume is not None:
-        restore_learner(learner, resume, digest)
+    ranked = cfg.learner.ranks > 1
+    learner: Learner | RankedLearner | None = None
+    if ranked:  # the ranks start once the source has (it may start the Ray they run in)
+        digest = restore_driver(cfg, model, resume)
+    else:
+        learner, digest = _learner(cfg, model, tokenizer, tracer, resume)
     engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
     reward = load_reward(cfg.reward.function, cfg.reward.answer_format, cfg.reward.timeout_s)
     sampling = sampling_params(cfg, tokenizer)
@@ -203,11 +207,18 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     stream = PromptStream(task, render, cfg.data.task, start=cursor, fit=fit)
     first = resume.iteration if resume else 0
     heldout = heldout_prompts(task, render, cfg.data.task, prompt_filter(cfg, tokenizer, positions))
+    source = build_source(cfg, model, worker, tracer, stream, first_iteration=first)
+    if learner is None:
+        try:
+            learner = start_ranks(cfg, model, tokenizer.pad_token_id, tracer, resume)
+        except BaseException:
+            source.close()
+            raise
     return Run(
         params=loop_params(cfg),
         tokenizer=tokenizer,
         learner=learner,
-        source=build_source(cfg, model, worker, tracer, stream, first_iteration=first),
+        source=source,
         heldout_accuracy=Evaluator(model, engine, tokenizer, reward, heldout, sampling, env),
         num_heldout=len(heldout),
         stream=stream,
@@ -215,3 +226,88 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
         resume=resume,
         reference_digest=digest,
     )
+
+
+def _learner(
+    cfg: Config, model, tokenizer, tracer: Tracer, resume: Checkpoint | None
+) -> tuple[Learner, str | None]:
+    """The single-process learner (restored from `resume`), and the reference's digest."""
+    dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
+    ref = None
+    if is_lora(model):  # only the adapter trains; the reference is the adapter switched off
+        ref = AdapterOff(model) if needs_reference(cfg.algo.loss, cfg.algo.kl_coef) else None
+    elif needs_reference(cfg.algo.loss, cfg.algo.kl_coef):  # frozen: no grads, no optimizer state
+        ref = load_model(cfg.model.path, dtype=dtype, device=device).requires_grad_(False)
+    params, loss = learner_params(cfg)
+    learner = Learner(model, params, loss, tokenizer.pad_token_id, ref_model=ref, tracer=tracer)
+    digest = weights_digest(ref) if resume or cfg.train.checkpoint_every else None
+    if resume is not None:
+        check_sharded(resume, ranks=1)
+        restore_learner(learner, resume, digest)
+    return learner, digest
+
+
+def check_sharded(ckpt: Checkpoint, ranks: int) -> None:
+    """Refuse a checkpoint whose optimizer state the learner cannot read: sharded state (DCP)
+    needs learner ranks, one process's state needs one process. Any N > 1 reads any N > 1."""
+    shards = ckpt.state.get("learner_shards")
+    if shards is not None and ranks == 1:
+        raise CheckpointError(
+            f"{ckpt.path} was written by {shards['ranks']} learner ranks (sharded optimizer "
+            "state): resume it with --set learner.ranks=N, any N > 1"
+        )
+    if shards is None and ranks > 1:
+        raise CheckpointError(
+            f"{ckpt.path} was written by a single-process learner: resume it with "
+            "learner.ranks = 1 (its optimizer state is not sharded)"
+        )
+
+
+def restore_driver(cfg: Config, model, resume: Checkpoint | None) -> str | None:
+    """For learner ranks: the reference's digest (the driver's model is still the reference's
+    weights here) and, when resuming, the checkpoint's policy into the driver's model."""
+    ref = model if needs_reference(cfg.algo.loss, cfg.algo.kl_coef) else None
+    digest = weights_digest(ref) if resume or cfg.train.checkpoint_every else None
+    if resume is not None:
+        check_sharded(resume, cfg.learner.ranks)
+        if resume.state.get("reference_digest") != digest:
+            raise CheckpointError(
+                f"checkpoint {resume.path} was taken with another reference model "
+                f"({resume.state.get('reference_path')}): the digest of the reference weights "
+                "differs"
+            )
+        saved = load_model(resume.path / "policy", dtype=DTYPES[cfg.model.dtype])
+        with torch.no_grad():
+            model.load_state_dict(saved.state_dict())
+    return digest
+
+
+def start_ranks(
+    cfg: Config, model, pad_id: int, tracer: Tracer, resume: Checkpoint | None
+) -> RankedLearner:
+    """`learner.ranks` ranks as local processes or Ray actors, restored from `resume`."""
+    spec = rank_spec(cfg, pad_id)
+    device, p = cfg.model.device, cfg.pipeline
+    if p.backend == "ray":
+        learner = start_ray_ranks(
+            spec,
+            model,
+            tracer,
+            resources={"CPU": cfg.learner.num_cpus_per_rank, "GPU": cfg.learner.num_gpus_per_rank},
+            address=p.ray_address,
+            num_cpus=p.ray_num_cpus,
+        )
+    else:
+        if device.startswith("cuda") and torch.cuda.device_count() < spec.world_size:
+            raise ConfigError(
+                f"learner.ranks = {spec.world_size} on model.device = '{device}' puts rank r on "
+                f"cuda:r, and this machine has {torch.cuda.device_count()} GPU(s)"
+            )
+        learner = start_local_ranks(spec, model, device, tracer)
+    if resume is not None:
+        try:
+            learner.restore(resume.path, resume.state)
+        except BaseException:
+            learner.close()
+            raise
+    return learner

@@ -38,6 +38,7 @@ import pickle
 import random
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -57,7 +58,7 @@ FORMAT = 2  # 2: state.pt of plain tensors and containers, and manifest.json
 _PREFIX = "iter-"
 _NAME = re.compile(r"iter-(\d+)")
 STATE_KEYS = (  # what restoring needs of state.pt: by save_checkpoint, then by the loop (extra)
-    *("format", "iteration", "optimizer", "scheduler", "version", "baseline"),
+    *("format", "iteration", "version", "baseline"),
     *("bad_steps_in_a_row", "rng", "cursor", "metrics_bytes", "records", "accuracy_before"),
     *("reference_path", "reference_digest"),
 )
@@ -113,29 +114,47 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(
-    out: Path, iteration: int, learner, tokenizer, extra: dict[str, Any], keep: int
+    out: Path,
+    iteration: int,
+    learner,
+    tokenizer,
+    extra: dict[str, Any],
+    keep: int,
+    shards: Callable[[Path], dict[str, Any]] | None = None,
 ) -> Path:
-    """Write `out/checkpoints/iter-<iteration>` atomically; keep the newest `keep`.
+    """Write `out/checkpoints/iter-<iteration>` atomically; keep the newest `keep`. `shards`: a
+    sharded learner's (pipeline/ranks.py), which writes its optimizer state into the directory
+    itself and returns what the state records instead of `optimizer` and `scheduler`.
 
     A full disk raises `OSError(ENOSPC, ..., checkpoint path)` and leaves no temporary behind."""
     root = out / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{iteration:06d}"
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    state = {
-        "format": FORMAT,
-        "iteration": iteration,
-        "optimizer": learner.optimizer.state_dict(),
-        "scheduler": learner.scheduler.state_dict(),
-        "version": learner.version,
-        "baseline": learner.baseline,
-        "bad_steps_in_a_row": learner.bad_steps_in_a_row,
-        "rng": rng_state(),
-        **extra,
-    }
     try:
         with writing(final):
-            _write_directory(tmp, learner.model, tokenizer, _plain(state))
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            save_pretrained(learner.model, tokenizer, tmp / "policy")
+            if shards is None:
+                trainer = {
+                    "optimizer": learner.optimizer.state_dict(),
+                    "scheduler": learner.scheduler.state_dict(),
+                }
+            else:
+                trainer = shards(tmp)
+            state = {
+                "format": FORMAT,
+                "iteration": iteration,
+                **trainer,
+                "version": learner.version,
+                "baseline": learner.baseline,
+                "bad_steps_in_a_row": learner.bad_steps_in_a_row,
+                "rng": rng_state(),
+                **extra,
+            }
+            _write_state(tmp, _plain(state))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -147,11 +166,9 @@ def save_checkpoint(
     return final
 
 
-def _write_directory(tmp: Path, model, tokenizer, state: dict[str, Any]) -> None:
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_pretrained(model, tokenizer, tmp / "policy")
+def _write_state(tmp: Path, state: dict[str, Any]) -> None:
+    """`state.pt` and the manifest of every file under `tmp` (the policy, sharded learner state
+    if any, and the state), then everything synced."""
     files = {
         p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
         for p in sorted(tmp.rglob("*"))
@@ -279,7 +296,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
         ) from None
     except (RuntimeError, EOFError, ValueError) as e:
         raise CheckpointError(f"{path}: state.pt is unreadable: {e}") from None
-    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+    sharded = isinstance(state, dict) and "learner_shards" in state
+    trainer = ("learner_shards",) if sharded else ("optimizer", "scheduler")
+    missing = [k for k in (*STATE_KEYS, *trainer) if not isinstance(state, dict) or k not in state]
     if missing or state["format"] != FORMAT:
         raise CheckpointError(f"{path}: state.pt lacks {', '.join(missing) or 'its format'}")
     return Checkpoint(path, state)

@@ -50,6 +50,7 @@ from cadence.pipeline.checkpoint import (
     set_rng_state,
 )
 from cadence.pipeline.prompts import PromptStream
+from cadence.pipeline.ranks import RankedLearner
 from cadence.pipeline.source import GroupSource
 from cadence.rewards import RewardErrorBudget
 from cadence.types import Group
@@ -89,7 +90,7 @@ class Run:
 
     params: LoopParams
     tokenizer: Any
-    learner: Learner
+    learner: Learner | RankedLearner  # one process, or learner.ranks torch.distributed ranks
     source: GroupSource
     heldout_accuracy: Callable[[], float]  # greedy accuracy of the current policy
     num_heldout: int  # problems it is measured on (for its standard error)
@@ -101,6 +102,14 @@ class Run:
     @property
     def first_iteration(self) -> int:
         return self.resume.iteration if self.resume else 0
+
+    def close(self) -> None:
+        """Stop the learner's ranks (if any), then the source's workers: the source may own the
+        Ray that ranks on Ray run in."""
+        try:
+            self.learner.close()
+        finally:
+            self.source.close()
 
 
 def on_policy(groups: Iterator[Group], version: int, seen: list[Group]) -> Iterator[Group]:
@@ -290,10 +299,11 @@ def _close(
     error: BaseException | None,
     timeline: bool = True,
 ) -> None:
-    """Close the sinks and the source (which stops the workers), then write the timeline. Every
-    step runs whatever the others do. While `error` propagates, a failure here is logged in one
-    line (not at all if both are the same full disk) rather than put in its place."""
-    steps = [*(s.close for s in sinks), run.source.close]
+    """Close the sinks, the learner's ranks (if any) and the source (which stops the workers),
+    then write the timeline. Every step runs whatever the others do. While `error` propagates, a
+    failure here is logged in one line (not at all if both are the same full disk) rather than
+    put in its place."""
+    steps = [*(s.close for s in sinks), run.close]
     if timeline:
         steps.append(lambda: write_timeline(run, out))
     first: Exception | None = None
@@ -381,9 +391,10 @@ def checkpoint(run: Run, out: Path, iteration: int, records: list, accuracy_befo
         "reference_path": run.params.reference_path,
         "reference_digest": run.reference_digest,
     }
+    shards = run.learner.save_shards if isinstance(run.learner, RankedLearner) else None
     with run.tracer.span("checkpoint", "learner"):
         save_checkpoint(
-            out, iteration, run.learner, run.tokenizer, extra, run.params.keep_checkpoints
+            out, iteration, run.learner, run.tokenizer, extra, run.params.keep_checkpoints, shards
         )
 
 

@@ -11,13 +11,21 @@ from pathlib import Path
 
 import torch
 
-from cadence.algo import ADVANTAGES, AdvantageContext, LossParams, get_advantage, is_pair_loss
+from cadence.algo import (
+    ADVANTAGES,
+    AdvantageContext,
+    LossParams,
+    get_advantage,
+    is_pair_loss,
+    needs_reference,
+)
 from cadence.backend import WorkerSpec
 from cadence.config import Config, ConfigError
 from cadence.data import ChatRender, Example, PlainRender, Render, load_task, make_prompt
 from cadence.engine import SamplingParams
 from cadence.envs import EnvSpec, demonstration, load_tools
 from cadence.learner import LearnerParams
+from cadence.learner.ranks import RankSpec
 from cadence.pipeline.prompts import PromptFilter
 
 
@@ -200,6 +208,29 @@ def learner_threads(cfg: Config) -> int:
     if cfg.reward.stage == "separate":
         others += cfg.reward.num_workers * cfg.reward.threads_per_worker
     return p.learner_threads or max(1, cores - others)
+
+
+def rank_threads(cfg: Config) -> int:
+    """torch threads of each learner rank: the learner's threads shared among its ranks."""
+    threads = learner_threads(cfg) or os.cpu_count() or 1
+    return cfg.learner.threads_per_rank or max(1, threads // cfg.learner.ranks)
+
+
+def rank_spec(cfg: Config, pad_id: int) -> RankSpec:
+    """What each of the `learner.ranks` ranks builds itself from."""
+    params, loss = learner_params(cfg)
+    return RankSpec(
+        model_path=cfg.model.path,
+        params=params,
+        loss=loss,
+        pad_id=pad_id,
+        world_size=cfg.learner.ranks,
+        strategy=cfg.learner.strategy,
+        dtype=cfg.model.dtype,
+        needs_reference=needs_reference(cfg.algo.loss, cfg.algo.kl_coef),
+        threads=rank_threads(cfg),
+        timeout_s=cfg.pipeline.worker_timeout_s,
+    )
 
 
 def max_staleness(cfg: Config) -> int:

@@ -9,12 +9,17 @@ formulas below (written out with the same symbols in docs/planner.md):
     decode step(b, C) = W / (e_mem BW) + C kv / (e_mem BW) + 2 N b / (e_dec F) + overhead
     prefill per token = 2 N / (e_pre F)
     train per token   = (6 N + 6 L h S) (1 + 1/3 if a reference model) / (mfu F)
-    optimizer step    = 16 N / (e_mem BW D_t) + [D_t > 1] 2 W / net_bw
+    optimizer step    = 16 N / (e_mem BW D_t) + [D_t > 1] 2 W / net_bw        (fsdp)
+                        16 N / (e_mem BW)     + [D_t > 1] 2 W / net_bw        (ddp)
+    FSDP per round    = 3 W (D_t - 1) / D_t / net_bw, hidden behind the round's compute
+    memory per rank   = (16 N + W_frozen) / D_t + 2 W / L   (fsdp);   16 N + W_frozen   (ddp)
     weight load       = latency + W / sync_bw;   publish = W / (e_mem BW)
 
 N parameters, L layers, h hidden size, W = N x bytes per parameter, kv = 2 L kv_dim x bytes per
 value (keys and values of one token in every layer), b active sequences, C tokens they hold in
-the cache, S = prompt + mean response tokens, D_t training devices.
+the cache, S = prompt + mean response tokens, D_t training devices (the learner's ranks: each
+trains its own micro-batches of a round, `learner.ranks` in a run), W_frozen the reference's
+weights (when there is one).
 Must not: simulate anything, or import torch.
 """
 
@@ -58,6 +63,7 @@ class DeviceSpec:
     sync_latency_s: float = 0.05
     step_overhead_s: float = 0.001  # per decode step: scheduling, sampling, launches
     kv_memory_fraction: float = 0.9  # of memory an engine may fill (weights + KV cache)
+    train_memory_fraction: float = 0.9  # of memory a training rank's state may fill
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,10 @@ class Throughput:
     kv_cache_bytes: float = math.inf  # memory an engine has for its KV cache
     kv_bytes_per_token: float = 0.0
     train_state_bytes: float = 0.0  # weights + grads + optimizer state (colocated engines share)
+    frozen_bytes: float = 0.0  # the frozen reference's weights (no gradients, no optimizer state)
+    layer_bytes: float = 0.0  # one decoder layer's weights: what FSDP gathers at a time
+    gather_s: float = 0.0  # all-gathering the whole weights once over the training network
+    train_memory_bytes: float = math.inf  # what a training device may hold (no memory model)
 
     def decode_time(self, active: int, context: float, steps: int) -> float:
         """`steps` decode steps of `active` sequences holding `context` tokens at the start.
@@ -89,12 +99,34 @@ class Throughput:
         kv = self.decode_per_ctx_token_s * (steps * context + active * steps * (steps - 1) / 2)
         return steps * per_step + kv
 
-    def train_time(self, tokens: float, devices: int) -> float:
-        """One forward/backward over `tokens` computed tokens split evenly over `devices`."""
-        return tokens * self.train_per_token_s / devices + self.train_microbatch_s
+    def train_time(self, tokens: float, devices: int, strategy: str = "fsdp") -> float:
+        """One round: `tokens` computed tokens split evenly over `devices` ranks, each running
+        its micro-batch. FSDP gathers each layer's weights for the forward and the backward and
+        reduce-scatters its gradients meanwhile (3 W (D - 1) / D per rank), hidden behind the
+        compute unless it takes longer; DDP communicates only at the step."""
+        compute = tokens * self.train_per_token_s / devices
+        if strategy == "fsdp" and devices > 1:
+            compute = max(compute, 3 * self.gather_s * (devices - 1) / devices)
+        return compute + self.train_microbatch_s
 
-    def optimizer_time(self, devices: int) -> float:
-        return self.optimizer_update_s / devices + (self.allreduce_s if devices > 1 else 0.0)
+    def optimizer_time(self, devices: int, strategy: str = "fsdp") -> float:
+        """The step: each FSDP rank updates its shard, each DDP rank the whole model; plus the
+        collectives no compute hides (FSDP: the last round's reduce-scatter and the next
+        forward's first gathers; DDP: the gradient all-reduce), about 2 W over the network."""
+        update = self.optimizer_update_s / (devices if strategy == "fsdp" else 1)
+        return update + (self.allreduce_s if devices > 1 else 0.0)
+
+    def rank_memory(self, devices: int, strategy: str = "fsdp") -> float:
+        """Bytes one training rank holds: the training state and the frozen reference, sharded
+        over the ranks (FSDP, plus one gathered layer and its gradient) or whole (DDP).
+        Activations are not counted."""
+        state = self.train_state_bytes + self.frozen_bytes
+        if strategy == "ddp":
+            return state
+        return state / devices + 2 * self.layer_bytes
+
+    def fits(self, devices: int, strategy: str = "fsdp") -> bool:
+        return self.rank_memory(devices, strategy) <= self.train_memory_bytes
 
     def slots(self, max_num_seqs: int, seq_tokens: float, colocated_devices: int = 0) -> int:
         """Sequences an engine can hold: max_num_seqs, or fewer when the KV cache runs out.
@@ -193,6 +225,10 @@ def from_hardware(
         kv_cache_bytes=max(kv_free, 0.0),
         kv_bytes_per_token=model.kv_bytes_per_token,
         train_state_bytes=16 * model.params,
+        frozen_bytes=w if reference_model else 0.0,
+        layer_bytes=w / model.layers,
+        gather_s=w / device.network_bw,
+        train_memory_bytes=device.memory_bytes * device.train_memory_fraction,
     )
     colocated = replace(base, publish_s=0.0, load_s=w / bw)  # reshard in place: one local copy
     return Profile(

@@ -34,10 +34,12 @@ class ClusterPlan:
     results: list[SimResult]  # every (mode, split) simulated
     best: dict[str, SimResult]  # per mode label, its highest-TPSPD split
     recommended: SimResult
+    min_training_devices: int | None = None  # fewest that hold the learner (None: none do)
 
     def to_dict(self) -> dict:
         return {
             "devices": self.devices,
+            "min_training_devices": self.min_training_devices,
             "recommended": self.recommended.to_dict(),
             "best": {k: v.to_dict() for k, v in self.best.items()},
             "results": [r.to_dict() for r in self.results],
@@ -102,6 +104,7 @@ def load_profile(spec: PlanSpec, mean_response: float) -> Profile:
         sync_latency_s=hw.sync_latency_s,
         step_overhead_s=hw.step_overhead_s,
         kv_memory_fraction=hw.kv_memory_fraction,
+        train_memory_fraction=hw.train_memory_fraction,
     )
     shape = ModelShape(m.params, m.layers, m.hidden, m.kv_dim, m.bytes_per_param)
     return from_hardware(
@@ -127,6 +130,7 @@ def workload(spec: PlanSpec) -> Workload:
         prompts_per_task=c.prompts_per_task,
         engine_devices=c.engine_devices,
         colocated_engine_devices=c.colocated_engine_devices,
+        learner_strategy=c.learner_strategy,
     )
 
 
@@ -170,7 +174,15 @@ def plan_cluster(
     notes: list[str],
 ) -> ClusterPlan:
     results: list[SimResult] = []
-    candidates = _candidates(spec, devices, work.engine_devices)
+    strategy = work.learner_strategy
+    least = min_training_devices(profile, devices, strategy)
+    candidates = [
+        i
+        for i in _candidates(spec, devices, work.engine_devices)
+        if profile.separate.fits(devices - i, strategy)
+    ]
+    if least is None or least > 1:
+        notes.append(_memory_note(profile, devices, strategy, least))
     measured, most = spec.plan.iterations, _max_staleness(spec)
     for name in spec.plan.modes:
         mode, placement, n = parse_mode(name)
@@ -178,12 +190,17 @@ def plan_cluster(
             if devices % work.devices_per_engine("colocated"):
                 notes.append(f"{devices} devices: no whole number of colocated engines; skipped")
                 continue
+            if not profile.colocated.fits(devices, strategy):
+                continue
             shape = Shape("sync", "colocated", devices, devices)
             mine = _lengths_for(lengths, 0, measured, most)
             results.append(simulate(shape, work, profile.colocated, mine, profile.tpspd_devices))
             continue
         if not candidates:
-            note = f"{devices} devices: too few to split between inference and training"
+            note = (
+                f"{devices} devices: no split between inference and training leaves the learner "
+                "enough devices"
+            )
             if note not in notes:
                 notes.append(note)
             continue
@@ -197,12 +214,36 @@ def plan_cluster(
         found = search_splits(candidates, run, exhaustive=bool(spec.plan.splits))
         results.extend(found[i] for i in sorted(found))
     if not results:
-        raise ConfigError(f"plan key 'cluster.devices': nothing to simulate on {devices} devices")
+        why = f": {_memory_note(profile, devices, strategy, least)}" if least != 1 else ""
+        raise ConfigError(
+            f"plan key 'cluster.devices': nothing to simulate on {devices} devices{why}"
+        )
     best: dict[str, SimResult] = {}
     for r in results:
         if r.shape.label not in best or r.tpspd > best[r.shape.label].tpspd:
             best[r.shape.label] = r
-    return ClusterPlan(devices, results, best, recommend(results))
+    return ClusterPlan(devices, results, best, recommend(results), least)
+
+
+def min_training_devices(profile: Profile, devices: int, strategy: str) -> int | None:
+    """The fewest training devices (learner ranks) whose memory holds the learner, of `devices`."""
+    return next((d for d in range(1, devices + 1) if profile.separate.fits(d, strategy)), None)
+
+
+def _memory_note(profile: Profile, devices: int, strategy: str, least: int | None) -> str:
+    cost = profile.separate
+    room = cost.train_memory_bytes / 1e9
+    if least is None:
+        need = cost.rank_memory(devices, strategy) / 1e9
+        return (
+            f"{devices} devices: the learner does not fit ({strategy}: {need:,.1f} GB per rank "
+            f"even on all {devices}, {room:,.1f} GB allowed)"
+        )
+    need = cost.rank_memory(least - 1, strategy) / 1e9
+    return (
+        f"{devices} devices: the learner needs at least {least} training devices ({strategy}: "
+        f"{need:,.1f} GB per rank on {least - 1}, {room:,.1f} GB allowed); smaller splits skipped"
+    )
 
 
 def recommend(results: list[SimResult]) -> SimResult:

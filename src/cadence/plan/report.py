@@ -42,12 +42,14 @@ def cluster_table(result: PlanResult, cluster: ClusterPlan) -> Table:
         f"{result.spec.workload.prompts_per_iteration} prompts x "
         f"{result.spec.workload.group_size}, responses {result.lengths.describe()}",
         caption=f"x base: TPSPD over {base.shape.label}'s; * recommended; busy: fraction of "
-        "wall time; slot use: active sequences / engine slots",
+        "wall time; slot use: active sequences / engine slots; GB / rank: training state a "
+        f"learner rank holds ({result.spec.cluster.learner_strategy}, activations not counted)",
     )
     for name in ["mode", "inference + training", "s / iter", "TPSPD", "x base"]:
         table.add_column(name, justify="left" if name == "mode" else "right", no_wrap=True)
     for name in ["inference busy", "training busy", "slot use", "staleness mean / max"]:
         table.add_column(name, justify="right")
+    table.add_column("GB / rank", justify="right")
     for r in rows:
         mark = " *" if r is cluster.recommended else ""
         table.add_row(
@@ -60,6 +62,7 @@ def cluster_table(result: PlanResult, cluster: ClusterPlan) -> Table:
             f"{r.training_busy:.0%}",
             f"{r.slot_utilization:.0%}",
             staleness_label(r),
+            f"{r.rank_memory_bytes / 1e9:,.1f}",
         )
     return table
 
@@ -73,7 +76,8 @@ def recommendation(cluster: ClusterPlan) -> str:
     )
     return (
         f"{cluster.devices} devices: recommended {r.shape.label} with {where}: "
-        f"TPSPD {r.tpspd:,.0f}, {r.wall_s:,.2f} s per iteration"
+        f"TPSPD {r.tpspd:,.0f}, {r.wall_s:,.2f} s per iteration; "
+        f"{r.rank_memory_bytes / 1e9:,.1f} GB of training state per learner rank"
     )
 
 

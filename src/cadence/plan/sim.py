@@ -14,7 +14,9 @@ It follows the pipeline's rules (pipeline/loop.py, producer.py, backend/, docs/p
   An engine changes weights only when empty: it finishes its older sequences, then loads.
 - Learner. Trains iteration k's groups in completion order, `micro_batch_groups` at a time as they
   arrive (`sync`: only once all are in), takes one optimizer step after the last, then publishes
-  version k+1.
+  version k+1. With several training devices (the learner's ranks) a micro-batch is a round:
+  its groups are split among the ranks, balanced by tokens (taken as even here), each rank
+  training its share, so `micro_batch_groups` is the round's (the ranks' together).
 
 Time advances from event to event: between two sequence completions an engine's batch is fixed,
 so a whole run of decode steps costs one closed-form expression (costs.Throughput.decode_time).
@@ -74,6 +76,7 @@ class Workload:
     prompts_per_task: int = 4  # static batching
     engine_devices: int = 1  # devices per inference engine (tensor parallel)
     colocated_engine_devices: int = 0  # when colocated (0: engine_devices)
+    learner_strategy: str = "fsdp"  # how the training devices (the learner's ranks) hold it
 
     def devices_per_engine(self, placement: str) -> int:
         if placement == "colocated" and self.colocated_engine_devices:
@@ -97,6 +100,8 @@ class SimResult:
     staleness: dict[int, int]  # staleness -> groups trained with it, measured iterations
     staleness_by_iteration: list[int] = field(default_factory=list)  # every trained iteration
     iteration_ends: list[float] = field(default_factory=list)  # when each version was published
+    rank_memory_bytes: float = 0.0  # what one training rank holds (costs.Throughput.rank_memory)
+    fits: bool = True  # whether that fits a training device
 
     @property
     def inference_idle(self) -> float:
@@ -261,6 +266,7 @@ class Simulation:
         slot_time = sum(_clipped(e.busy, t0, t1, weighted=True) for e in self.engines)
         train = _clipped(self.learner.busy, t0, t1)
         by_iteration = [k - self.versions[k] for k in range(window.stop)]
+        ranks, strategy = self.learner.devices, self.work.learner_strategy
         return SimResult(
             shape=self.shape,
             wall_s=span / steady,
@@ -276,6 +282,8 @@ class Simulation:
             staleness=dict(Counter(by_iteration[k] for k in window for _ in range(n))),
             staleness_by_iteration=by_iteration,
             iteration_ends=list(ends),
+            rank_memory_bytes=self.cost.rank_memory(ranks, strategy),
+            fits=self.cost.fits(ranks, strategy),
         )
 
 
@@ -313,8 +321,9 @@ class _Learner:
         if k >= sim.iterations or (not self.stream and len(sim.ready[k]) < n):
             return
         available, remaining = len(sim.ready[k]) - self.consumed, n - self.consumed
+        strategy = sim.work.learner_strategy
         if remaining == 0:
-            self._run(sim.cost.optimizer_time(self.devices), self._stepped)
+            self._run(sim.cost.optimizer_time(self.devices, strategy), self._stepped)
             return
         m = sim.work.micro_batch_groups
         take = min(m, available) if available >= m or available == remaining else 0
@@ -322,7 +331,7 @@ class _Learner:
             groups = sim.ready[k][self.consumed : self.consumed + take]
             self.consumed += take
             computed = sum(sim.tokens(k, i)[1] for i in groups)
-            self._run(sim.cost.train_time(computed, self.devices))
+            self._run(sim.cost.train_time(computed, self.devices, strategy))
 
     def _run(self, duration: float, then: Callable[[], None] | None = None) -> None:
         self.running = True

@@ -85,6 +85,13 @@ class HardwareSpec(_Section):
     kv_memory_fraction: float = Field(
         0.9, gt=0, le=1, description="Fraction of memory an engine fills (weights + KV cache)."
     )
+    train_memory_fraction: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Fraction of memory a training rank's state (weights, gradients, optimizer "
+        "state, frozen reference) may fill; the rest is left to activations.",
+    )
 
 
 class ClusterSpec(_Section):
@@ -107,6 +114,11 @@ class ClusterSpec(_Section):
     )
     batching: Literal["continuous", "static"] = Field(
         "continuous", description="continuous (vLLM-like) or static (the local worker backend)."
+    )
+    learner_strategy: Literal["fsdp", "ddp"] = Field(
+        "fsdp",
+        description="How the training devices (the learner's ranks) hold the model: fsdp "
+        "shards the training state over them, ddp gives each a whole copy.",
     )
     prompts_per_task: int = Field(4, ge=1, description="static: prompts per engine batch.")
 

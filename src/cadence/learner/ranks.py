@@ -1,0 +1,333 @@
+"""The learner as one of N torch.distributed ranks, FSDP2 or DDP: what runs inside each rank.
+
+A driver (pipeline/ranks.py) hands each iteration's groups to the ranks in rounds; this is one
+rank's side of it. Every rank runs the very `Learner` of a single process, with `Collective`
+hooks, over its own share of the groups:
+
+- **Rounds.** FSDP gathers parameters in every forward and reduces gradients in every backward,
+  so the ranks must run the same passes in the same order. Each round every rank trains at most
+  one micro-batch; a rank the round gave no group runs an idle pass (a tiny micro-batch whose
+  loss is multiplied by 0: the same collectives, gradients 0). DDP communicates only in the
+  backward of a step's last round (`no_sync` before it), so it runs idle passes only there.
+- **One update.** Each micro-batch's loss is an unnormalised sum. At a step the ranks add up
+  their step sums (tokens, sequences, pairs, loss and metric sums: `reduce_sums`), so every rank
+  divides the summed gradients (FSDP reduce-scatters with SUM, DDP all-reduces with SUM) by the
+  global batch's normaliser, clips by the global norm and steps: the single-process update.
+- **Sharding.** FSDP2 shards each decoder layer (the model's `_no_split_modules`) and the root;
+  the frozen reference and the old copy are sharded the same way and hold no optimizer state.
+  DDP replicates the model; its frozen copies are plain.
+- **Weights out.** `gather_weights` all-gathers each parameter in turn; rank 0 writes it into the
+  driver's shared-memory tensors (local ranks) or returns numpy arrays (Ray actors).
+
+Nothing here knows how the rank's process was started or how messages reach it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from cadence.algo import LossParams
+from cadence.learner.batch import Scored
+from cadence.learner.learner import Collective, Learner, LearnerParams, score_groups
+from cadence.learner.sharded_state import load_sharded, save_sharded
+from cadence.learner.sums import StepSums, peak_memory
+from cadence.metrics.trace import Tracer
+from cadence.models import DTYPES, load_model
+from cadence.types import Completion, Group, Prompt
+
+STRATEGIES = ("fsdp", "ddp")
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank builds itself from (the same for all ranks of a run)."""
+
+    model_path: str
+    params: LearnerParams
+    loss: LossParams
+    pad_id: int
+    world_size: int
+    strategy: str = "fsdp"
+    dtype: str = "float32"
+    needs_reference: bool = False
+    threads: int = 1
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks meet: a torch.distributed init method and environment variables to set
+    first (e.g. GLOO_SOCKET_IFNAME=lo to keep gloo on loopback)."""
+
+    init_method: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def build_rank(
+    rank: int,
+    spec: RankSpec,
+    shared: dict[str, torch.Tensor] | None,
+    rendezvous: Rendezvous,
+    device: str,
+) -> RankLearner:
+    """A rank's object as the rank transports build it: `factory(rank, *spawn args, *build
+    args)`, the spawn arguments (spec, shared tensors) first."""
+    return RankLearner(rank, spec, rendezvous, device, shared)
+
+
+class RankLearner:
+    """One rank: the process group, its (sharded or replicated) models and its `Learner`.
+
+    `device` is this rank's ("cpu", or its own "cuda:i"); `shared` (rank 0 of local ranks only)
+    are the driver's parameter tensors in shared memory, which `gather_weights` writes."""
+
+    def __init__(
+        self,
+        rank: int,
+        spec: RankSpec,
+        rendezvous: Rendezvous,
+        device: str = "cpu",
+        shared: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        if spec.strategy not in STRATEGIES:
+            raise ValueError(f"unknown learner.strategy {spec.strategy!r}; allowed: fsdp, ddp")
+        self.rank, self.spec, self.shared = rank, spec, shared
+        self.device = torch.device(device)
+        torch.set_num_threads(spec.threads)
+        _init_group(rank, spec, rendezvous, self.device)
+        self.tracer = Tracer()
+        self.tracer.origin = 0.0  # spans in time.perf_counter() seconds: the driver rebases them
+        self.model, self.ddp, ref = self._build()
+        self.learner = Learner(
+            self.model,
+            spec.params,
+            spec.loss,
+            spec.pad_id,
+            ref_model=ref,
+            tracer=self.tracer,
+            collective=Collective(
+                reduce_sums=self._reduce_sums, forward_model=self.ddp, old_copy=self._frozen
+            ),
+        )
+        self.learner.track = f"learner-{rank}"
+        if spec.strategy == "fsdp":  # the layout check's forward left the root unsharded
+            self.model.reshard()
+        self.learner.frozen_copies_bytes = _local_bytes(ref) + _local_bytes(self.learner.old_model)
+        self.sums = StepSums()
+
+    def _load(self) -> torch.nn.Module:
+        return load_model(self.spec.model_path, dtype=DTYPES[self.spec.dtype], device="cpu")
+
+    def _build(self) -> tuple[torch.nn.Module, Any, torch.nn.Module | None]:
+        """(policy, its DDP wrapper or None, reference or None)."""
+        model = self._load()
+        ref = self._frozen(model) if self.spec.needs_reference else None
+        if self.spec.strategy == "fsdp":
+            return _fully_shard(model, self.device, frozen=False), None, ref
+        from torch.nn.parallel import DistributedDataParallel
+
+        model.to(self.device)
+        cuda = self.device.type == "cuda"
+        ddp = DistributedDataParallel(
+            model, device_ids=[self.device] if cuda else None, forward_sync_buffers=False
+        )
+        ddp.register_comm_hook(None, _sum_gradients)
+        return model, ddp, ref
+
+    def _frozen(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen copy as this strategy holds it: the reference, or the old policy (whose
+        weights `Learner.begin_iteration` loads from the policy's state dict)."""
+        copy = self._load().requires_grad_(False).eval()
+        if self.spec.strategy == "fsdp":
+            return _fully_shard(copy, self.device, frozen=True)
+        return copy.to(self.device)
+
+    # --- calls from the driver ------------------------------------------------------------
+
+    def begin(self, version: int, baseline: float) -> None:
+        """Start an iteration at policy `version`; `baseline` is the previous iteration's mean
+        reward over every rank's groups (for the `reinforce` advantage)."""
+        self.learner.version, self.learner.baseline = version, baseline
+        self.learner.begin_iteration()
+
+    def train_round(self, groups: list[Scored], step: bool) -> dict[str, Any]:
+        """This rank's micro-batch of one round (maybe none), and the optimizer step if the round
+        ends one. Returns the step's figures (when stepping), its spans and memory."""
+        last = self.ddp is not None and step
+        sync = contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
+        with sync:
+            if groups:
+                self.learner.forward_backward(groups, self.sums)
+            elif self.ddp is None or last:  # collectives in this round's passes: join them
+                self.learner.forward_backward([self._idle_group()], self.sums, idle=True)
+        figures = None
+        if step:
+            figures, self.sums = self.learner.step(self.sums), StepSums()
+        return {"step": figures, **self._report()}
+
+    def _idle_group(self) -> Scored:
+        """Two one-token responses after a one-token prompt, rewards 0 and 1 (no tie, so a pair
+        loss reaches every parameter too), fresh at the learner's version."""
+        pad = self.spec.pad_id
+        completions = [Completion([pad], [0.0], reward=float(r)) for r in (0, 1)]
+        group = Group(Prompt("idle", "", ""), [pad], completions, self.learner.version, -1)
+        return next(score_groups([group], self.learner.params, 0.0))
+
+    def _reduce_sums(self, values: dict[str, float]) -> dict[str, float]:
+        """Every rank's step sums, added up; the same names on every rank (checked)."""
+        import torch.distributed as dist
+
+        names = sorted(values)
+        digest = float(zlib.crc32(",".join(names).encode()))
+        check = torch.tensor([digest, -digest], dtype=torch.float64, device=self.device)
+        dist.all_reduce(check, op=dist.ReduceOp.MAX)
+        if check.tolist() != [digest, -digest]:
+            raise RuntimeError(f"rank {self.rank}: the ranks' step sums differ in names: {names}")
+        sums = torch.tensor([values[k] for k in names], dtype=torch.float64, device=self.device)
+        dist.all_reduce(sums)
+        return dict(zip(names, sums.tolist(), strict=True))
+
+    @torch.no_grad()
+    def gather_weights(self) -> dict[str, np.ndarray] | None:
+        """The policy's full parameters: into `shared` (rank 0 with shared tensors; returns
+        None), else as numpy arrays from rank 0 (None from the others). Every rank must call
+        it: each parameter is all-gathered in turn, so one full tensor is held at a time."""
+        out: dict[str, np.ndarray] = {}
+        with self.tracer.span("gather_weights", self.learner.track):
+            for name, p in self.model.named_parameters():
+                full = p.full_tensor() if _is_dtensor(p) else p.detach()
+                if self.rank != 0:
+                    continue
+                if self.shared is not None:
+                    self.shared[name].copy_(full)
+                else:
+                    out[name] = _to_numpy(full)
+        return out if self.rank == 0 and self.shared is None else None
+
+    def save(self, path: str) -> dict[str, Any]:
+        """Write this rank's shards under `path` (see learner/sharded_state.py); rank 0 returns
+        what is not a tensor (the schedule, the bad-step count) for the driver's state."""
+        save_sharded(self.model, self.learner.optimizer, Path(path))
+        return {
+            "scheduler": self.learner.scheduler.state_dict(),
+            "bad_steps_in_a_row": self.learner.bad_steps_in_a_row,
+        }
+
+    def load(self, path: str, trainer: dict[str, Any]) -> None:
+        """Resume: parameters and optimizer state from the shards under `path`, whatever number
+        of ranks wrote them; `trainer` is what `save` returned."""
+        load_sharded(self.model, self.learner.optimizer, Path(path))
+        scheduler = self.learner.scheduler
+        scheduler.load_state_dict(trainer["scheduler"])
+        # the learning rate the schedule had reached: the shards hold no param_groups
+        for group, lr in zip(
+            self.learner.optimizer.param_groups, scheduler.get_last_lr(), strict=True
+        ):
+            group["lr"] = lr
+        self.learner.bad_steps_in_a_row = trainer["bad_steps_in_a_row"]
+
+    def _report(self) -> dict[str, Any]:
+        spans, self.tracer.spans = self.tracer.spans, []
+        return {"spans": spans, "memory": peak_memory(self.device)}
+
+    def describe(self) -> dict[str, Any]:
+        """What this rank holds (its shards, with FSDP) and its process id."""
+        return state_bytes(self.learner) | {"pid": os.getpid()}
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def state_bytes(learner: Learner) -> dict[str, int]:
+    """Bytes of training state a learner's process holds (a DTensor counts its local shard):
+    `param_bytes` of the policy, `optimizer_bytes` of the optimizer's state (none before the
+    first step), `frozen_bytes` of the reference and old copies; gradients, while they exist,
+    take as much as the parameters."""
+    optimizer = 0
+    for state in learner.optimizer.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor):
+                local = t.to_local() if _is_dtensor(t) else t
+                optimizer += local.numel() * local.element_size()
+    return {
+        "param_bytes": _local_bytes(learner.model),
+        "optimizer_bytes": optimizer,
+        "frozen_bytes": _local_bytes(learner.ref_model) + _local_bytes(learner.old_model),
+    }
+
+
+def _init_group(rank: int, spec: RankSpec, rendezvous: Rendezvous, device: torch.device) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(rendezvous.env)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=rendezvous.init_method,
+        rank=rank,
+        world_size=spec.world_size,
+        timeout=datetime.timedelta(seconds=spec.timeout_s),
+    )
+
+
+def _fully_shard(model: torch.nn.Module, device: torch.device, frozen: bool) -> torch.nn.Module:
+    """FSDP2 over each decoder layer and the root, on `device`'s kind, gradients reduced with a
+    plain SUM (the learner divides by the global normaliser itself). A frozen copy reshards its
+    root after each forward too: it has no backward to do it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if type(module).__name__ in layers:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True if frozen else None)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    return model
+
+
+def _sum_gradients(state, bucket):  # unannotated: DDP checks annotations by identity
+    """DDP communication hook: all-reduce with SUM instead of DDP's mean."""
+    import torch.distributed as dist
+
+    work = dist.all_reduce(bucket.buffer(), async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local_bytes(model: torch.nn.Module | None) -> int:
+    """Bytes of `model`'s parameters and buffers held by this rank (a DTensor's local shard)."""
+    if model is None:
+        return 0
+    tensors = [*model.parameters(), *model.buffers()]
+    local = [t.to_local() if _is_dtensor(t) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    """numpy has no bfloat16: such a tensor travels as its int16 bits."""
+    t = t.detach().cpu()
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()

@@ -1,0 +1,302 @@
+"""The sharded learner's driver: `learner.ranks = N` ranks behind the single learner's face.
+
+`RankedLearner` is what the run loop trains with when `learner.ranks` > 1. It has the
+`Learner`'s surface (`train_iteration(groups, num_groups)`, `version`, `model`), and behind it N
+torch.distributed ranks (learner/ranks.py) as local processes or Ray actors (backend/ranks.py).
+
+Why the driver is no rank. Its `model` stays whole and unsharded: it is what the weight
+transports publish to the rollout workers, what held-out evaluation and colocated generation
+run, and what `final/` saves, all unchanged from one process. Local and Ray runs have the same
+shape (N ranks and a driver that feeds them), and a rank that dies cannot take the run's
+bookkeeping down with it. The cost is one copy of the weights in the driver (no gradients, no
+optimizer state), refreshed once per iteration.
+
+Rounds. Groups stream in (periodic mode) in an order nobody knows in advance, and every rank must
+run the same passes. The driver buffers groups; once it holds a round (`ranks x
+micro_batch_groups` groups, or the end of an optimizer step) it splits them among the ranks,
+balanced by tokens (longest first, each to the rank with the fewest tokens and room left), and
+sends each rank its share: at most one micro-batch. A rank with none runs an idle pass (see
+learner/ranks.py). The round that ends a step steps every rank together; the step's sums
+(tokens, sequences, pairs) are added up across ranks first, so the update is the single-process
+update however the groups fall (`train.mini_batches` > 1 works the same way: a step ends after
+each mini-batch's last group). Round calls do not wait: the driver takes the next group at once
+and collects the ranks' replies (spans, step figures) as they come.
+
+Weights. After an iteration every rank all-gathers the parameters, one at a time; rank 0 writes
+them into the driver's model (its parameters are in shared memory, handed to rank 0 at spawn) or,
+on Ray, returns them as numpy arrays through the object store.
+
+Checkpoints. `save_shards` has the ranks write their shards into the checkpoint being written
+(learner/sharded_state.py); `restore` loads them, whatever number of ranks wrote them.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import torch
+
+from cadence.backend.ranks import LocalRanks, Ranks
+from cadence.learner import (
+    LearnerParams,
+    Scored,
+    iteration_stats,
+    reward_figures,
+    reward_shaping,
+    score_groups,
+)
+from cadence.learner.ranks import RankSpec, Rendezvous, build_rank
+from cadence.metrics import TRAIN_SPANS
+from cadence.metrics.trace import Span, Tracer
+from cadence.types import Group
+
+
+class _Sized(Protocol):
+    @property
+    def num_tokens(self) -> int: ...
+
+
+T = TypeVar("T", bound=_Sized)
+
+
+def split_round(groups: list[T], num_ranks: int, per_rank: int) -> list[list[T]]:
+    """`groups` (at most `num_ranks * per_rank`) into one share per rank, at most `per_rank`
+    each, balanced by tokens: longest first, each to the rank with the fewest tokens so far among
+    those with room (the lowest rank on a tie). Each share keeps the groups' arrival order."""
+    if len(groups) > num_ranks * per_rank:
+        raise ValueError(f"{len(groups)} groups do not fit {num_ranks} ranks x {per_rank}")
+    order = sorted(range(len(groups)), key=lambda i: (-groups[i].num_tokens, i))
+    shares: list[list[int]] = [[] for _ in range(num_ranks)]
+    tokens = [0] * num_ranks
+    for i in order:
+        room = [r for r in range(num_ranks) if len(shares[r]) < per_rank]
+        rank = min(room, key=tokens.__getitem__)
+        shares[rank].append(i)
+        tokens[rank] += groups[i].num_tokens
+    return [[groups[i] for i in sorted(share)] for share in shares]
+
+
+class RankedLearner:
+    """The learner as `ranks.num_ranks` torch.distributed ranks (see the module docstring)."""
+
+    def __init__(
+        self,
+        ranks: Ranks,
+        model: torch.nn.Module,
+        params: LearnerParams,
+        tracer: Tracer | None = None,
+        clock_offsets: list[float] | None = None,
+    ) -> None:
+        self.ranks, self.model, self.params = ranks, model, params
+        self.num_ranks = ranks.num_ranks
+        self.tracer = tracer or Tracer()
+        self.clock_offsets = clock_offsets or [0.0] * self.num_ranks  # rank clock -> ours
+        self.version = 0  # policy version: number of iterations trained
+        self.baseline = 0.0  # previous iteration's mean reward (for "reinforce")
+        self.bad_steps_in_a_row = 0
+        self.strategy = "fsdp"  # what the ranks run: set by `start_ranks`
+        self.frozen_copies_bytes = 0  # per rank
+        self.described: list[dict[str, Any]] = []  # per rank: what it holds, its pid
+        self.on_close: list = []  # what to clean up once the ranks are stopped
+        self._figures: list[list[dict[str, Any]]] = [[] for _ in range(self.num_ranks)]
+
+    # --- training ---------------------------------------------------------------------------
+
+    def train_iteration(self, groups: Iterable[Group], num_groups: int) -> dict[str, Any]:
+        """Train on `num_groups` groups as they come, in rounds; step after each mini-batch's
+        last group (fewer may come: what did is trained and stepped when the iterable ends)."""
+        per_step = math.ceil(num_groups / self.params.mini_batches)
+        per_round = self.num_ranks * self.params.micro_batch_groups
+        start = self.tracer.now()
+        self._call_all("begin", self.version, self.baseline)
+        buffer: list[Scored] = []
+        steps: list[dict[str, float]] = []
+        scored: list[Scored] = []
+        open_step = False  # rounds sent since the last step
+        for i, group in enumerate(score_groups(groups, self.params, self.baseline), start=1):
+            buffer.append(group)
+            scored.append(group)
+            end_of_step = i % per_step == 0 or i == num_groups
+            if len(buffer) == per_round or end_of_step:
+                self._round(buffer, step=end_of_step, steps=steps)
+                buffer, open_step = [], not end_of_step
+        if buffer or open_step:
+            self._round(buffer, step=True, steps=steps)
+        if not steps or not scored:
+            raise RuntimeError(f"learner got no groups (expected {num_groups})")
+        self._publish()
+        self.version += 1
+        self.baseline = float(torch.cat([s.rewards for s in scored]).mean())
+        return (
+            iteration_stats(steps, self.frozen_copies_bytes)
+            | reward_figures(scored, reward_shaping(self.params))
+            | self._rank_figures(start)
+        )
+
+    def _round(self, groups: list[Scored], step: bool, steps: list[dict[str, float]]) -> None:
+        shares = split_round(groups, self.num_ranks, self.params.micro_batch_groups)
+        for rank, share in enumerate(shares):
+            self.ranks.call(rank, "train_round", share, step)
+        if not step:
+            self.ranks.poll()  # a failed rank stops the run now, not at the step
+            return
+        replies = self.ranks.wait()
+        for rank, rank_replies in enumerate(replies):
+            for reply in rank_replies:
+                self._take(rank, reply)
+        figures = replies[0][-1]["step"]
+        self.bad_steps_in_a_row = self.bad_steps_in_a_row + 1 if figures["skipped_steps"] else 0
+        steps.append(figures)
+
+    def _take(self, rank: int, reply: dict[str, Any] | None) -> None:
+        """A rank's spans onto the run's timeline; its memory figures kept for the iteration."""
+        if reply is None:
+            return
+        offset = self.clock_offsets[rank] - self.tracer.origin
+        for s in reply["spans"]:
+            self.tracer.add(Span(s.name, s.track, s.start + offset, s.end + offset))
+        self._figures[rank].append(reply["memory"])
+
+    def _rank_figures(self, since: float) -> dict[str, Any]:
+        """Per rank: training busy time this iteration and peak memory; `learner_ranks`."""
+        busy = [0.0] * self.num_ranks
+        for s in self.tracer.select("learner-", since=since, names=TRAIN_SPANS):
+            busy[int(s.track.rsplit("-", 1)[1])] += s.duration
+        memory = [f[-1] if f else {} for f in self._figures]
+        self._figures = [[] for _ in range(self.num_ranks)]
+        out: dict[str, Any] = {"learner_ranks": self.num_ranks, "learner_rank_busy_s": busy}
+        for key in memory[0]:
+            per_rank = [m[key] for m in memory]
+            out[f"learner_{key}"] = max(per_rank)
+            out[f"learner_rank_{key}"] = per_rank
+        return out
+
+    def _publish(self) -> None:
+        """Every rank gathers the parameters; rank 0's land in the driver's model."""
+        with self.tracer.span("gather_weights", "learner"):
+            self._call_all("gather_weights")
+            arrays = self.ranks.wait()[0][0]
+            if arrays is not None:  # Ray: numpy arrays through the object store
+                load_arrays(self.model, arrays)
+
+    def _call_all(self, method: str, *args: Any) -> None:
+        for rank in range(self.num_ranks):
+            self.ranks.call(rank, method, *args)
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def save_shards(self, checkpoint_dir: Path) -> dict[str, Any]:
+        """Have every rank write its shards to `checkpoint_dir/learner`; what goes into the
+        checkpoint's state besides (the schedule, how many ranks wrote it)."""
+        self._call_all("save", str(checkpoint_dir / SHARDS))
+        trainer = self.ranks.wait()[0][0]
+        return {"learner_shards": trainer | {"ranks": self.num_ranks, "strategy": self.strategy}}
+
+    def restore(self, checkpoint_dir: Path, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint (the driver's model is loaded by the caller)."""
+        self._call_all("load", str(checkpoint_dir / SHARDS), state["learner_shards"])
+        self.ranks.wait()
+        self.version, self.baseline = state["version"], state["baseline"]
+        self.bad_steps_in_a_row = state["bad_steps_in_a_row"]
+
+    def close(self) -> None:
+        try:
+            self.ranks.close()
+        finally:
+            for fn in self.on_close:
+                fn()
+
+
+SHARDS = "learner"  # the checkpoint's subdirectory holding the ranks' shards
+LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}  # the group's own sockets
+
+
+@torch.no_grad()
+def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
+    """Copy rank 0's gathered parameters (numpy; bfloat16 as int16 bits) into `model`."""
+    for name, p in model.named_parameters():
+        t = torch.from_numpy(np.array(arrays[name]))  # a copy: the store's arrays are read-only
+        p.copy_(t.view(p.dtype) if p.dtype == torch.bfloat16 else t)
+
+
+def start_local_ranks(
+    spec: RankSpec, model: torch.nn.Module, device: str, tracer: Tracer
+) -> RankedLearner:
+    """`spec.world_size` rank processes on this machine, meeting through a file on loopback;
+    rank 0 writes the gathered weights straight into `model`'s parameters (moved to shared
+    memory). `device` "cuda" puts rank r on cuda:r."""
+    model.share_memory()
+    shared = dict(model.named_parameters())
+    folder = tempfile.mkdtemp(prefix="cadence-ranks-")
+    rendezvous = Rendezvous("file://" + str(Path(folder) / "store"), LOOPBACK)
+    ranks = LocalRanks(
+        build_rank,
+        spec.world_size,
+        spawn_args=lambda r: (spec, shared if r == 0 else None),
+        timeout_s=spec.timeout_s,
+    )
+    try:
+        for r in range(spec.world_size):
+            ranks.call(r, "build", rendezvous, f"cuda:{r}" if device.startswith("cuda") else "cpu")
+        ranks.wait()
+        learner = _started(ranks, model, spec, tracer)
+    except BaseException:
+        ranks.close()
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    learner.on_close.append(lambda: shutil.rmtree(folder, ignore_errors=True))
+    return learner
+
+
+def _started(
+    ranks: Ranks, model: torch.nn.Module, spec: RankSpec, tracer: Tracer, offsets=None
+) -> RankedLearner:
+    learner = RankedLearner(ranks, model, spec.params, tracer, offsets)
+    learner.strategy = spec.strategy
+    for rank in range(spec.world_size):
+        ranks.call(rank, "describe")
+    learner.described = [r[0] for r in ranks.wait()]
+    learner.frozen_copies_bytes = learner.described[0]["frozen_bytes"]
+    return learner
+
+
+def start_ray_ranks(
+    spec: RankSpec,
+    model: torch.nn.Module,
+    tracer: Tracer,
+    *,
+    resources: dict[str, float],
+    address: str | None = None,
+    num_cpus: int = 0,
+) -> RankedLearner:
+    """`spec.world_size` rank actors in a placement group of `resources` per rank, meeting over
+    TCP at rank 0's node (loopback on a Ray started for the run); rank 0 returns the gathered
+    weights as numpy arrays. With GPUs in `resources` each rank trains on its own."""
+    from cadence.backend.ray_ranks import RayRanks
+
+    ranks = RayRanks(
+        build_rank,
+        spec.world_size,
+        (spec, None),
+        resources=resources,
+        address=address,
+        num_cpus=num_cpus,
+        timeout_s=spec.timeout_s,
+    )
+    try:
+        host, port = ranks.rendezvous_address()
+        rendezvous = Rendezvous(f"tcp://{host}:{port}", LOOPBACK if host == "127.0.0.1" else {})
+        device = "cuda" if resources.get("GPU") else "cpu"
+        for r in range(spec.world_size):
+            ranks.call(r, "build", rendezvous, device)
+        ranks.wait()
+        return _started(ranks, model, spec, tracer, ranks.clock_offsets())
+    except BaseException:
+        ranks.close()
+        raise

@@ -1,0 +1,99 @@
+"""Learner ranks without the pipeline: two FSDP2 ranks (spawned processes, gloo) driven by
+`RankedLearner` on fixed groups make the single-process `Learner`'s update, with online DPO's
+pair normaliser and a rank that has no group for a whole optimizer step."""
+
+import copy
+from dataclasses import replace
+
+import pytest
+
+from cadence.algo import LossParams
+from cadence.backend import RolloutWorker
+from cadence.engine import HFEngine, SamplingParams
+from cadence.learner import Learner, LearnerParams
+from cadence.learner.ranks import RankSpec
+from cadence.metrics import Tracer
+from cadence.models import load_model
+from cadence.pipeline.ranks import start_local_ranks
+from cadence.types import Prompt
+from updates import assert_same_params, capture_grads
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_ranks_make_the_one_process_update_with_a_rank_idle_for_a_whole_step(
+    model_dir, tokenizer
+):
+    model = load_model(model_dir)
+    groups = _groups(model, tokenizer, n=5)  # five groups in three steps: 2, 2 and 1
+    assert any(len(set(g.rewards)) > 1 for g in groups)  # preference pairs to learn from
+    params = LearnerParams(
+        lr=1e-3, max_new_tokens=10, loss="online_dpo", micro_batch_groups=1, mini_batches=3
+    )
+    loss = LossParams(kl_coef=0.0)
+    one = Learner(copy.deepcopy(model), params, loss, tokenizer.pad_token_id, frozen(model))
+    grads = capture_grads(one)
+    spec = RankSpec(str(model_dir), params, loss, tokenizer.pad_token_id, 2, needs_reference=True)
+    ranked = start_local_ranks(spec, copy.deepcopy(model), "cpu", Tracer())
+    try:
+        for _ in range(2):
+            fresh = [replace(g, policy_version=one.version) for g in groups]
+            want = one.train_iteration(iter(fresh), len(fresh))
+            got = ranked.train_iteration(iter(fresh), len(fresh))
+            # the pairs of every rank are counted, and the loss is their mean over all of them
+            assert got["num_pairs"] == want["num_pairs"] > 0
+            assert got["dpo_ties"] == want["dpo_ties"]
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+            assert got["optimizer_steps"] == want["optimizer_steps"] == 3
+    finally:
+        ranked.close()
+    want_params = {k: v.detach() for k, v in one.model.named_parameters()}
+    got_params = {k: v.detach() for k, v in ranked.model.named_parameters()}
+    assert_same_params(got_params, want_params, grads)
+    moved = max((want_params[k] - p).abs().max().item() for k, p in model.named_parameters())
+    assert moved > 1e-4
+
+
+def test_two_ranks_make_the_one_process_update_with_a_batch_wide_advantage(model_dir, tokenizer):
+    # REINFORCE++ normalises over the whole batch: the driver scores every group before the
+    # ranks get their shares, so each rank trains the advantages a single process would
+    model = load_model(model_dir)
+    groups = _groups(model, tokenizer, n=4)
+    params = LearnerParams(
+        lr=1e-3, max_new_tokens=10, advantage="reinforce_pp", micro_batch_groups=1
+    )
+    loss = LossParams(kl_coef=0.0)
+    one = Learner(copy.deepcopy(model), params, loss, tokenizer.pad_token_id)
+    grads = capture_grads(one)
+    spec = RankSpec(str(model_dir), params, loss, tokenizer.pad_token_id, 2, needs_reference=False)
+    ranked = start_local_ranks(spec, copy.deepcopy(model), "cpu", Tracer())
+    try:
+        want = one.train_iteration(iter(groups), len(groups))
+        got = ranked.train_iteration(iter(groups), len(groups))
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+    finally:
+        ranked.close()
+    want_params = {k: v.detach() for k, v in one.model.named_parameters()}
+    got_params = {k: v.detach() for k, v in ranked.model.named_parameters()}
+    assert_same_params(got_params, want_params, grads)
+
+
+def frozen(model):
+    return copy.deepcopy(model).requires_grad_(False)
+
+
+def _groups(model, tokenizer, n):
+    """`n` groups of four responses sampled by `model`, rewarded for being short."""
+    params = SamplingParams(max_new_tokens=10, stop_token_ids=(tokenizer.eos_token_id,))
+    worker = RolloutWorker(
+        HFEngine(model, tokenizer),
+        tokenizer,
+        lambda prompt, completion, answer: float(len(completion) < 20),
+        params,
+        4,
+        run_seed=3,
+    )
+    prompts = [
+        Prompt(f"p{i}", f"Question: What is {i} + {i}?\nAnswer: ", "#### 0", i) for i in range(n)
+    ]
+    return worker.rollout(prompts, iteration=0, version=0)
