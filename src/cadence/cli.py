@@ -122,16 +122,32 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from cadence.engine import make_engine
     from cadence.models import load_model, load_tokenizer
-    from cadence.pipeline.build import make_task, sampling_params, set_threads
+    from cadence.pipeline.build import (
+        make_task,
+        require_engine,
+        sampling_params,
+        set_threads,
+        vllm_options,
+    )
     from cadence.pipeline.evaluate import evaluate
     from cadence.pipeline.prompts import heldout_prompts
     from cadence.rewards import load_reward
 
     cfg = _config(args)
+    kind = cfg.rollout.engine
+    require_engine(kind)
     set_threads(cfg.train.threads)
     tokenizer = load_tokenizer(args.model_dir)
-    model = load_model(args.model_dir)
-    engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
+    model = None if kind == "vllm" else load_model(args.model_dir)  # vLLM loads its own
+    engine = make_engine(
+        kind,
+        model,
+        tokenizer,
+        cfg.rollout.max_num_seqs,
+        model_path=str(args.model_dir),
+        dtype=cfg.model.dtype,
+        vllm=vllm_options(cfg) if kind == "vllm" else None,
+    )
     prompts = heldout_prompts(make_task(cfg), cfg.data.prompt_template, cfg.data.task)
     result = evaluate(
         engine,

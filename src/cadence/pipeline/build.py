@@ -15,7 +15,8 @@ import torch
 from cadence.algo import LossParams, needs_reference
 from cadence.config import Config, ConfigError, PipelineConfig
 from cadence.data import load_task
-from cadence.engine import Engine, SamplingParams, make_engine
+from cadence.engine import Engine, Request, SamplingParams, make_engine
+from cadence.engine.vllm import INSTALL_HINT, VLLMEngine, VLLMOptions, vllm_available
 from cadence.learner import Learner, LearnerParams
 from cadence.metrics import Tracer
 from cadence.models import load_model, load_tokenizer
@@ -28,7 +29,7 @@ from cadence.pipeline.weights import SharedWeights
 from cadence.pipeline.worker import RolloutWorker
 from cadence.pipeline.workers import Pool, WorkerPool, WorkerSpec
 from cadence.rewards import RewardFn, load_reward
-from cadence.types import Prompt
+from cadence.types import Completion, Prompt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -156,7 +157,9 @@ def build_source(
         return stream.next_batch(cfg.train.prompts_per_iteration)
 
     if p.placement == "colocated":
-        return ColocatedSource(worker, tracer, next_prompts)
+        own_copy = isinstance(worker.engine, VLLMEngine)  # loads the learner's weights each time
+        sync = LearnerWeights(worker.engine, model).sync if own_copy else None
+        return ColocatedSource(worker, tracer, next_prompts, sync=sync)
     separate = cfg.reward.stage == "separate"
     spec = WorkerSpec(
         model_path=cfg.model.path,
@@ -168,6 +171,7 @@ def build_source(
         threads=p.threads_per_worker,
         max_num_seqs=cfg.rollout.max_num_seqs,
         engine=cfg.rollout.engine,
+        vllm=vllm_options(cfg) if cfg.rollout.engine == "vllm" else None,
     )
     pool = make_pool(p, spec, model)
     try:
@@ -193,6 +197,46 @@ def build_source(
         store=store,
         reward_stage=stage,
     )
+
+
+def vllm_options(cfg: Config) -> VLLMOptions:
+    return VLLMOptions(**cfg.rollout.vllm.model_dump())
+
+
+def rollout_engine(cfg: Config, model, tokenizer):
+    """The engine of the learner's process: the rollout engine when colocated, held-out
+    evaluation always. With 'vllm' in worker processes, cadence's own engine evaluates on the
+    learner's model (a second vLLM beside the learner would take its GPU's memory)."""
+    kind, r = cfg.rollout.engine, cfg.rollout
+    if kind == "vllm" and cfg.pipeline.placement == "colocated":
+        path, dtype, opts = cfg.model.path, cfg.model.dtype, vllm_options(cfg)
+        return make_engine(
+            kind, None, tokenizer, r.max_num_seqs, model_path=path, dtype=dtype, vllm=opts
+        )
+    return make_engine("continuous" if kind == "vllm" else kind, model, tokenizer, r.max_num_seqs)
+
+
+def require_engine(kind: str) -> None:
+    if kind == "vllm" and not vllm_available():
+        raise ConfigError(
+            f"rollout.engine = 'vllm' needs vLLM, which is not installed: {INSTALL_HINT}"
+        )
+
+
+class LearnerWeights:
+    """An engine with its own copy of the weights (vLLM) in the learner's process, brought to
+    the learner's current weights before it generates: colocated rollouts (`sync`, given the
+    version) and held-out evaluation (`generate`)."""
+
+    def __init__(self, engine, model: torch.nn.Module) -> None:
+        self.engine, self.model = engine, model
+
+    def sync(self, version: int | None = None) -> None:
+        self.engine.load_weights({n: p.detach() for n, p in self.model.named_parameters()}, version)
+
+    def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
+        self.sync()
+        return self.engine.generate(requests, params)
 
 
 def reward_stage(cfg: Config, store: SampleStore, tracer: Tracer) -> RewardStage:
@@ -253,6 +297,7 @@ def max_staleness(cfg: Config) -> int:
 
 def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     """Every component of a run, wired; from `resume` on, if given (see pipeline/checkpoint.py)."""
+    require_engine(cfg.rollout.engine)
     set_threads(learner_threads(cfg))
     torch.manual_seed(cfg.train.seed)
     dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
@@ -267,7 +312,7 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     digest = weights_digest(ref) if resume or cfg.train.checkpoint_every else None
     if resume is not None:
         restore_learner(learner, resume, digest)
-    engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
+    engine = rollout_engine(cfg, model, tokenizer)
     reward = load_reward(cfg.reward.function)
     sampling = sampling_params(cfg, tokenizer)
     worker = RolloutWorker(
@@ -283,7 +328,7 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
         tokenizer=tokenizer,
         learner=learner,
         source=build_source(cfg, model, worker, tracer, stream, first_iteration=first),
-        eval_engine=engine,
+        eval_engine=LearnerWeights(engine, model) if isinstance(engine, VLLMEngine) else engine,
         reward=reward,
         sampling=sampling,
         stream=stream,

@@ -82,11 +82,18 @@ class ColocatedSource:
     """Generation in the learner's thread, with the learner's own (current) weights."""
 
     def __init__(
-        self, worker: RolloutWorker, tracer: Tracer, next_prompts: Callable[[], list[Prompt]]
+        self,
+        worker: RolloutWorker,
+        tracer: Tracer,
+        next_prompts: Callable[[], list[Prompt]],
+        sync: Callable[[int], None] | None = None,
     ) -> None:
+        """`sync(version)`: loads the learner's weights into an engine that keeps its own copy
+        (vLLM) before each iteration's generation; None when the engine uses the learner's."""
         self.worker = worker
         self.tracer = tracer
         self.next_prompts = next_prompts
+        self.sync = sync
         self.times = IterationTimes()
         self.restarts: list[int] = []
         self._pending: list[Group] = []
@@ -98,6 +105,10 @@ class ColocatedSource:
     def start_iteration(self, iteration: int, version: int) -> None:
         self.times = IterationTimes(start=self.tracer.now())
         prompts = self.next_prompts()
+        if self.sync is not None:
+            with self.tracer.span("weight_sync", "worker-0"):
+                self.sync(version)
+            self.times.weight_sync_s = self.tracer.now() - self.times.start
         with self.tracer.span("generate", "worker-0"):
             self._pending = self.worker.rollout(prompts, iteration, version)
         self._rows += sum(g.group_size for g in self._pending)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import queue
 import time
@@ -27,14 +28,17 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import connection as mp_connection
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.multiprocessing as mp
 
 from cadence.engine import SamplingParams
-from cadence.pipeline.weights import SharedWeights, WeightSync, load_into
+from cadence.pipeline.weights import EngineWeights, SharedWeights, WeightSync, load_into
 from cadence.types import Group, Prompt
+
+if TYPE_CHECKING:
+    from cadence.engine.vllm import VLLMOptions
 
 
 class WorkerError(RuntimeError):
@@ -94,6 +98,7 @@ class WorkerSpec:
     threads: int
     max_num_seqs: int
     engine: str = "continuous"
+    vllm: VLLMOptions | None = None  # engine 'vllm': the [rollout.vllm] settings
 
 
 @dataclass
@@ -110,17 +115,31 @@ class TaskResult:
 
 
 def _build_worker(spec: WorkerSpec):
+    """The worker, and what new weights load into: its model, or its engine's own copy."""
     from cadence.engine import make_engine
-    from cadence.models import load_model, load_tokenizer
+    from cadence.models import load_model, load_skeleton, load_tokenizer
     from cadence.pipeline.build import DTYPES
     from cadence.pipeline.worker import RolloutWorker
     from cadence.rewards import load_reward
 
     tokenizer = load_tokenizer(spec.model_path)
-    model = load_model(spec.model_path, dtype=DTYPES[spec.dtype])
-    engine = make_engine(spec.engine, model, tokenizer, max_num_seqs=spec.max_num_seqs)
+    dtype = DTYPES[spec.dtype]
+    if spec.engine == "vllm":
+        engine = make_engine(
+            "vllm",
+            None,
+            tokenizer,
+            spec.max_num_seqs,
+            model_path=spec.model_path,
+            dtype=spec.dtype,
+            vllm=spec.vllm,
+        )
+        target: Any = EngineWeights(engine, load_skeleton(spec.model_path, dtype))
+    else:
+        target = load_model(spec.model_path, dtype=dtype)
+        engine = make_engine(spec.engine, target, tokenizer, max_num_seqs=spec.max_num_seqs)
     reward = load_reward(spec.reward) if spec.reward else None
-    return model, RolloutWorker(
+    return target, RolloutWorker(
         engine, tokenizer, reward, spec.sampling, spec.group_size, spec.run_seed
     )
 
@@ -131,8 +150,9 @@ def worker_main(wid: int, spec: WorkerSpec, tensors: dict, inbox, results) -> No
     outbox = _Sender(results)
     try:
         torch.set_num_threads(spec.threads)
-        model, worker = _build_worker(spec)
-        _WorkerLoop(wid, worker, lambda version: load_into(model, tensors), inbox, outbox).run()
+        target, worker = _build_worker(spec)
+        load = functools.partial(load_into, target, tensors)  # load(version)
+        _WorkerLoop(wid, worker, load, inbox, outbox).run()
     except BaseException:
         outbox.put(("error", wid, traceback.format_exc()))
 
