@@ -112,6 +112,8 @@ class VLLMEngine:
     cannot load or run is refused at construction with `ModelLoadError` and vLLM's reason.
     """
 
+    _open = False  # vLLM keeps one engine's parallel state per process: one engine at a time
+
     def __init__(
         self,
         model_path: str,
@@ -121,6 +123,11 @@ class VLLMEngine:
         dtype: str = "float32",
         options: VLLMOptions | None = None,
     ) -> None:
+        if VLLMEngine._open:
+            raise RuntimeError(
+                "a vLLM engine is already open in this process (vLLM's parallel state is one per "
+                "process, and a second engine corrupts the first's): close it first"
+            )
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.occupancy: list[tuple[float, int]] = []
@@ -129,6 +136,7 @@ class VLLMEngine:
         self._ids = itertools.count()
         options = options or VLLMOptions()
         self.llm = _start(model_path, options.engine_kwargs(model_path, dtype, max_num_seqs))
+        VLLMEngine._open = True
         self._set_version(self.version)
         self._warm_up(model_path)
 
@@ -193,12 +201,14 @@ class VLLMEngine:
         self._set_version(str(version) if version is not None else f"load-{next(self._ids)}")
 
     def close(self) -> None:
-        """Shut the engine down and release what vLLM set up in this process."""
+        """Shut the engine down and release what vLLM set up in this process (its
+        torch.distributed group and parallel state): another engine may start after."""
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
         cleanup_dist_env_and_memory()
+        VLLMEngine._open = False
 
     def _completion(self, out, version: str) -> Completion:
         ids = list(out.token_ids)
@@ -220,6 +230,8 @@ class VLLMEngine:
         try:
             self.generate([Request([0], [0])], SamplingParams(max_new_tokens=2))
         except Exception as e:
+            self._jobs.clear()
+            self.close()
             raise ModelLoadError(
                 f"vLLM cannot run the model in '{model_path}': {type(e).__name__}: {e}"
             ) from e
@@ -246,6 +258,9 @@ def _start(model_path: str, kwargs: dict):
         try:
             return LLM(**kwargs)
         except Exception as e:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()  # whatever vLLM set up before it gave up
             raise ModelLoadError(
                 f"vLLM cannot load the model in '{model_path}': {type(e).__name__}: {e}"
             ) from e

@@ -147,10 +147,19 @@ def _build_worker(spec: WorkerSpec):
 def worker_main(wid: int, spec: WorkerSpec, tensors: dict, inbox, results) -> None:
     """The worker process's main loop (its main thread, so math-verify keeps its timeouts);
     `results` is the write end of its own result pipe."""
+    from cadence.models import ModelLoadError
+
     outbox = _Sender(results)
     try:
         torch.set_num_threads(spec.threads)
         target, worker = _build_worker(spec)
+    except ModelLoadError as e:  # the model, not the worker, is at fault: the run exits 2
+        outbox.put(("refused", wid, str(e)))
+        return
+    except BaseException:
+        outbox.put(("error", wid, traceback.format_exc()))
+        return
+    try:
         load = functools.partial(load_into, target, tensors)  # load(version)
         _WorkerLoop(wid, worker, load, inbox, outbox).run()
     except BaseException:
@@ -358,7 +367,8 @@ class WorkerPool:
         """Wait for 'ready' from the workers in `pending`; other messages are kept for `poll`."""
         deadline = time.monotonic() + self.timeout_s
         while pending:
-            ready = [m for m in self._pending if m[1] in pending and m[0] in ("ready", "error")]
+            started = ("ready", "error", "refused")
+            ready = [m for m in self._pending if m[1] in pending and m[0] in started]
             if not ready:
                 if not self._receive(0.5):
                     self._check_alive(pending)
@@ -372,6 +382,10 @@ class WorkerPool:
                 kind, wid, payload = message
                 if kind == "error":
                     raise WorkerError(f"worker {wid} failed:\n{payload}")
+                if kind == "refused":
+                    from cadence.models import ModelLoadError
+
+                    raise ModelLoadError(f"worker {wid}: {payload}")
                 pending.discard(wid)
 
     def _receive(self, timeout_s: float) -> bool:
