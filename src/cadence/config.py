@@ -72,8 +72,8 @@ class VLLMConfig(_Section):
     )
     enforce_eager: bool = Field(
         False,
-        description="Run the model eagerly: no torch.compile, no CUDA graphs (faster start, "
-        "slower decoding on a GPU; on CPU compiling gains little for small models).",
+        description="Run the model eagerly: no torch.compile, no CUDA graphs (a faster start, "
+        "slower decoding on a GPU).",
     )
     max_model_len: int = Field(
         0, ge=0, description="Longest prompt + response vLLM plans for (0: the model's own)."

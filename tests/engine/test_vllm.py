@@ -21,7 +21,7 @@ from tiny_models import save_vllm_ready
 pytestmark = pytest.mark.slow
 
 QUESTIONS = ["What is 3 + 4?", "Tom has 12 apples. He buys 7 more. How many?", "What is 19 - 8?"]
-CPU = VLLMOptions(enforce_eager=True)  # compiling gains nothing on models this small
+CPU = VLLMOptions(enforce_eager=True)  # no torch.compile step at start-up
 
 
 @pytest.fixture(scope="module")
@@ -144,19 +144,17 @@ def test_weights_never_change_under_a_running_request(engine, llama_dir, tok):
 
 def test_groups_leave_as_they_finish_and_limits_hold(engine, tok):
     long_req, short_req = _requests(tok, (1, 2, 1))[:2]
-    probe = engine.generate([long_req, short_req], SamplingParams(max_new_tokens=30))
-    long_run, short_run = probe[0][0], probe[1]
-    # a stop id that both short samples reach within 6 tokens and the long one never emits
-    candidates = set(short_run[0].token_ids[:6]) & set(short_run[1].token_ids[:6])
-    stop = next(t for t in sorted(candidates) if t not in long_run.token_ids)
-    params = SamplingParams(max_new_tokens=30, stop_token_ids=(stop,))
-    engine.add("long", long_req, params)
-    engine.add("short", short_req, params)
+    probe = engine.generate([short_req], SamplingParams(max_new_tokens=5))[0]
+    stop = probe[0].token_ids[2]  # sample 0 emits it by its third token
+    engine.add("long", long_req, SamplingParams(max_new_tokens=30))  # first in
+    engine.add("short", short_req, SamplingParams(max_new_tokens=5, stop_token_ids=(stop,)))
     finished = []
     while not finished:
         finished = engine.step()
     assert [key for key, _ in finished] == ["short"]
-    assert all(c.finish_reason == "eos" and c.token_ids[-1] == stop for c in finished[0][1])
+    first, second = finished[0][1]
+    assert first.finish_reason == "eos" and first.token_ids[-1] == stop
+    assert len(first.token_ids) <= 3 and len(second.token_ids) <= 5
     assert engine.busy and engine.occupancy[-1][1] == 1  # the long one still decodes
     rest = []
     while engine.busy:

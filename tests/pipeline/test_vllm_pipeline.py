@@ -139,3 +139,24 @@ def test_the_engine_bench_has_a_vllm_row(vllm_dir, tmp_path):
         by["uniform", "vllm"]["new_tokens_per_s"] > 0 and by["uniform", "vllm"]["first_group_s"] > 0
     )
     assert "| uniform | vllm |" in (tmp_path / "bench.md").read_text()
+
+
+def test_vllm_in_a_ray_actor_makes_the_local_update(vllm_dir, sync_run, tmp_path):
+    from cadence.pipeline.ray_backend import start_ray
+
+    sync, sync_records, sync_grads = sync_run
+    started = start_ray(None, num_cpus=2)
+    try:
+        extra = ("pipeline.backend='ray'",)
+        ray_run, ray_records, ray_grads = _train(
+            load_config(None, _overrides(vllm_dir, "periodic", "separate", *extra)), tmp_path
+        )
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    assert [r["reward_mean"] for r in ray_records] == [r["reward_mean"] for r in sync_records]
+    assert_same_update(
+        ray_run.learner.model, sync.learner.model, ray_grads, sync_grads, grad_rtol=5e-5
+    )

@@ -123,7 +123,7 @@ class _VLLM:
     def __init__(self, path: str, tokenizer, max_num_seqs: int) -> None:
         from cadence.engine.vllm import VLLMEngine, VLLMOptions
 
-        options = VLLMOptions(enforce_eager=True)  # compiling: minutes here, for little
+        options = VLLMOptions(enforce_eager=True)  # as the tests run it: no compile step
         self.engine = VLLMEngine(path, tokenizer, max_num_seqs=max_num_seqs, options=options)
 
     def __call__(self, model, tokenizer, requests, params, max_num_seqs):
