@@ -103,7 +103,8 @@ def test_colocated_vllm_trains_like_the_workers(vllm_dir, sync_run, tmp_path):
 
 def test_missing_vllm_exits_2_with_the_install_command(vllm_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(build, "vllm_available", lambda: False)
-    args = ["train", "--out", str(tmp_path / "run")]
+    (tmp_path / "run.toml").write_text("")
+    args = ["train", str(tmp_path / "run.toml"), "--out", str(tmp_path / "run")]
     for o in _overrides(vllm_dir):
         args += ["--set", o]
     assert main(args) == 2
