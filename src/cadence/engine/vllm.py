@@ -18,9 +18,9 @@
   version. Only while idle: a request never sees two versions, and every finished sample is
   checked against the version vLLM says generated each of its tokens.
 
-The engine runs in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so weights are
-handed over without a copy through a pipe. vLLM is imported here only, inside functions: `import
-cadence` never imports it. Building the engine leaves the process as it found it: torch's thread
+The engine runs in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so new weights reach
+it as tensors in memory, not pickled through a pipe. vLLM is imported here only, inside
+functions: `import cadence` never imports it. Building the engine leaves the process as it found it: torch's thread
 count and `torch.set_num_threads` (vLLM's CPU worker replaces it), and the global RNG states
 (vLLM seeds them).
 """
