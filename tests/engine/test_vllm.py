@@ -162,6 +162,11 @@ def test_groups_leave_as_they_finish_and_limits_hold(engine, tok):
     assert [key for key, _ in rest] == ["long"]
     assert len(rest[0][1][0].token_ids) == 30 and rest[0][1][0].finish_reason == "length"
     assert engine.occupancy[-1][1] == 0
+    # only the given stop ids stop a sample: without any, the model's EOS does not
+    eos = tok.eos_token_id
+    free = engine.generate(_requests(tok, (8, 8, 8)), SamplingParams(max_new_tokens=40))
+    assert all(len(c.token_ids) == 40 for g in free for c in g)
+    assert any(eos in c.token_ids for g in free for c in g)  # it was emitted, and went on
 
 
 def test_stop_strings_are_honoured(engine, tok):

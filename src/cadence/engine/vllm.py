@@ -20,9 +20,9 @@
 
 The engine runs in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so new weights reach
 it as tensors in memory, not pickled through a pipe. vLLM is imported here only, inside
-functions: `import cadence` never imports it. Building the engine leaves the process as it found it: torch's thread
-count and `torch.set_num_threads` (vLLM's CPU worker replaces it), and the global RNG states
-(vLLM seeds them).
+functions: `import cadence` never imports it. Building the engine leaves the process as it found
+it: torch's thread count and `torch.set_num_threads` (vLLM's CPU worker replaces it), and the
+global RNG states (vLLM seeds them).
 """
 
 from __future__ import annotations
@@ -298,6 +298,7 @@ def _vllm_params(params: SamplingParams, seed: int):
         max_tokens=params.max_new_tokens,
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=True,  # stop where cadence's engines stop: at `stop_token_ids` (EOS among them)
         include_stop_str_in_output=True,
         logprobs=0,  # the sampled token's own log-prob
         output_kind=RequestOutputKind.FINAL_ONLY,
