@@ -16,7 +16,7 @@ CPU = VLLMOptions(enforce_eager=True)
 
 
 def test_qwen2_logprobs_equal_the_learner_recomputation(tmp_path):
-    # untied output layer, q/k/v biases; fp32 on both sides (observed max |diff| 1e-6)
+    # untied output layer, q/k/v biases; fp32 on both sides (observed max |diff| 4.8e-7)
     path = save_vllm_ready(tmp_path / "qwen2", "qwen2")
     tok = load_tokenizer(path)
     requests = [
