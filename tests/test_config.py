@@ -185,6 +185,37 @@ def test_ray_backend_keys_round_trip():
     assert "ray_address" not in again["pipeline"]  # unset: start a Ray for the run
 
 
+VLLM = ["rollout.engine='vllm'"]
+
+
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        (["rollout.engine='paged'"], "'continuous', 'static' or 'vllm'"),
+        (["rollout.vllm.enforce_eager=true"], "rollout.vllm applies to rollout.engine = 'vllm'"),
+        ([*VLLM, "rollout.vllm.engine_args.seed=1"], "engine_args.seed is set by cadence"),
+        ([*VLLM, "rollout.vllm.engine_args.max_num_seqs=8"], "rollout.max_num_seqs"),
+        ([*VLLM, "rollout.vllm.engine_args.dtype='half'"], "set rollout.vllm.dtype"),
+        ([*VLLM, "rollout.vllm.gpu_memory_utilization=1.5"], "less than or equal to 1"),
+        ([*VLLM, "rollout.vllm.dtype='int8'"], "'auto', 'float32', 'bfloat16' or 'float16'"),
+        ([*VLLM, "rollout.vllm.cache=1"], "unknown key"),
+    ],
+)
+def test_bad_vllm_keys_are_refused_with_the_reason(override, hint):
+    with pytest.raises(ConfigError, match=r"config key 'rollout") as info:
+        load_config(None, override)
+    assert hint in str(info.value)
+
+
+def test_vllm_keys_round_trip_with_their_engine_arguments():
+    extra = ["rollout.vllm.engine_args.block_size=32", "rollout.vllm.engine_args.swap_space=2.5"]
+    cfg = load_config(None, [*VLLM, "rollout.vllm.tensor_parallel_size=2", *extra])
+    text = to_toml(cfg)
+    assert "[rollout.vllm]\n" in text and "[rollout.vllm.engine_args]\nblock_size = 32\n" in text
+    assert Config.model_validate(tomllib.loads(text)) == cfg
+    assert cfg.rollout.vllm.engine_args == {"block_size": 32, "swap_space": 2.5}
+
+
 @pytest.mark.parametrize("path", sorted(Path("configs").glob("*.toml")), ids=lambda p: p.name)
 def test_every_shipped_config_validates_and_round_trips(path):
     cfg = load_config(path)

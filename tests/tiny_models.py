@@ -52,3 +52,35 @@ def classifier_dir(model_dir, out, arch: str):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(model_dir / name, out / name)
     return out
+
+
+def save_vllm_ready(out, arch: str = "llama") -> str:
+    """A tiny model directory vLLM's CPU attention can run (head size 32: it has no kernel for the
+    'test' preset's 16), with the arithmetic task's BPE tokenizer. The Llama ties its output
+    layer to the input embedding (as the embedded default does); the Qwen2 does not."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from cadence.data import ArithmeticTask
+    from cadence.models import save_pretrained, train_tokenizer
+
+    tokenizer = train_tokenizer(ArithmeticTask(difficulty=1, seed=0).corpus(2000))
+    torch.manual_seed(0)
+    kw = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=arch == "llama",
+    )
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    save_pretrained(model, tokenizer, out)
+    return str(out)

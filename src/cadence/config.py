@@ -153,6 +153,60 @@ class DataConfig(_Section):
 DATASET_ONLY = ("prompt_field", "answer_field")
 FILES_ONLY = ("split", "heldout_split", "heldout_fraction")
 
+# vLLM arguments cadence sets itself (engine/vllm.py): not for rollout.vllm.engine_args
+VLLM_RESERVED_ARGS = ("model", "tokenizer", "seed", "logprobs_mode", "max_num_seqs", "max_logprobs")
+
+
+class VLLMConfig(_Section):
+    """`[rollout.vllm]`: each key is the vLLM engine argument of the same name."""
+
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of the GPU's memory vLLM takes (weights, activations, KV cache); "
+        "lower it when the learner shares the GPU (placement 'colocated'). On CPU the KV cache "
+        "is VLLM_CPU_KVCACHE_SPACE GiB instead (cadence's default: 1).",
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="Run the model eagerly: no torch.compile, no CUDA graphs (a faster start, "
+        "slower decoding on a GPU).",
+    )
+    max_model_len: int = Field(
+        0, ge=0, description="Longest prompt + response vLLM plans for (0: the model's own)."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and activations in vLLM (auto: model.dtype)."
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Reuse the keys and values of whole blocks of a prompt across its G samples "
+        "(emptied at each weight update).",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs one engine's model is split across (vLLM's own workers)."
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any other vLLM engine argument by its name (e.g. block_size, "
+        "kv_cache_dtype, swap_space), passed as given; checked when the engine starts.",
+    )
+
+    @model_validator(mode="after")
+    def _no_owned_args(self) -> VLLMConfig:
+        for key in self.engine_args:
+            if key in VLLM_RESERVED_ARGS:
+                raise ValueError(
+                    f"rollout.vllm.engine_args.{key} is set by cadence (model path, per-sample "
+                    "seeds, behaviour log-probs, rollout.max_num_seqs): leave it out"
+                )
+            if key in VLLMConfig.model_fields:
+                raise ValueError(
+                    f"rollout.vllm.engine_args.{key} has a key of its own: set rollout.vllm.{key}"
+                )
+        return self
+
 
 class RolloutConfig(_Section):
     group_size: int = Field(8, ge=1, description="Responses sampled per prompt (G).")
@@ -176,11 +230,25 @@ class RolloutConfig(_Section):
     max_num_seqs: int = Field(
         256, ge=1, description="Most sequences an engine decodes at once (its slots)."
     )
-    engine: Literal["continuous", "static"] = Field(
+    engine: Literal["continuous", "static", "vllm"] = Field(
         "continuous",
         description="continuous: a finished sequence's slot is refilled at once and each group "
-        "leaves as soon as it is complete; static: batches that end with their slowest sequence.",
+        "leaves as soon as it is complete; static: batches that end with their slowest sequence; "
+        "vllm: vLLM's engine (paged attention, CUDA graphs, prefix cache, tensor parallelism), "
+        "set up by [rollout.vllm]; needs the 'vllm' extra (README: engines).",
     )
+    vllm: VLLMConfig = Field(
+        default_factory=lambda: VLLMConfig(), description="engine 'vllm': its settings."
+    )
+
+    @model_validator(mode="after")
+    def _vllm_keys_for_vllm(self) -> RolloutConfig:
+        if self.engine != "vllm" and self.vllm != VLLMConfig():
+            raise ValueError(
+                f"rollout.vllm applies to rollout.engine = 'vllm' only, not '{self.engine}': "
+                "set the engine or leave [rollout.vllm] out"
+            )
+        return self
 
 
 class RewardConfig(_Section):
@@ -795,13 +863,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML (written to every run directory)."""
-    out = []
+    out: list[str] = []
     for section, values in cfg.model_dump(exclude_none=True).items():
-        out.append(f"[{section}]")
-        for k, v in values.items():
-            out.append(f"{k} = {_toml_value(v)}")
-        out.append("")
+        _toml_table(section, values, out)
     return "\n".join(out)
+
+
+def _toml_table(name: str, values: dict[str, Any], out: list[str]) -> None:
+    """`[name]` with its plain keys, then each nested table as `[name.key]`."""
+    out.append(f"[{name}]")
+    out.extend(f"{k} = {_toml_value(v)}" for k, v in values.items() if not isinstance(v, dict))
+    out.append("")
+    for k, v in values.items():
+        if isinstance(v, dict):
+            _toml_table(f"{name}.{k}", v, out)
 
 
 def _toml_value(v: Any) -> str:

@@ -55,7 +55,7 @@ def test_both_tools_report_positive_figures_and_the_same_settings(model_dir, tmp
     )
     grpo = report["grpo_config"]
     assert grpo["use_vllm"] is False and grpo["bf16"] is False and grpo["use_cpu"] is True
-    assert grpo["activation_checkpointing"] is False and grpo["report_to"] == "none"
+    assert grpo["gradient_checkpointing"] is False and grpo["report_to"] == "none"
     assert grpo["beta"] == 0.05 and grpo["num_generations"] == 4
     md = (tmp_path / "bench.md").read_text()
     assert "| trl |" in md and "| cadence |" in md and "**no**" not in md
@@ -75,7 +75,7 @@ def test_trl_arguments_map_the_workload(model_dir, tmp_path):
     assert trl_peer.trl_args(masked, tmp_path)["mask_truncated_completions"] is True
     config = GRPOConfig(**args)
     assert config.generation_batch_size == 16 and config.steps_per_generation == 2
-    assert config.activation_checkpointing is False and config.optim == "adamw_torch"
+    assert config.gradient_checkpointing is False and config.optim == "adamw_torch"
 
 
 @pytest.mark.parametrize(

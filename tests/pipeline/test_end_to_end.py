@@ -198,7 +198,13 @@ def test_bench_engine_suite_compares_the_engines_on_the_same_work(model_dir, tmp
     from cadence.bench import bench_engine
 
     rows = bench_engine(
-        tmp_path, repeats=1, model_dir=str(model_dir), num_prompts=3, group_size=2, max_num_seqs=4
+        tmp_path,
+        repeats=1,
+        model_dir=str(model_dir),
+        num_prompts=3,
+        group_size=2,
+        max_num_seqs=4,
+        engines=("static", "generate", "continuous"),  # vllm: tests/pipeline/test_vllm_pipeline
     )
     assert [(r["workload"], r["engine"]) for r in rows] == [
         (w, e) for w in ("long-tail", "uniform") for e in ("static", "generate", "continuous")

@@ -16,6 +16,7 @@ from cadence.serve import EngineLoop, Server, make_app
 def served(model_dir):
     """(base url, tokenizer, model) of a server with token 'sesame' on a free loopback port."""
     tokenizer, model = load_tokenizer(model_dir), load_model(model_dir).eval()
+    tokenizer.chat_template = None  # messages as plain text, token for token (test_serve.py)
     loop = EngineLoop(ContinuousEngine(model, tokenizer, max_num_seqs=8))
     server = Server(loop, tokenizer, "test-model", max_positions=1024, max_tokens=64)
     sock = socket.socket()

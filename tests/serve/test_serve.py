@@ -7,7 +7,9 @@ import openai
 import pytest
 
 from cadence.engine import ContinuousEngine, Request, SamplingParams
+from cadence.models import load_tokenizer
 from cadence.serve import check_binding
+from cadence.serve.chat import ChatMessage, ChatRequest, render
 
 PROMPT = "Question: What is 3 + 4?\nAnswer: "
 
@@ -118,3 +120,15 @@ def test_binding_beyond_loopback_needs_a_token():
     check_binding("0.0.0.0", "a-token")
     with pytest.raises(ValueError, match="needs a token"):
         check_binding("0.0.0.0", None)
+
+
+def test_messages_go_through_the_tokenizers_chat_template_when_it_has_one(model_dir):
+    tokenizer = load_tokenizer(model_dir)  # the embedded tokenizer ships a small template
+    assert tokenizer.chat_template
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    request = ChatRequest(messages=[ChatMessage(**m) for m in messages])
+    want = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    assert render(request, tokenizer) == list(want)
+    assert render(request, tokenizer) != tokenizer(PROMPT, add_special_tokens=False)["input_ids"]

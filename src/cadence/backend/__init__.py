@@ -21,7 +21,9 @@ from cadence.backend.procs import Processes, WorkerDied, WorkerError
 from cadence.backend.reward_stage import RewardSpec, RewardStage
 from cadence.backend.rollout import RolloutWorker
 from cadence.backend.weights import (
+    EngineWeights,
     InMemoryWeights,
+    LearnerWeights,
     SharedWeights,
     WeightGate,
     WeightSync,
@@ -62,8 +64,10 @@ def make_pool(
 
 
 __all__ = [
+    "EngineWeights",
     "InFlight",
     "InMemoryWeights",
+    "LearnerWeights",
     "LocalPool",
     "Lost",
     "Pool",

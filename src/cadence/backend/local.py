@@ -11,6 +11,7 @@ workers are alive), a worker's exception comes back with its traceback, and a de
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from typing import Any
 
@@ -25,11 +26,21 @@ from cadence.types import Prompt
 
 def worker_main(wid: int, spec: WorkerSpec, tensors: dict, inbox, results) -> None:
     """A worker process: build, then loop; `results` is the write end of its own pipe."""
+    from cadence.models import ModelLoadError
+
     outbox = Sender(results)
     try:
         torch.set_num_threads(spec.threads)
-        model, worker = build_worker(spec)
-        WorkerLoop(wid, worker, lambda version: load_into(model, tensors), inbox, outbox).run()
+        target, worker = build_worker(spec)
+    except ModelLoadError as e:  # the model, not the worker, is at fault: the run exits 2
+        outbox.put(("refused", wid, str(e)))
+        return
+    except BaseException:
+        outbox.report_error(wid)
+        return
+    try:
+        load = functools.partial(load_into, target, tensors)  # load(version)
+        WorkerLoop(wid, worker, load, inbox, outbox).run()
     except BaseException:
         outbox.report_error(wid)
 

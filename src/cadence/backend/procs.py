@@ -157,6 +157,10 @@ class Processes:
                     kept.append(message)
                 elif kind == "error":
                     raise self.failed(wid, payload)
+                elif kind == "refused":  # the worker could not load the model: bad input
+                    from cadence.models import ModelLoadError
+
+                    raise ModelLoadError(f"{self.name} {wid}: {payload}")
                 else:
                     pending.discard(wid)
             if not messages:

@@ -99,7 +99,8 @@ class ObjectStoreReceiver:
         arrays = ray.get(self._refs[version])
         self._refs = {v: ref for v, ref in self._refs.items() if v > version}
         dtypes = {name: p.dtype for name, p in self.model.named_parameters()}
-        load_into(self.model, {name: _from_numpy(a, dtypes[name]) for name, a in arrays.items()})
+        tensors = {name: _from_numpy(a, dtypes[name]) for name, a in arrays.items()}
+        load_into(self.model, tensors, version)
 
 
 class _Flat:
@@ -222,4 +223,4 @@ class BroadcastReceiver:
 
         for b in self._flat.buffers:
             dist.broadcast(b, src=0)
-        load_into(self.model, self._flat.views)
+        load_into(self.model, self._flat.views, version)

@@ -53,13 +53,59 @@ class InMemoryWeights:
         self.versions.append(version)
 
 
+class EngineWeights:
+    """The weights of an engine that keeps its own copy of the model (vLLM), seen as a model:
+    `named_parameters` describes them (a skeleton of the model on the meta device: names,
+    shapes, dtypes, no memory), and `load` hands new tensors to the engine."""
+
+    def __init__(self, engine, skeleton: torch.nn.Module) -> None:
+        self.engine = engine
+        self.skeleton = skeleton
+
+    def named_parameters(self):
+        return self.skeleton.named_parameters()
+
+    def parameters(self):
+        return self.skeleton.parameters()
+
+    def to(self, device) -> EngineWeights:
+        return self  # the engine places its own copy
+
+    def load(self, tensors: dict[str, torch.Tensor], version: int | None) -> None:
+        self.engine.load_weights(tensors, version)
+
+
+class LearnerWeights:
+    """An engine with its own copy of the weights (vLLM) in the learner's process, brought to
+    the learner's current weights before it generates: colocated rollouts (`sync`, given the
+    version) and held-out evaluation (`generate`)."""
+
+    def __init__(self, engine, model: torch.nn.Module) -> None:
+        self.engine, self.model = engine, model
+
+    def sync(self, version: int | None = None) -> None:
+        self.engine.load_weights({n: p.detach() for n, p in self.model.named_parameters()}, version)
+
+    def generate(self, requests, params):
+        self.sync()
+        return self.engine.generate(requests, params)
+
+
 @torch.no_grad()
-def load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy published tensors into a worker's own model (names must match exactly)."""
+def load_into(
+    model: torch.nn.Module | EngineWeights,
+    tensors: dict[str, torch.Tensor],
+    version: int | None = None,
+) -> None:
+    """Copy published tensors into a worker's own model (names must match exactly), or hand them
+    to its engine when the engine keeps its own copy (`version` labels them there)."""
     params = dict(model.named_parameters())
     if params.keys() != tensors.keys():
         missing = sorted(set(tensors) ^ set(params))[:5]
         raise ValueError(f"worker model and published weights differ in parameters: {missing}")
+    if isinstance(model, EngineWeights):
+        model.load(tensors, version)
+        return
     for name, p in params.items():
         p.copy_(tensors[name])
 

@@ -23,12 +23,16 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from cadence.backend.pool import TaskResult
 from cadence.backend.rollout import RolloutWorker
 from cadence.engine import SamplingParams
 from cadence.envs import EnvSpec
 from cadence.types import Group
+
+if TYPE_CHECKING:
+    from cadence.engine.vllm import VLLMOptions
 
 
 @dataclass(frozen=True)
@@ -47,23 +51,40 @@ class WorkerSpec:
     reward_timeout_s: float = 0.0  # longest one reward call may take (0: no limit)
     answer_format: str = "auto"  # reward.answer_format of the "math" reward
     env: EnvSpec = field(default_factory=EnvSpec)  # single turn unless told otherwise
+    vllm: VLLMOptions | None = None  # engine 'vllm': the [rollout.vllm] settings
 
 
 def build_worker(spec: WorkerSpec):
-    """(model, RolloutWorker) as `spec` describes; transformers is imported here, not before."""
+    """(what new weights load into, RolloutWorker) as `spec` describes: the worker's model, or
+    its engine's own copy (`EngineWeights`, vLLM). transformers is imported here, not before."""
+    from cadence.backend.weights import EngineWeights
     from cadence.engine import make_engine
     from cadence.envs import make_env
-    from cadence.models import DTYPES, load_model, load_tokenizer
+    from cadence.models import DTYPES, load_model, load_skeleton, load_tokenizer
     from cadence.rewards import load_reward
 
     tokenizer = load_tokenizer(spec.model_path)
-    model = load_model(spec.model_path, dtype=DTYPES[spec.dtype])
-    engine = make_engine(spec.engine, model, tokenizer, max_num_seqs=spec.max_num_seqs)
+    dtype = DTYPES[spec.dtype]
+    target: Any
+    if spec.engine == "vllm":
+        engine = make_engine(
+            "vllm",
+            None,
+            tokenizer,
+            spec.max_num_seqs,
+            model_path=spec.model_path,
+            dtype=spec.dtype,
+            vllm=spec.vllm,
+        )
+        target = EngineWeights(engine, load_skeleton(spec.model_path, dtype))
+    else:
+        target = load_model(spec.model_path, dtype=dtype)
+        engine = make_engine(spec.engine, target, tokenizer, max_num_seqs=spec.max_num_seqs)
     reward = (
         load_reward(spec.reward, spec.answer_format, spec.reward_timeout_s) if spec.reward else None
     )
     env = make_env(spec.env)
-    return model, RolloutWorker(
+    return target, RolloutWorker(
         engine, tokenizer, reward, spec.sampling, spec.group_size, spec.run_seed, env=env
     )
 

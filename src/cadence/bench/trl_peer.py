@@ -57,9 +57,9 @@ CPU_SETTINGS: dict[str, object] = {
     "use_vllm": False,  # generation with the policy's own `model.generate`
     "bf16": False,  # TRL's default is bf16 autocast; fp32 like cadence (bf16 is slower on CPU)
     "fp16": False,
-    # TRL's default gradient_checkpointing=True recomputes activations (about 25% slower);
-    # transformers 5 names it activation_checkpointing
-    "activation_checkpointing": False,
+    # TRL's default gradient_checkpointing=True recomputes activations (about 25% slower); the
+    # name of transformers 5.19 (pinned for vLLM; 5.23 renames it activation_checkpointing)
+    "gradient_checkpointing": False,
     "torch_compile": False,
     "optim": "adamw_torch",  # torch.optim.AdamW, as cadence (TRL's default is the fused kernel)
     "adam_beta1": 0.9,

@@ -1,5 +1,5 @@
 """Inference engines: the Protocol, Hugging Face implementations (continuous batching and static
-batches), and a scripted fake."""
+batches), vLLM (`cadence.engine.vllm`, imported on use: vllm is optional), and a scripted fake."""
 
 from cadence.engine.base import (
     BatchStepper,

@@ -25,12 +25,16 @@ import warnings
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from cadence.engine.base import Request, SamplingParams, sample_tokens, step_uniforms
 from cadence.types import Completion
+
+if TYPE_CHECKING:
+    from cadence.engine.vllm import VLLMOptions
 
 PREFILL_BATCH = 8  # prompts prefilled together when one is needed (their K/V wait until admitted)
 
@@ -364,10 +368,28 @@ def check_continuous(model, tokenizer) -> str | None:
     return None
 
 
-def make_engine(kind: str, model, tokenizer, max_num_seqs: int):
-    """'continuous' (falls back to 'static', with a warning, where the check fails) or 'static'."""
+def make_engine(
+    kind: str,
+    model,
+    tokenizer,
+    max_num_seqs: int,
+    *,
+    model_path: str | None = None,
+    dtype: str = "float32",
+    vllm: VLLMOptions | None = None,
+):
+    """'continuous' (falls back to 'static', with a warning, where the check fails), 'static',
+    or 'vllm' (its own copy of the model in `model_path`, as `dtype`; `model` is not used)."""
     from cadence.engine.hf import HFEngine
 
+    if kind == "vllm":
+        from cadence.engine.vllm import VLLMEngine
+
+        if model_path is None:
+            raise ValueError("the 'vllm' engine loads its own model: pass model_path")
+        return VLLMEngine(
+            model_path, tokenizer, max_num_seqs=max_num_seqs, dtype=dtype, options=vllm
+        )
     if kind == "continuous":
         reason = check_continuous(model, tokenizer)
         if reason is None:
@@ -378,5 +400,5 @@ def make_engine(kind: str, model, tokenizer, max_num_seqs: int):
             stacklevel=2,
         )
     elif kind != "static":
-        raise ValueError(f"unknown engine {kind!r}; use 'continuous' or 'static'")
+        raise ValueError(f"unknown engine {kind!r}; use 'continuous', 'static' or 'vllm'")
     return HFEngine(model, tokenizer, max_num_seqs=max_num_seqs)

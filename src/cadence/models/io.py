@@ -167,6 +167,17 @@ def _load_adapter(p: Path, dtype: torch.dtype, device: str):
     return model.merge_and_unload().to(device).eval()
 
 
+def load_skeleton(path: str | Path, dtype: torch.dtype = torch.float32):
+    """The model of `path` on the meta device: its parameters' names, shapes and dtypes, without
+    memory or weights (for an engine that loads the weights itself)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _quiet_transformers()
+    config = AutoConfig.from_pretrained(check_model_dir(path), local_files_only=True)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 def save_pretrained(model, tokenizer, out: str | Path) -> Path:
     """Save model (safetensors) and tokenizer to `out`, writing to a temp dir then renaming."""
     _quiet_transformers()

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from cadence.algo import needs_reference
-from cadence.backend import RewardSpec, RewardStage, RolloutWorker, make_pool
+from cadence.backend import LearnerWeights, RewardSpec, RewardStage, RolloutWorker, make_pool
 from cadence.config import Config, ConfigError, PipelineConfig, to_toml
 from cadence.dataplane import Store
-from cadence.engine import make_engine
+from cadence.engine.vllm import VLLMEngine
 from cadence.envs import make_env
 from cadence.learner import Learner
 from cadence.metrics import Tracer
@@ -39,6 +39,8 @@ from cadence.pipeline.params import (
     prompt_filter,
     prompt_render,
     rank_spec,
+    require_engine,
+    rollout_engine,
     sampling_params,
     set_threads,
     worker_spec,
@@ -93,6 +95,7 @@ def build_source(
 
     filter_groups = p.filter_groups == "zero_variance"
     if p.placement == "colocated":
+        own_copy = isinstance(worker.engine, VLLMEngine)  # loads the learner's weights each time
         return ColocatedSource(
             worker,
             tracer,
@@ -100,6 +103,7 @@ def build_source(
             filter_groups=filter_groups,
             max_oversample=p.max_oversample,
             next_extra=stream.extra,
+            sync=LearnerWeights(worker.engine, model).sync if own_copy else None,
         )
     separate = cfg.reward.stage == "separate"
     spec = worker_spec(cfg, worker.sampling)
@@ -176,6 +180,7 @@ def reward_stage(cfg: Config, store: Store, tracer: Tracer) -> RewardStage:
 def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     """Every component of a run, wired; from `resume` on, if given (see pipeline/checkpoint.py)."""
     check_group_size(cfg)
+    require_engine(cfg.rollout.engine)
     set_threads(learner_threads(cfg))
     torch.manual_seed(cfg.train.seed)
     dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
@@ -192,7 +197,7 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
         digest = restore_driver(cfg, model, resume)
     else:
         learner, digest = _learner(cfg, model, tokenizer, tracer, resume)
-    engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
+    engine = rollout_engine(cfg, model, tokenizer)
     reward = load_reward(cfg.reward.function, cfg.reward.answer_format, cfg.reward.timeout_s)
     sampling = sampling_params(cfg, tokenizer)
     env = make_env(env_spec(cfg))
@@ -219,7 +224,15 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
         tokenizer=tokenizer,
         learner=learner,
         source=source,
-        heldout_accuracy=Evaluator(model, engine, tokenizer, reward, heldout, sampling, env),
+        heldout_accuracy=Evaluator(
+            model,
+            LearnerWeights(engine, model) if isinstance(engine, VLLMEngine) else engine,
+            tokenizer,
+            reward,
+            heldout,
+            sampling,
+            env,
+        ),
         num_heldout=len(heldout),
         stream=stream,
         tracer=tracer,

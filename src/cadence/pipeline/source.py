@@ -61,7 +61,10 @@ class ColocatedSource:
         filter_groups: bool = False,
         max_oversample: int = 0,
         next_extra: Callable[[int], Prompt] | None = None,
+        sync: Callable[[int], None] | None = None,
     ) -> None:
+        """`sync(version)`: loads the learner's weights into an engine that keeps its own copy
+        (vLLM) before each iteration's generation; None when the engine uses the learner's."""
         if filter_groups and next_extra is None:
             raise ValueError("filter_groups needs next_extra, the source of extra prompts")
         self.worker = worker
@@ -69,6 +72,7 @@ class ColocatedSource:
         self.next_prompts = next_prompts
         self.filter_groups, self.max_oversample = filter_groups, max_oversample
         self.next_extra = next_extra
+        self.sync = sync
         self.times = SourceStats()
         self._pending: list[Group] = []
         self._rows = 0
@@ -81,6 +85,10 @@ class ColocatedSource:
         one more prompt per group filtered in the last (pipeline/oversample.py)."""
         self.times = SourceStats(start=self.tracer.now())
         prompts = self.next_prompts()
+        if self.sync is not None:
+            with self.tracer.span("weight_sync", "worker-0"):
+                self.sync(version)
+            self.times.weight_sync_s = self.tracer.now() - self.times.start
         size = len(prompts)
         sampler = Oversampler(size, self.max_oversample, self.filter_groups)
         self._pending = []

