@@ -22,7 +22,9 @@ ALLOWED = {
     "data": {"types"},
     "models": {"types"},
     "metrics": {"types"},
-    "engine": {"types"},
+    # the vLLM engine loads its model itself: a model it cannot run is a ModelLoadError, an
+    # engine argument vLLM does not know a ConfigError
+    "engine": {"types", "models", "config"},
     "rewards": {"types", "data", "models"},
     "envs": {"types", "data", "rewards"},
     "learner": {"types", "algo", "data", "metrics", "models"},

@@ -30,6 +30,7 @@ def qwen_dir(tmp_path_factory):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
+        max_positions=1024,  # the configs' rollout.max_prompt_tokens = 512 must fit
     )
     return save_pretrained(model, tokenizer, out)
 

@@ -143,7 +143,7 @@ def test_the_engine_bench_has_a_vllm_row(vllm_dir, tmp_path):
 
 
 def test_vllm_in_a_ray_actor_makes_the_local_update(vllm_dir, sync_run, tmp_path):
-    from cadence.pipeline.ray_backend import start_ray
+    from cadence.backend.ray_pool import start_ray
 
     sync, sync_records, sync_grads = sync_run
     started = start_ray(None, num_cpus=2)

@@ -60,6 +60,14 @@ def test_each_seed_is_measured_on_the_same_problems_and_the_study_resumes(
     lines = (out / "runs" / "seed-1" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["iteration"] for x in lines] == [0, 1, 2]  # resumed, none twice
 
+    # a run that finished before its row was recorded is read back, not trained again
+    rows_now = json.loads((out / "study.json").read_text())
+    (out / "study.json").write_text(json.dumps([r for r in rows_now if r["seed"] != 2]))
+    before = (out / "runs" / "seed-2" / "metrics.jsonl").read_bytes()
+    again = study_seeds("configs/default.toml", _overrides(model_dir), [2], out)
+    assert [r["seed"] for r in again] == [2] and again[0]["gain"] == more[1]["gain"]
+    assert (out / "runs" / "seed-2" / "metrics.jsonl").read_bytes() == before
+
 
 def test_cli_study_seeds_rejects_a_bad_seed_list(capsys):
     assert main(["study", "seeds", "--seeds", "a,b", "--out", "/nonexistent"]) == 2

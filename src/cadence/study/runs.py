@@ -18,12 +18,17 @@ def parse_list(text: str, allowed: dict | None, kind: str) -> list[str]:
 
 def train_or_resume(config: str | None, overrides: list[str], out: Path) -> dict[str, Any]:
     """Train `config` with `overrides` into `out`, from its newest checkpoint if an earlier
-    attempt stopped there; the run's summary."""
+    attempt stopped there; the run's summary (read back if the run had already finished, e.g.
+    when a study stopped before recording its row)."""
+    import json
+
     from cadence.config import load_config
     from cadence.pipeline import build_run, train
     from cadence.pipeline.checkpoint import find_checkpoint, list_checkpoints
 
     cfg = load_config(config, overrides)
+    if (out / "summary.json").exists():
+        return json.loads((out / "summary.json").read_text())
     unfinished = list_checkpoints(out) and not (out / "summary.json").exists()
     resume = find_checkpoint(out) if unfinished else None
     return train(build_run(cfg, resume=resume), out)
