@@ -14,7 +14,7 @@ one version out at a time, and the group's membership is fixed (a replaced actor
 Learner side: `publish(model, version)` (the `WeightSync` protocol), `message(version)` (what a
 sync message carries) and `close()`. Actor side (`receiver`): `stage(version, message)` when the
 sync message arrives, `load(version)` when the loop acts on it. Ray is imported only inside
-functions (see `ray_backend`).
+functions (see `backend.ray_pool`).
 """
 
 from __future__ import annotations
