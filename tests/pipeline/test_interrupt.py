@@ -1,5 +1,6 @@
 """Ctrl-C stops the learner and every worker process; nothing is left behind."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -74,20 +75,29 @@ def test_ctrl_c_stops_learner_and_workers_and_prints_one_line(model_dir, tmp_pat
     proc = subprocess.Popen(
         args, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while len(_workers(proc.pid)) < 2 or (
-        when == "while training" and (not metrics.exists() or not metrics.stat().st_size)
-    ):
-        assert proc.poll() is None, proc.stderr.read().decode()
-        assert time.monotonic() < deadline, f"never got to {when}"
-        time.sleep(0.05)
-    workers = _workers(proc.pid)
-    assert len(workers) == 2
-    if when == "while workers start":
-        time.sleep(1.0)  # past Python's start-up, into the imports (seconds: torch, transformers)
-    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: every process of the group
-    assert proc.wait(timeout=60) == 130
-    assert proc.stderr.read().decode() == "cadence: interrupted\n"  # one line, no traceback
-    time.sleep(0.5)
-    assert not [pid for pid in workers if _alive(pid)]
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while len(_workers(proc.pid)) < 2 or (
+            when == "while training" and (not metrics.exists() or not metrics.stat().st_size)
+        ):
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, f"never got to {when}"
+            time.sleep(0.05)
+        workers = _workers(proc.pid)
+        assert len(workers) == 2
+        if when == "while workers start":
+            time.sleep(
+                1.0
+            )  # past Python's start-up, into the imports (seconds: torch, transformers)
+        os.killpg(
+            proc.pid, signal.SIGINT
+        )  # what a terminal's Ctrl-C does: every process of the group
+        assert proc.wait(timeout=60) == 130
+        assert proc.stderr.read().decode() == "cadence: interrupted\n"  # one line, no traceback
+        time.sleep(0.5)
+        assert not [pid for pid in workers if _alive(pid)]
+    finally:  # a failed check must not leave a 100,000-iteration run behind
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
