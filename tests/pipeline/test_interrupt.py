@@ -42,6 +42,23 @@ def _workers(pid: int) -> list[int]:
     ]
 
 
+@contextlib.contextmanager
+def _ctrl_c_not_ignored():
+    """Start the run as a terminal starts a foreground command: with SIGINT not ignored. A suite
+    launched as a background job (`cmd &` in a script, some CI runners) ignores SIGINT, an ignored
+    signal stays ignored through exec, and Python then leaves it so: the run would rightly never
+    see the Ctrl-C this test sends. A handled signal is reset to its default at exec."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("when", ["while workers start", "while training"])
 def test_ctrl_c_stops_learner_and_workers_and_prints_one_line(model_dir, tmp_path, when):
     # Before: Ctrl-C printed KeyboardInterrupt (and BrokenPipeError) tracebacks from the workers,
@@ -72,9 +89,10 @@ def test_ctrl_c_stops_learner_and_workers_and_prints_one_line(model_dir, tmp_pat
         "metrics.progress=false",
     ]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen(
-        args, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    with _ctrl_c_not_ignored():
+        proc = subprocess.Popen(
+            args, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
     try:
         metrics = tmp_path / "metrics.jsonl"
         deadline = time.monotonic() + 120
