@@ -4,7 +4,8 @@ Run `python -m cadence.config_doc` from the repository root after adding or chan
 field; `tests/test_config_doc.py` fails while the page and this output differ, so the reference
 cannot drift from the code. Everything here is read from the pydantic models in `config.py`
 (section by section: key, type, default, allowed values, description); nothing is written by
-hand, and nothing but the config is imported, so the page says what validation enforces.
+hand, and nothing of cadence but the config is imported, so the page says what validation
+enforces and this module must never grow a second description of a key.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from cadence.config import Config, ConfigError, load_config
 DEFAULT_OUT = Path("docs/config.md")
 REGENERATE = "python -m cadence.config_doc"
 
-HEADER = f"""# Configuration reference
+HEADER = """# Configuration reference
 
-Generated from the field descriptions in `src/cadence/config.py` by `{REGENERATE}`
+Generated from the field descriptions in `src/cadence/config.py` by `{regenerate}`
 (run it from the repository root after changing a config field; a test fails while this page
 is out of date). Do not edit it by hand.
 
@@ -39,7 +40,7 @@ the command with exit code 2 and a message naming the key and what is allowed:
 
 ```
 $ cadence train configs/default.toml --set pipeline.mode=fast
-cadence: error: {{example_error}}
+cadence: error: {example_error}
 ```
 
 Some keys apply only with others (a Ray key with `pipeline.backend = "ray"`, a tool key with
@@ -177,7 +178,7 @@ def _example_error() -> str:
 
 def render(root: type[BaseModel] = Config) -> str:
     """The whole of docs/config.md, from the root config's sections in their order."""
-    out = [HEADER.replace("{example_error}", _example_error())]
+    out = [HEADER.format(regenerate=REGENERATE, example_error=_example_error())]
     for name, field in root.model_fields.items():
         model = _section_model(field)
         if model is None:
