@@ -40,7 +40,7 @@ def cmd_init_model(args: argparse.Namespace) -> int:
 
 def _init_model_from_gguf(args: argparse.Namespace) -> int:
     """`init-model --from-gguf FILE`: the file's model as a Hugging Face directory."""
-    from cadence.models.gguf import convert_gguf
+    from cadence.models import convert_gguf
 
     if args.config or args.set:  # they choose the tokenizer corpus of a preset; a GGUF has its own
         raise ConfigError("--config and --set apply to --preset, not to --from-gguf")

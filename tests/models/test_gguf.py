@@ -291,10 +291,14 @@ def test_architecture_transformers_cannot_load_as_causal_lm_exits_2_naming_it(
     assert list(tmp_path.iterdir()) == [path]  # nothing written, no temporary directory left
 
 
-def test_preset_and_gguf_together_are_refused(tiny_gguf, tmp_path):
-    with pytest.raises(SystemExit) as e:
-        main(["init-model", "--preset", "test", "--from-gguf", str(tiny_gguf), "--out", "x"])
+def test_preset_options_with_gguf_are_refused(tiny_gguf, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    with pytest.raises(SystemExit) as e:  # argparse: mutually exclusive
+        main(["init-model", "--preset", "test", "--from-gguf", str(tiny_gguf), "--out", out])
     assert e.value.code == 2
+    code, text = _cli(capsys, "--from-gguf", str(tiny_gguf), "--out", out, "--config", "c.toml")
+    assert code == 2 and "--config and --set apply to --preset" in text
+    assert not (tmp_path / "out").exists()
 
 
 # --- atomic output --------------------------------------------------------------------------
