@@ -320,6 +320,13 @@ def test_existing_model_is_kept_without_force_and_replaced_with_it(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "other.gguf"]
 
 
+def test_empty_out_directory_is_filled(tiny_gguf, tmp_path):
+    (tmp_path / "model").mkdir()
+    convert_gguf(tiny_gguf, tmp_path / "model")
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
 def test_non_model_directory_is_never_replaced(tiny_gguf, tmp_path):
     (tmp_path / "notes.txt").write_text("keep me")
     with pytest.raises(ConversionError, match="non-empty directory without a model"):
