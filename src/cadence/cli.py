@@ -10,6 +10,7 @@ import argparse
 import errno
 import json
 import sys
+import time
 from pathlib import Path
 
 from cadence.config import Config, ConfigError, load_config
@@ -20,6 +21,8 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
+    if args.from_gguf:
+        return _init_model_from_gguf(args)
     from cadence.models import init_model
     from cadence.pipeline.params import tokenizer_corpus
 
@@ -29,8 +32,31 @@ def cmd_init_model(args: argparse.Namespace) -> int:
         print(f"{out} already holds a model; pass --force to rebuild it")
         return 0
     corpus = tokenizer_corpus(cfg, args.corpus_size)
-    init_model(args.preset, out, corpus, seed=cfg.train.seed)
-    print(f"built '{args.preset}' model and tokenizer in {out}")
+    preset = args.preset or "tiny"
+    init_model(preset, out, corpus, seed=cfg.train.seed)
+    print(f"built '{preset}' model and tokenizer in {out}")
+    return 0
+
+
+def _init_model_from_gguf(args: argparse.Namespace) -> int:
+    """`init-model --from-gguf FILE`: the file's model as a Hugging Face directory."""
+    from cadence.models import convert_gguf
+
+    if args.config or args.set:  # they choose the tokenizer corpus of a preset; a GGUF has its own
+        raise ConfigError("--config and --set apply to --preset, not to --from-gguf")
+    start = time.perf_counter()
+    r = convert_gguf(
+        args.from_gguf,
+        args.out,
+        force=args.force,
+        progress=lambda m: print(f"[{time.perf_counter() - start:5.1f}s] {m}", flush=True),
+    )
+    stops = ", ".join(map(str, r.stop_token_ids))
+    print(
+        f"converted in {r.seconds:.1f}s: {r.model_type}, {r.num_parameters:,} parameters (float32),"
+        f" vocabulary {r.vocab_size:,}, EOS {r.eos_token!r} (stops at {stops}), chat template "
+        f"{'saved' if r.chat_template else 'absent'} -> {r.out}"
+    )
     return 0
 
 
@@ -346,8 +372,18 @@ def parser() -> argparse.ArgumentParser:
             help="override a config key, e.g. --set train.iterations=10",
         )
 
-    sp = sub.add_parser("init-model", help="build the embedded default model and tokenizer")
-    sp.add_argument("--preset", default="tiny", help="model size: test, tiny, small")
+    sp = sub.add_parser(
+        "init-model",
+        help="build the embedded default model and tokenizer, or convert a GGUF file",
+    )
+    source = sp.add_mutually_exclusive_group()
+    source.add_argument("--preset", default=None, help="model size: test, tiny (default), small")
+    source.add_argument(
+        "--from-gguf",
+        default=None,
+        metavar="FILE",
+        help="convert this GGUF file (llama.cpp's format) to a float32 Hugging Face directory",
+    )
     sp.add_argument("--out", required=True, help="output model directory")
     sp.add_argument("--config", default=None, help="config whose [data] task trains the tokenizer")
     sp.add_argument("--corpus-size", type=int, default=20000, help="texts to train the tokenizer")

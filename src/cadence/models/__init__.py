@@ -1,5 +1,7 @@
-"""Model and tokenizer I/O: the embedded default builder and loaders for any local HF directory."""
+"""Model and tokenizer I/O: the embedded default builder, loaders for any local HF directory, and
+the GGUF converter that makes one from a llama.cpp file."""
 
+from cadence.models.gguf import ConversionError, convert_gguf
 from cadence.models.io import (
     DTYPES,
     ModelLoadError,
@@ -14,7 +16,9 @@ from cadence.models.presets import PRESETS, init_model, train_tokenizer
 __all__ = [
     "DTYPES",
     "PRESETS",
+    "ConversionError",
     "ModelLoadError",
+    "convert_gguf",
     "init_model",
     "load_model",
     "load_skeleton",
