@@ -38,12 +38,14 @@ def serving(server: Server, token: str | None = TOKEN):
         sock.close()
 
 
-def tiny_server(model, tokenizer, loop: EngineLoop | None = None, **limits) -> Server:
+def tiny_server(
+    model, tokenizer, loop: EngineLoop | None = None, max_num_seqs: int = 8, **limits
+) -> Server:
     """A Server over the tiny model (1,024 positions, completions of at most 64 tokens); the
     loop restarts its engine after a failed step, as `build_server`'s does."""
 
     def fresh():
-        return ContinuousEngine(model, tokenizer, max_num_seqs=8)
+        return ContinuousEngine(model, tokenizer, max_num_seqs=max_num_seqs)
 
     loop = loop or EngineLoop(fresh(), renew=fresh)
     vocab = model.get_input_embeddings().num_embeddings
@@ -66,10 +68,11 @@ def start_server():
 
 @pytest.fixture
 def make_server(tiny):
-    """`make_server(loop=None, tokenizer=None, **limits)`: a Server over the tiny model."""
+    """`make_server(loop=None, tokenizer=None, max_num_seqs=8, **limits)`: a Server over the
+    tiny model."""
 
-    def make(loop=None, tokenizer=None, **limits):
-        return tiny_server(tiny[1], tokenizer or tiny[0], loop, **limits)
+    def make(loop=None, tokenizer=None, **kwargs):
+        return tiny_server(tiny[1], tokenizer or tiny[0], loop, **kwargs)
 
     return make
 

@@ -198,3 +198,26 @@ def test_a_loop_thread_that_dies_says_so_and_leaves_no_caller_waiting():
     with pytest.raises(EngineBroken):
         loop.submit(Request([1], [1]), params).result(0)
     loop.close()
+
+
+def test_a_round_takes_every_waiting_request_with_its_params_and_the_others_go_next():
+    held, batches = Held(), []
+
+    class Recording(ScriptedEngine):
+        def generate(self, requests, params):
+            batches.append([r.prompt_ids[0] for r in requests])
+            return super().generate(requests, params)
+
+    loop = EngineLoop(Recording(held.script))
+    sampled, greedy = SamplingParams(), SamplingParams(temperature=0)
+    try:
+        first = loop.submit(Request([0], [0]), sampled)
+        assert held.entered.wait(WAIT_S)
+        mix = [(1, sampled), (2, greedy), (3, sampled), (4, greedy), (5, sampled)]
+        futures = [loop.submit(Request([p], [1]), params) for p, params in mix]
+        held.release.set()
+        assert first.result(WAIT_S)
+        assert [f.result(WAIT_S)[0].token_ids[0] for f in futures] == [1, 2, 3, 4, 5]
+        assert batches == [[0], [1, 3, 5], [2, 4]]
+    finally:
+        loop.close()

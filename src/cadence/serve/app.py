@@ -201,8 +201,10 @@ def make_app(server: Server, token: str | None = None):
         return JSONResponse(_error(where, "invalid_request_error"), status_code=400)
 
     @app.post("/v1/chat/completions")
-    async def chat(request: ChatRequest) -> dict[str, Any]:
-        return await server.chat(request)
+    async def chat(request: ChatRequest):
+        # as it is: FastAPI's own encoder would walk every log-prob on the event loop (2 ms for
+        # n = 4 x 16 tokens, against 0.3 ms for json.dumps)
+        return JSONResponse(await server.chat(request))
 
     @app.post("/v1/tokenize")
     @app.post("/tokenize")

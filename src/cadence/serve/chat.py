@@ -134,12 +134,6 @@ def check_prompt(prompt_ids: list[int], max_new_tokens: int, limits: Limits) -> 
     OpenAI-API clients look for to tell an overlong prompt from other errors)."""
     if not prompt_ids:
         raise BadRequest("the prompt is empty: send messages with content, or prompt_token_ids")
-    for i, token in enumerate(prompt_ids):
-        if not 0 <= token < limits.vocab_size:
-            raise BadRequest(
-                f"prompt_token_ids[{i}] = {token} is not a token of this model: ids are 0 to "
-                f"{limits.vocab_size - 1} (POST /tokenize gives a text's ids)"
-            )
     total = len(prompt_ids) + max_new_tokens
     if total > limits.max_positions:
         raise BadRequest(
@@ -147,6 +141,12 @@ def check_prompt(prompt_ids: list[int], max_new_tokens: int, limits: Limits) -> 
             f"exceeds the model's context length of {limits.max_positions} positions: shorten "
             "the prompt or lower max_tokens"
         )
+    for i, token in enumerate(prompt_ids):
+        if not 0 <= token < limits.vocab_size:
+            raise BadRequest(
+                f"prompt_token_ids[{i}] = {token} is not a token of this model: ids are 0 to "
+                f"{limits.vocab_size - 1} (POST /tokenize gives a text's ids)"
+            )
 
 
 def _content(c: Completion, stops: list[str], keep_stop: bool) -> str:

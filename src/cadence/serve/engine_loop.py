@@ -1,10 +1,12 @@
 """One thread that owns a streaming engine and serves requests from any thread.
 
 `submit(request, params)` returns a `concurrent.futures.Future` of the request's completions.
-Requests join the engine while others decode (continuous batching), in arrival order, as long
-as they share the engine's current `SamplingParams` (an engine decodes with one at a time); the
-first request that needs other params waits, with everything behind it, until the engine drains,
-so none is overtaken forever.
+An engine decodes with one `SamplingParams` at a time, so requests run in rounds. When the engine
+is idle, the oldest waiting request starts a round with its params, and every waiting request
+that shares them joins it; while the round runs, newcomers with those params join too (continuous
+batching), unless a request with other params is waiting: then nothing more joins, the engine
+drains, and that request starts the next round. None waits forever, and a mix of sampling
+settings still fills the engine's batch.
 
 A failure fails the request that caused it and nothing else. An engine that refuses a request
 in `add` fails that request. A `step()` that raises says only that one of the requests in the
@@ -132,7 +134,7 @@ class EngineLoop:
             pass
 
     def _admit(self) -> None:
-        """A group of suspects alone, or waiting requests in order while they share params."""
+        """A group of suspects alone, or waiting requests by rounds (the module docstring)."""
         if self._trial:
             return
         if self._suspects:
@@ -142,15 +144,16 @@ class EngineLoop:
             if not self.engine.busy:  # the engine refused them all
                 self._end_trial()
             return
-        if not self.engine.busy:
-            self._params = None
-        while self._waiting:
-            item = self._waiting[0]
-            if self._params is not None and item.params != self._params:
-                return
-            self._waiting.popleft()
+        if not self.engine.busy and self._waiting:
+            self._params = self._waiting[0].params
+            chosen = [item for item in self._waiting if item.params == self._params]
+            self._waiting = collections.deque(i for i in self._waiting if i.params != self._params)
+        else:
+            chosen = []
+            while self._waiting and self._waiting[0].params == self._params:
+                chosen.append(self._waiting.popleft())
+        for item in chosen:
             if item.future.set_running_or_notify_cancel():
-                self._params = item.params
                 self._add(item)
 
     def _add(self, item: _Item) -> None:
