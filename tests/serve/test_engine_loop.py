@@ -1,6 +1,7 @@
 """The engine thread behind `cadence serve`: a request that makes the engine raise fails alone and
 the rest are served; an engine that serves no more says so, and no caller is left waiting."""
 
+import json
 import threading
 
 import pytest
@@ -221,3 +222,21 @@ def test_a_round_takes_every_waiting_request_with_its_params_and_the_others_go_n
         assert batches == [[0], [1, 3, 5], [2, 4]]
     finally:
         loop.close()
+
+
+def test_the_servers_engine_is_restarted_after_a_failed_step(model_dir):
+    """`build_server` (what `cadence serve` runs) gives its loop a way to start a fresh engine."""
+    from cadence.serve import build_server
+
+    server = build_server(str(model_dir), max_num_seqs=4, max_tokens=8)
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        assert server.limits.vocab_size == config["vocab_size"]
+        assert server.limits.max_positions == config["max_position_embeddings"]
+        bad = server.loop.submit(Request([1_000_000], [1]), server.params)
+        with pytest.raises(RequestFailed, match="IndexError"):
+            bad.result(WAIT_S)
+        (c,) = server.loop.submit(Request([5, 6], [1]), server.params).result(WAIT_S)
+        assert c.token_ids and server.loop.broken is None
+    finally:
+        server.close()
