@@ -12,6 +12,10 @@ Every response carries `prompt_token_ids` (top level) and, per choice, `token_id
 sampled, a stop string's included) and `logprobs.content` (each sampled token's log-prob under
 the sampling distribution, softmax(logits / temperature)), as vLLM does with
 `return_token_ids`. Choice j is seeded by `seed + j`; without a seed, by a random one.
+
+Every request is checked before it reaches the engine (fields here, the prompt against the
+model's vocabulary and positions in `check_prompt`); what is refused raises `BadRequest`, whose
+message names the field and the fix. Nothing here touches the engine or HTTP.
 """
 
 from __future__ import annotations
@@ -19,11 +23,29 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from cadence.types import Completion
+
+MIN_TEMPERATURE = 0.01  # below it logits / temperature overflow float32; 0 is greedy
+MAX_STOPS = 16  # every stop string is searched for after every token of the request
+
+
+class BadRequest(ValueError):
+    """The request cannot be served as sent (HTTP 400); the message says which field and why."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served model takes: token ids below `vocab_size` (its embedding rows), at most
+    `max_positions` tokens of prompt and completion, at most `max_tokens` per completion."""
+
+    vocab_size: int
+    max_positions: int
+    max_tokens: int
 
 
 class ChatMessage(BaseModel):
@@ -36,8 +58,8 @@ class ChatMessage(BaseModel):
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
-        if len(parts) != len(self.content):
-            raise ValueError("only text content parts are supported")
+        if len(parts) != len(self.content) or not all(isinstance(p, str) for p in parts):
+            raise BadRequest("messages: only text content parts are supported")
         return "".join(parts)
 
 
@@ -45,7 +67,7 @@ class ChatRequest(BaseModel):
     """What /v1/chat/completions accepts; unknown OpenAI fields are ignored, unsupported values
     of known ones are refused by name."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str = ""
     messages: list[ChatMessage] = Field(default_factory=list)
@@ -55,13 +77,20 @@ class ChatRequest(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=64)
     seed: int | None = Field(None, ge=0, lt=2**62)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     stream: Literal[False] = False
     logprobs: bool | None = None  # accepted; log-probs are always returned
     top_logprobs: Literal[0] | None = None
-    prompt_token_ids: list[int] | None = None  # cadence: the prompt, exactly
+    prompt_token_ids: list[StrictInt] | None = None  # cadence: the prompt, exactly
     return_token_ids: bool | None = None  # vLLM's flag: accepted; token ids are always returned
     include_stop_str_in_output: bool = False  # vLLM's flag: keep the stop string in `content`
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_too_small(cls, t: float) -> float:
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {t}")
+        return t
 
     @property
     def stops(self) -> list[str]:
@@ -81,17 +110,43 @@ def render(request: ChatRequest, tokenizer) -> list[int]:
     if request.prompt_token_ids is not None:
         return list(request.prompt_token_ids)
     if not request.messages:
-        raise ValueError("messages: at least one message is needed (or prompt_token_ids)")
+        raise BadRequest("messages: at least one message is needed (or prompt_token_ids)")
     if tokenizer.chat_template:
+        from jinja2 import TemplateError
+
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        out = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )
+        try:
+            out = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )
+        except TemplateError as e:  # templates refuse what they cannot render, by raising
+            raise BadRequest(f"messages: the model's chat template refused them: {e}") from None
         return list(out["input_ids"])
     ids: list[int] = []
     for m in request.messages:
         ids += tokenizer(m.text(), add_special_tokens=False)["input_ids"]
     return ids
+
+
+def check_prompt(prompt_ids: list[int], max_new_tokens: int, limits: Limits) -> None:
+    """Refuse a prompt the model cannot take: empty, an id it has no embedding for, or too long
+    for `max_new_tokens` more (the message says "exceeds the model's context length", the words
+    OpenAI-API clients look for to tell an overlong prompt from other errors)."""
+    if not prompt_ids:
+        raise BadRequest("the prompt is empty: send messages with content, or prompt_token_ids")
+    total = len(prompt_ids) + max_new_tokens
+    if total > limits.max_positions:
+        raise BadRequest(
+            f"a prompt of {len(prompt_ids)} tokens + max_tokens {max_new_tokens} = {total} "
+            f"exceeds the model's context length of {limits.max_positions} positions: shorten "
+            "the prompt or lower max_tokens"
+        )
+    for i, token in enumerate(prompt_ids):
+        if not 0 <= token < limits.vocab_size:
+            raise BadRequest(
+                f"prompt_token_ids[{i}] = {token} is not a token of this model: ids are 0 to "
+                f"{limits.vocab_size - 1} (POST /tokenize gives a text's ids)"
+            )
 
 
 def _content(c: Completion, stops: list[str], keep_stop: bool) -> str:
