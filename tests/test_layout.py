@@ -29,7 +29,10 @@ ALLOWED = {
     "envs": {"types", "data", "rewards"},
     "learner": {"types", "algo", "data", "metrics", "models"},
     "dataplane": {"types", "metrics"},
-    "backend": {"types", "dataplane", "engine", "envs", "metrics", "models", "rewards"},
+    # the policy acting (workers, episodes, evaluation): above what it acts with, below what
+    # carries it to processes (backend) and what runs training (pipeline)
+    "rollout": {"types", "engine", "envs", "models", "rewards"},
+    "backend": {"types", "dataplane", "engine", "envs", "metrics", "models", "rewards", "rollout"},
     "pipeline": {
         "types",
         "config",
@@ -42,6 +45,7 @@ ALLOWED = {
         "rewards",
         "learner",
         "dataplane",
+        "rollout",
         "backend",
     },
 }

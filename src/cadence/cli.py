@@ -129,7 +129,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from cadence.engine import make_engine
     from cadence.envs import make_env
     from cadence.models import load_model, load_skeleton, load_tokenizer, max_positions
-    from cadence.pipeline.evaluate import evaluate
     from cadence.pipeline.params import (
         env_spec,
         make_task,
@@ -142,6 +141,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
     from cadence.pipeline.prompts import heldout_prompts
     from cadence.rewards import load_reward
+    from cadence.rollout import evaluate
 
     cfg = _config(args)
     kind = cfg.rollout.engine

@@ -10,7 +10,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from cadence.backend import RolloutWorker, SharedWeights, load_into
+from cadence.backend import SharedWeights, load_into
 from cadence.backend.fake import ThreadPool
 from cadence.backend.ranks import InlineRanks
 from cadence.engine import SamplingParams, ScriptedEngine
@@ -20,6 +20,7 @@ from cadence.pipeline import WorkerSource
 from cadence.pipeline.build import check_sharded
 from cadence.pipeline.checkpoint import Checkpoint, CheckpointError
 from cadence.pipeline.ranks import RankedLearner, split_round
+from cadence.rollout import RolloutWorker
 from cadence.types import Completion, Group, Prompt
 
 

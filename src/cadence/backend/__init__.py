@@ -19,7 +19,6 @@ from cadence.backend.local import LocalPool
 from cadence.backend.pool import InFlight, Lost, Pool, TaskResult
 from cadence.backend.procs import Processes, WorkerDied, WorkerError
 from cadence.backend.reward_stage import RewardSpec, RewardStage
-from cadence.backend.rollout import RolloutWorker
 from cadence.backend.weights import (
     EngineWeights,
     InMemoryWeights,
@@ -74,7 +73,6 @@ __all__ = [
     "Processes",
     "RewardSpec",
     "RewardStage",
-    "RolloutWorker",
     "SharedWeights",
     "TaskResult",
     "WeightGate",

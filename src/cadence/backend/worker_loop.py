@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cadence.backend.pool import TaskResult
-from cadence.backend.rollout import RolloutWorker
 from cadence.engine import SamplingParams
 from cadence.envs import EnvSpec
+from cadence.rollout import RolloutWorker
 from cadence.types import Group
 
 if TYPE_CHECKING:

@@ -35,11 +35,11 @@ LONG_PROMPT = dict(num_groups=8, prompt_len=256, response_len=64, group_size=8)
 
 def default_groups(cfg, model, tokenizer) -> list[Group]:
     """One iteration's groups of the config's workload, sampled by its model."""
-    from cadence.backend import RolloutWorker
     from cadence.engine import HFEngine
     from cadence.pipeline.params import make_task, prompt_render, sampling_params
     from cadence.pipeline.prompts import PromptStream
     from cadence.rewards import load_reward
+    from cadence.rollout import RolloutWorker
 
     worker = RolloutWorker(
         HFEngine(model, tokenizer, max_num_seqs=cfg.rollout.max_num_seqs),

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from cadence.algo import needs_reference
-from cadence.backend import LearnerWeights, RewardSpec, RewardStage, RolloutWorker, make_pool
+from cadence.backend import LearnerWeights, RewardSpec, RewardStage, make_pool
 from cadence.config import Config, ConfigError, PipelineConfig, to_toml
 from cadence.dataplane import Store
 from cadence.engine.vllm import VLLMEngine
@@ -27,7 +27,6 @@ from cadence.pipeline.checkpoint import (
     restore_learner,
     weights_digest,
 )
-from cadence.pipeline.evaluate import Evaluator
 from cadence.pipeline.loop import LoopParams, Run
 from cadence.pipeline.params import (
     check_group_size,
@@ -49,6 +48,7 @@ from cadence.pipeline.prompts import PromptStream, heldout_prompts
 from cadence.pipeline.ranks import RankedLearner, start_local_ranks, start_ray_ranks
 from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
 from cadence.rewards import load_reward
+from cadence.rollout import Evaluator, RolloutWorker
 from cadence.types import Prompt
 
 

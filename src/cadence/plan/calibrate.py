@@ -143,11 +143,11 @@ def _throughput(decode: _Decode, train: _Train, train_devices: int, score_s: flo
 
 def _sample_groups(cfg: Config, model, tokenizer, quick: bool):
     """The task's prompts sampled as `cadence train` samples them; seconds to score one."""
-    from cadence.backend import RolloutWorker
     from cadence.engine import make_engine
     from cadence.pipeline.params import make_task, prompt_render, sampling_params
     from cadence.pipeline.prompts import PromptStream
     from cadence.rewards import ConstantReward, load_reward, safe_reward
+    from cadence.rollout import RolloutWorker
 
     n = max(2, cfg.train.micro_batch_groups) if quick else max(32, cfg.train.micro_batch_groups)
     prompts = PromptStream(make_task(cfg), prompt_render(cfg, tokenizer), cfg.data.task).next_batch(

@@ -9,7 +9,7 @@ Two ways in: `rollout` generates a list of prompts and returns when all are done
 `poll` stream, for a worker process that keeps its engine's slots full across tasks and hands each
 group out the moment it is complete. The loaded weights must not change while `busy`.
 
-With an environment (cadence.envs) each sample is a multi-turn episode (backend/episodes.py): a
+With an environment (cadence.envs) each sample is a multi-turn episode (rollout/episodes.py): a
 group is handed out once its G episodes have all ended, so `busy` covers every unfinished
 episode and weights never change inside one. Without one (`env.kind = "single_turn"`) a sample
 is one response, exactly as before.
@@ -21,7 +21,6 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
 
-from cadence.backend.episodes import EpisodeRunner
 from cadence.engine import (
     Engine,
     Request,
@@ -32,6 +31,7 @@ from cadence.engine import (
 )
 from cadence.envs import Environment
 from cadence.rewards import RewardFn, safe_reward
+from cadence.rollout.episodes import EpisodeRunner
 from cadence.types import Completion, Group, Prompt
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cadence.backend import RolloutWorker
 from cadence.engine import Engine, Request, SamplingParams
 from cadence.envs import Environment
 from cadence.rewards import RewardFn, safe_reward
+from cadence.rollout.worker import RolloutWorker
 from cadence.types import Completion, Prompt
 
 
