@@ -1,5 +1,6 @@
 """Inference engines: the Protocol, Hugging Face implementations (continuous batching and static
-batches), vLLM (`cadence.engine.vllm`, imported on use: vllm is optional), and a scripted fake."""
+batches), vLLM (`cadence.engine.vllm`, imported on use: vllm is optional), a scripted fake, and
+the factory that picks one by name (`engine/factory.py`)."""
 
 from cadence.engine.base import (
     BatchStepper,
@@ -10,15 +11,12 @@ from cadence.engine.base import (
     as_streaming,
     derive_seed,
     derive_turn_seed,
+    generate_by_steps,
     sample_tokens,
     step_uniforms,
 )
-from cadence.engine.continuous import (
-    ContinuousEngine,
-    UnsupportedModel,
-    check_continuous,
-    make_engine,
-)
+from cadence.engine.continuous import ContinuousEngine, UnsupportedModel, check_continuous
+from cadence.engine.factory import make_engine
 from cadence.engine.fake import ScriptedEngine
 from cadence.engine.hf import HFEngine
 
@@ -36,6 +34,7 @@ __all__ = [
     "check_continuous",
     "derive_seed",
     "derive_turn_seed",
+    "generate_by_steps",
     "make_engine",
     "sample_tokens",
     "step_uniforms",

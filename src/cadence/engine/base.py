@@ -99,6 +99,21 @@ def as_streaming(engine: Engine) -> StreamingEngine:
     return engine if isinstance(engine, StreamingEngine) else BatchStepper(engine)
 
 
+def generate_by_steps(
+    engine: StreamingEngine, requests: list[Request], params: SamplingParams
+) -> list[list[Completion]]:
+    """The Engine Protocol's `generate` of a streaming engine: add every request, step until the
+    engine is idle, and return the completions in request order."""
+    if engine.busy:
+        raise RuntimeError("generate() needs an idle engine (streaming work is in flight)")
+    for i, r in enumerate(requests):
+        engine.add(i, r, params)
+    out: dict[Hashable, list[Completion]] = {}
+    while engine.busy:
+        out.update(engine.step())
+    return [out[i] for i in range(len(requests))]
+
+
 def derive_seed(run_seed: int, iteration: int, prompt_index: int, sample_index: int) -> int:
     """A 63-bit seed for one sample, stable across processes and Python versions."""
     key = f"{run_seed}:{iteration}:{prompt_index}:{sample_index}".encode()

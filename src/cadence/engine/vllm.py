@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cadence.engine.base import Request, SamplingParams
+from cadence.engine.base import Request, SamplingParams, generate_by_steps
 from cadence.types import Completion
 
 INSTALL_HINT = (
@@ -174,14 +174,7 @@ class VLLMEngine:
         return done
 
     def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
-        if self.busy:
-            raise RuntimeError("generate() needs an idle engine (streaming work is in flight)")
-        for i, r in enumerate(requests):
-            self.add(i, r, params)
-        out: dict[Hashable, list[Completion]] = {}
-        while self.busy:
-            out.update(self.step())
-        return [out[i] for i in range(len(requests))]
+        return generate_by_steps(self, requests, params)
 
     def load_weights(
         self,
