@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cadence.algo import LossParams
-from cadence.backend.weights import InMemoryWeights, load_into
+from cadence.backend.weights import InMemoryWeights
+from cadence.engine import load_into
 from cadence.learner import Learner, LearnerParams
 from cadence.models import load_model, load_tokenizer, save_pretrained
 from cadence.models.lora import (

@@ -10,10 +10,10 @@ from typing import ClassVar
 import pytest
 import torch
 
-from cadence.backend import SharedWeights, load_into
+from cadence.backend import SharedWeights
 from cadence.backend.fake import ThreadPool
 from cadence.backend.ranks import InlineRanks
-from cadence.engine import SamplingParams, ScriptedEngine
+from cadence.engine import SamplingParams, ScriptedEngine, load_into
 from cadence.learner import LearnerParams
 from cadence.metrics import Tracer
 from cadence.pipeline import WorkerSource

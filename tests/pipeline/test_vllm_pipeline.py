@@ -51,8 +51,8 @@ def _train(cfg, out):
     try:
         train(run, out, extra_sinks=[sink], evaluate=cfg.pipeline.placement == "colocated")
     finally:
-        engine = getattr(run.heldout_accuracy.engine, "engine", None)
-        if engine is not None:  # vLLM in this process: shut it down for the tests after
+        engine = run.heldout_accuracy.engine
+        if engine.owns_weights:  # vLLM in this process: shut it down for the tests after
             engine.close()
     return run, sink.records, grads
 

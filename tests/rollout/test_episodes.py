@@ -9,13 +9,14 @@ import pytest
 import torch
 
 import fixtures_tools
-from cadence.backend import WorkerLoop, load_into
+from cadence.backend import WorkerLoop
 from cadence.engine import (
     ContinuousEngine,
     SamplingParams,
     ScriptedEngine,
     derive_seed,
     derive_turn_seed,
+    load_into,
 )
 from cadence.envs import Budget, EnvReply, ScriptedEnv, SingleTurnEnv, ToolEnv, load_tools, replies
 from cadence.metrics import sample_figures

@@ -8,6 +8,8 @@ from cadence.engine.base import (
     Request,
     SamplingParams,
     StreamingEngine,
+    Tensors,
+    WeightOwner,
     as_streaming,
     derive_seed,
     derive_turn_seed,
@@ -16,26 +18,33 @@ from cadence.engine.base import (
     step_uniforms,
 )
 from cadence.engine.continuous import ContinuousEngine, UnsupportedModel, check_continuous
-from cadence.engine.factory import make_engine
+from cadence.engine.factory import keeps_own_copy, make_engine, open_engine
 from cadence.engine.fake import ScriptedEngine
 from cadence.engine.hf import HFEngine
+from cadence.engine.weights import EngineWeights, load_into
 
 __all__ = [
     "BatchStepper",
     "ContinuousEngine",
     "Engine",
+    "EngineWeights",
     "HFEngine",
     "Request",
     "SamplingParams",
     "ScriptedEngine",
     "StreamingEngine",
+    "Tensors",
     "UnsupportedModel",
+    "WeightOwner",
     "as_streaming",
     "check_continuous",
     "derive_seed",
     "derive_turn_seed",
     "generate_by_steps",
+    "keeps_own_copy",
+    "load_into",
     "make_engine",
+    "open_engine",
     "sample_tokens",
     "step_uniforms",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -46,9 +46,29 @@ class Request:
         return min(self.max_new_tokens, params.max_new_tokens)
 
 
+Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
 class Engine(Protocol):
+    """Turns requests into completions. `owns_weights` says where its weights live: False, it
+    decodes with the model object it was given, so a change to that model's parameters is a
+    change to the engine's (colocated with the learner, nothing needs copying); True, it keeps a
+    copy of its own (vLLM) that new weights reach only through `load_weights` (`WeightOwner`)."""
+
+    @property
+    def owns_weights(self) -> bool: ...
+
     def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
         """One list of completions per request, in request order, `len(seeds)` each."""
+        ...
+
+
+class WeightOwner(Engine, Protocol):
+    """An engine with its own copy of the weights (`owns_weights` True)."""
+
+    def load_weights(self, tensors: Tensors, version: int | str | None = None) -> None:
+        """Put new weights, under the plain model's parameter names, into the engine's copy;
+        `version` labels them. Only while idle: a request never sees two versions."""
         ...
 
 
@@ -57,6 +77,9 @@ class StreamingEngine(Protocol):
     """Work added at any time; each `step()` returns the requests that finished, by key."""
 
     occupancy: list[tuple[float, int]]  # (time.perf_counter(), sequences decoding), appended
+
+    @property
+    def owns_weights(self) -> bool: ...
 
     @property
     def busy(self) -> bool: ...
@@ -74,6 +97,10 @@ class BatchStepper:
         self.pending: list[tuple[Hashable, Request]] = []
         self.params: SamplingParams | None = None
         self.occupancy: list[tuple[float, int]] = []
+
+    @property
+    def owns_weights(self) -> bool:
+        return self.engine.owns_weights
 
     @property
     def busy(self) -> bool:

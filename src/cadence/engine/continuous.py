@@ -142,6 +142,8 @@ class ContinuousEngine:
     Protocol) does that for a list of requests and returns them in order.
     """
 
+    owns_weights = False  # it decodes with `model`: whatever changes that model changes it
+
     def __init__(self, model, tokenizer, max_num_seqs: int = 256) -> None:
         self.model = model
         self.tokenizer = tokenizer

@@ -2,8 +2,10 @@
 
 'continuous' (cadence's slot engine; falls back to 'static', with a warning, where it does not
 reproduce the model), 'static' (batches that end with their slowest sequence) and 'vllm' (its own
-copy of the model, loaded from the model directory). Everything else asks an engine what it is
-through the Engine Protocol; nothing outside this module tests an engine's class.
+copy of the model, loaded from the model directory). `open_engine` also answers what new weights
+load into (`EngineWeights`): the model the engine decodes with, or a skeleton of the engine's own
+copy. Everything else asks an engine what it is through the Engine Protocol (`owns_weights`);
+nothing outside this module tests an engine's class or name.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING
 from cadence.engine.base import Engine
 from cadence.engine.continuous import ContinuousEngine, check_continuous
 from cadence.engine.hf import HFEngine
+from cadence.engine.weights import EngineWeights
 
 if TYPE_CHECKING:
     from cadence.engine.vllm import VLLMOptions
@@ -53,3 +56,41 @@ def make_engine(
     elif kind != "static":
         raise ValueError(f"unknown engine {kind!r}; use {', '.join(repr(k) for k in KINDS)}")
     return HFEngine(model, tokenizer, max_num_seqs=max_num_seqs)
+
+
+def keeps_own_copy(kind: str) -> bool:
+    """Whether engine `kind` loads its own copy of the model (so none is loaded for it): what its
+    instances answer as `owns_weights`, known before one is built."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown engine {kind!r}; use {', '.join(repr(k) for k in KINDS)}")
+    return kind == "vllm"
+
+
+def open_engine(
+    kind: str,
+    model_path: str,
+    tokenizer,
+    max_num_seqs: int,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    vllm: VLLMOptions | None = None,
+    model=None,
+) -> tuple[Engine, EngineWeights]:
+    """Engine `kind` over the model in `model_path`, and its weights as new ones load into them.
+
+    An engine that decodes with a model object decodes with `model` (loaded from `model_path` as
+    `dtype` on `device` when None); one that keeps its own copy loads it itself (`model` unused)
+    and a skeleton describes its weights: the model is never loaded twice.
+    """
+    from cadence.models import DTYPES, load_model, load_skeleton
+
+    if keeps_own_copy(kind):
+        engine = make_engine(
+            kind, None, tokenizer, max_num_seqs, model_path=model_path, dtype=dtype, vllm=vllm
+        )
+        return engine, EngineWeights(engine, load_skeleton(model_path, DTYPES[dtype]))
+    if model is None:
+        model = load_model(model_path, dtype=DTYPES[dtype], device=device)
+    engine = make_engine(kind, model, tokenizer, max_num_seqs)
+    return engine, EngineWeights(engine, model)

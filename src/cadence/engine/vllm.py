@@ -34,14 +34,14 @@ import itertools
 import os
 import random
 import time
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from cadence.engine.base import Request, SamplingParams, generate_by_steps
+from cadence.engine.base import Request, SamplingParams, Tensors, generate_by_steps
 from cadence.types import Completion
 
 INSTALL_HINT = (
@@ -112,6 +112,7 @@ class VLLMEngine:
     cannot load or run is refused at construction with `ModelLoadError` and vLLM's reason.
     """
 
+    owns_weights = True  # its model is vLLM's own copy: new weights arrive by `load_weights`
     _open = False  # vLLM keeps one engine's parallel state per process: one engine at a time
 
     def __init__(
@@ -176,11 +177,7 @@ class VLLMEngine:
     def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
         return generate_by_steps(self, requests, params)
 
-    def load_weights(
-        self,
-        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        version: int | str | None = None,
-    ) -> None:
+    def load_weights(self, tensors: Tensors, version: int | str | None = None) -> None:
         """Put new weights (Hugging Face parameter names) into the running model, in place."""
         if self.busy:
             raise RuntimeError("load_weights while requests decode: one would see two versions")

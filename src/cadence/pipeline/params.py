@@ -19,15 +19,15 @@ from cadence.algo import (
     is_pair_loss,
     needs_reference,
 )
-from cadence.backend import WorkerSpec
 from cadence.config import Config, ConfigError
 from cadence.data import ChatRender, Example, PlainRender, Render, load_task, make_prompt
-from cadence.engine import SamplingParams, make_engine
+from cadence.engine import SamplingParams
 from cadence.engine.vllm import INSTALL_HINT, VLLMOptions, vllm_available
 from cadence.envs import EnvSpec, demonstration, load_tools
 from cadence.learner import LearnerParams
 from cadence.learner.ranks import RankSpec
 from cadence.pipeline.prompts import PromptFilter
+from cadence.rollout import WorkerSpec
 
 
 def set_threads(threads: int) -> None:
@@ -251,7 +251,7 @@ def worker_spec(cfg: Config, sampling: SamplingParams) -> WorkerSpec:
         threads=cfg.pipeline.threads_per_worker,
         max_num_seqs=cfg.rollout.max_num_seqs,
         engine=cfg.rollout.engine,
-        vllm=vllm_options(cfg) if cfg.rollout.engine == "vllm" else None,
+        vllm=vllm_options(cfg),  # read by an engine that takes them (vllm) only
         reward_timeout_s=cfg.reward.timeout_s,
         answer_format=cfg.reward.answer_format,
         env=env_spec(cfg),
@@ -298,19 +298,6 @@ def tokenizer_corpus(cfg: Config, n: int) -> list[str]:
 def vllm_options(cfg: Config) -> VLLMOptions:
     """The `[rollout.vllm]` table as the vLLM engine takes it."""
     return VLLMOptions(**cfg.rollout.vllm.model_dump())
-
-
-def rollout_engine(cfg: Config, model, tokenizer):
-    """The engine of the learner's process: the rollout engine when colocated, held-out
-    evaluation always. With 'vllm' in worker processes, cadence's own engine evaluates on the
-    learner's model (a second vLLM beside the learner would take its GPU's memory)."""
-    kind, r = cfg.rollout.engine, cfg.rollout
-    if kind == "vllm" and cfg.pipeline.placement == "colocated":
-        path, dtype, opts = cfg.model.path, cfg.model.dtype, vllm_options(cfg)
-        return make_engine(
-            kind, None, tokenizer, r.max_num_seqs, model_path=path, dtype=dtype, vllm=opts
-        )
-    return make_engine("continuous" if kind == "vllm" else kind, model, tokenizer, r.max_num_seqs)
 
 
 def require_engine(kind: str) -> None:

@@ -5,6 +5,7 @@ all, run by the same rollout worker code that training uses; without one, a sing
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -60,10 +61,16 @@ class Evaluator:
     prompts: list[Prompt]
     sampling: SamplingParams
     env: Environment | None = None
+    sync: Callable[..., None] | None = None  # brings an engine with its own copy to the policy
 
-    def __call__(self) -> float:
+    def results(self) -> dict[str, float]:
+        """`evaluate`'s figures for the policy as it is now."""
         self.model.eval()
-        result = evaluate(
+        if self.sync is not None:
+            self.sync()
+        return evaluate(
             self.engine, self.tokenizer, self.reward, self.prompts, self.sampling, self.env
         )
-        return result["accuracy"]
+
+    def __call__(self) -> float:
+        return self.results()["accuracy"]

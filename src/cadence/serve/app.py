@@ -138,13 +138,12 @@ def build_server(model_dir: str, max_num_seqs: int = 64, max_tokens: int = MAX_T
     """Load a Hugging Face causal-LM directory behind a continuous-batching engine."""
     from pathlib import Path
 
-    from cadence.engine import make_engine
-    from cadence.models import load_model, load_tokenizer
+    from cadence.engine import open_engine
+    from cadence.models import load_tokenizer, max_positions
 
     tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir).eval()
-    engine = make_engine("continuous", model, tokenizer, max_num_seqs=max_num_seqs)
-    positions = getattr(model.config, "max_position_embeddings", None) or 4096
+    engine, weights = open_engine("continuous", str(model_dir), tokenizer, max_num_seqs)
+    positions = max_positions(weights.model) or 4096
     return Server(EngineLoop(engine), tokenizer, Path(model_dir).name, positions, max_tokens)
 
 
