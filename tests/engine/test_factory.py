@@ -48,7 +48,7 @@ def test_new_weights_reach_an_engine_through_the_model_it_decodes_with(model_dir
 
 def test_weights_under_other_names_are_refused_with_the_names(model_dir, tokenizer):
     # a LoRA policy's own names (what vLLM refused at the first colocated sync)
-    engine, weights = open_engine("static", str(model_dir), tokenizer, 8)
+    _, weights = open_engine("static", str(model_dir), tokenizer, 8)
     tensors = {f"base_model.model.{n}": p.detach() for n, p in weights.named_parameters()}
     with pytest.raises(ValueError, match=r"differ in parameters: \['base_model\.model\."):
         weights.load(tensors)
