@@ -152,10 +152,11 @@ class VLLMEngine:
 
         job = _Job(key, [None] * len(request.seeds), len(request.seeds), self.version)
         prompt = tokens_input(list(request.prompt_ids))
+        limit = request.limit(params)  # an episode's turn: the room its budget leaves
         for j, seed in enumerate(request.seeds):
             rid = str(next(self._ids))
             self._jobs[rid] = (job, j)
-            self.llm.llm_engine.add_request(rid, prompt, _vllm_params(params, seed))
+            self.llm.llm_engine.add_request(rid, prompt, _vllm_params(params, seed, limit))
 
     def step(self) -> list[tuple[Hashable, list[Completion]]]:
         """One vLLM engine step; the (key, completions) of every request it finished."""
@@ -276,7 +277,7 @@ def _version() -> str:
     return vllm.__version__
 
 
-def _vllm_params(params: SamplingParams, seed: int):
+def _vllm_params(params: SamplingParams, seed: int, max_tokens: int):
     from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -285,7 +286,7 @@ def _vllm_params(params: SamplingParams, seed: int):
         seed=seed,
         temperature=params.temperature,
         top_p=params.top_p,
-        max_tokens=params.max_new_tokens,
+        max_tokens=max_tokens,
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=True,  # stop where cadence's engines stop: at `stop_token_ids` (EOS among them)
