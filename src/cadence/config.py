@@ -218,8 +218,9 @@ class RolloutConfig(_Section):
         0,
         ge=0,
         description="Longest prompt, in tokens; see on_long_prompt. 0: what the model takes "
-        "(its max_position_embeddings) minus max_new_tokens. A value over that is refused: "
-        "prompt and response always fit in the model's positions.",
+        "(its max_position_embeddings, or rollout.vllm.max_model_len where that is lower) minus "
+        "max_new_tokens, or with env.kind = 'tool' minus env.max_total_tokens (a whole "
+        "episode). A value over that is refused: prompt and response always fit.",
     )
     on_long_prompt: Literal["skip", "truncate"] = Field(
         "skip",

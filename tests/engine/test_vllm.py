@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from cadence.engine import Request, SamplingParams, derive_seed
+from cadence.engine import Request, RequestRefused, SamplingParams, derive_seed
 from cadence.engine.vllm import VLLMEngine, VLLMOptions
 from cadence.envs import Budget, EnvReply, ScriptedEnv, ToolEnv, load_tools
 from cadence.models import load_model, load_tokenizer
@@ -216,6 +216,27 @@ def test_episodes_with_the_tool_environment_keep_to_their_token_budget(engine, t
             assert c.episode.turns == 3 and len(c.token_ids) == budget
             assert c.loss_mask[-(3 + reply) :] == [0] * reply + [1] * 3  # the last turn, cut
             assert c.finish_reason == "length"
+
+
+def test_a_prompt_vllm_refuses_fails_alone_and_leaves_the_engine_usable(engine, tok):
+    params = SamplingParams(max_new_tokens=6)
+    ok = _requests(tok, (2, 1, 1))[0]
+    too_long = Request([5] * engine.max_model_len, [1, 2])  # no room for one new token
+    engine.add("ok", ok, params)
+    with pytest.raises(RequestRefused, match=r"prompt of 256 tokens \(max_model_len 256\)"):
+        engine.add("long", too_long, params)
+    done = {}
+    while engine.busy:  # busy until the request it took is done, not forever
+        done.update(engine.step())
+    assert list(done) == ["ok"] and len(done["ok"]) == 2
+    with pytest.raises(RequestRefused):  # the requests before it still run out
+        engine.generate([ok, too_long], params)
+    assert not engine.busy and not engine.llm.llm_engine.has_unfinished_requests()
+    worker = RolloutWorker(engine, tok, None, params, 2, 7)
+    with pytest.raises(RequestRefused):
+        worker.submit("t", [Prompt("long", "", "", 0, tuple(too_long.prompt_ids))], 0, 0)
+    assert not worker.busy and worker.task_done("t")
+    assert engine.generate([ok], params)[0][0].token_ids == done["ok"][0].token_ids
 
 
 def test_importing_cadence_does_not_import_vllm():

@@ -49,6 +49,11 @@ class Request:
 Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
+class RequestRefused(ValueError):
+    """An engine would not take a request (a prompt longer than it holds, say): the request is
+    not in the engine, and everything else in it goes on."""
+
+
 class Engine(Protocol):
     """Turns requests into completions. `owns_weights` says where its weights live: False, it
     decodes with the model object it was given, so a change to that model's parameters is a
@@ -133,8 +138,13 @@ def generate_by_steps(
     engine is idle, and return the completions in request order."""
     if engine.busy:
         raise RuntimeError("generate() needs an idle engine (streaming work is in flight)")
-    for i, r in enumerate(requests):
-        engine.add(i, r, params)
+    try:
+        for i, r in enumerate(requests):
+            engine.add(i, r, params)
+    except RequestRefused:
+        while engine.busy:  # the requests already added run out: the engine is left idle
+            engine.step()
+        raise
     out: dict[Hashable, list[Completion]] = {}
     while engine.busy:
         out.update(engine.step())

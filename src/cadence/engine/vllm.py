@@ -41,7 +41,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from cadence.engine.base import Request, SamplingParams, Tensors, generate_by_steps
+from cadence.engine.base import (
+    Request,
+    RequestRefused,
+    SamplingParams,
+    Tensors,
+    generate_by_steps,
+)
 from cadence.types import Completion
 
 INSTALL_HINT = (
@@ -145,18 +151,39 @@ class VLLMEngine:
     def busy(self) -> bool:
         return bool(self._jobs)
 
+    @property
+    def max_model_len(self) -> int:
+        """The most positions (prompt and response) a request may take."""
+        return self.llm.llm_engine.model_config.max_model_len
+
     def add(self, key: Hashable, request: Request, params: SamplingParams) -> None:
+        """Queue the request's samples; a request vLLM refuses raises `RequestRefused`, with
+        none of its samples left in the engine (the job is registered only once all are in)."""
         if not request.seeds:
             raise ValueError("a request needs at least one seed")
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import tokens_input
 
-        job = _Job(key, [None] * len(request.seeds), len(request.seeds), self.version)
         prompt = tokens_input(list(request.prompt_ids))
         limit = request.limit(params)  # an episode's turn: the room its budget leaves
-        for j, seed in enumerate(request.seeds):
-            rid = str(next(self._ids))
+        added: list[str] = []
+        try:
+            for seed in request.seeds:
+                rid = str(next(self._ids))
+                self.llm.llm_engine.add_request(rid, prompt, _vllm_params(params, seed, limit))
+                added.append(rid)
+        except BaseException as e:
+            if added:
+                self.llm.llm_engine.abort_request(added)
+            if isinstance(e, VLLMClientError | ValueError):
+                raise RequestRefused(
+                    f"vLLM refused a request with a prompt of {len(request.prompt_ids)} tokens "
+                    f"(max_model_len {self.max_model_len}): {e}"
+                ) from e
+            raise
+        job = _Job(key, [None] * len(added), len(added), self.version)
+        for j, rid in enumerate(added):
             self._jobs[rid] = (job, j)
-            self.llm.llm_engine.add_request(rid, prompt, _vllm_params(params, seed, limit))
 
     def step(self) -> list[tuple[Hashable, list[Completion]]]:
         """One vLLM engine step; the (key, completions) of every request it finished."""

@@ -105,27 +105,44 @@ def prompt_filter(cfg: Config, tokenizer, max_positions: int | None = None) -> P
 
 
 def max_prompt_tokens(cfg: Config, max_positions: int | None) -> int:
-    """The longest prompt a run feeds the model: `rollout.max_prompt_tokens`, or when it is 0 the
-    model's positions (`max_positions`) minus `rollout.max_new_tokens`, so that prompt and
-    response always fit; a setting that would not fit is a `ConfigError`. 0 (no limit) only for
-    a model that states no limit."""
+    """The longest prompt a run feeds the model: `rollout.max_prompt_tokens`, or when it is 0
+    the positions left once a response has room, so that prompt and response always fit; a
+    setting that would not fit is a `ConfigError`. 0 (no limit) only for a model that states no
+    limit and no `rollout.vllm.max_model_len`.
+
+    The positions are the model's (`max_positions`), capped by `rollout.vllm.max_model_len`; a
+    response is `rollout.max_new_tokens`, or with an environment the whole episode after the
+    prompt (`env.max_total_tokens`: every turn and tool reply)."""
     r = cfg.rollout
-    if max_positions is None:
+    positions, where = _engine_positions(cfg, max_positions)
+    if positions is None:
         return r.max_prompt_tokens
-    room = max_positions - r.max_new_tokens
+    reply, what = _response_budget(cfg)
+    room = positions - reply
     if room < 1:
-        raise ConfigError(
-            f"rollout.max_new_tokens = {r.max_new_tokens} leaves no room for a prompt in the "
-            f"model's {max_positions} positions (max_position_embeddings): lower it"
-        )
+        raise ConfigError(f"{what} = {reply} leaves no room for a prompt in {where}: lower it")
     if r.max_prompt_tokens > room:
         raise ConfigError(
-            f"rollout.max_prompt_tokens = {r.max_prompt_tokens} plus rollout.max_new_tokens = "
-            f"{r.max_new_tokens} exceeds the model's {max_positions} positions "
-            f"(max_position_embeddings): set rollout.max_prompt_tokens <= {room}, or 0 for "
-            "that limit"
+            f"rollout.max_prompt_tokens = {r.max_prompt_tokens} plus {what} = {reply} exceeds "
+            f"{where}: set rollout.max_prompt_tokens <= {room}, or 0 for that limit"
         )
     return r.max_prompt_tokens or room
+
+
+def _engine_positions(cfg: Config, max_positions: int | None) -> tuple[int | None, str]:
+    """(the most positions prompt and response may take, what sets them, for messages)."""
+    cap = cfg.rollout.vllm.max_model_len
+    model = f"the model's {max_positions} positions (max_position_embeddings)"
+    if cap and (max_positions is None or cap < max_positions):
+        return cap, f"rollout.vllm.max_model_len = {cap}"
+    return max_positions, model
+
+
+def _response_budget(cfg: Config) -> tuple[int, str]:
+    """(the most tokens after the prompt, the key that sets them)."""
+    if cfg.env.kind != "single_turn":
+        return cfg.env.max_total_tokens, "env.max_total_tokens"
+    return cfg.rollout.max_new_tokens, "rollout.max_new_tokens"
 
 
 def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:

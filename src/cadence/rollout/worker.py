@@ -100,11 +100,12 @@ class RolloutWorker:
                 derive_seed(self.run_seed, iteration, prompt.index, j)
                 for j in range(self.group_size)
             ]
-            self._jobs[(task, pos)] = _Job(task, prompt, ids, iteration, version, now)
             if self.episodes is not None:
                 self.episodes.add((task, pos), prompt, ids, seeds)
             else:
                 self.engine.add((task, pos), Request(ids, seeds), self.sampling)
+            # only once the engine took it: a refused prompt must not leave the worker busy
+            self._jobs[(task, pos)] = _Job(task, prompt, ids, iteration, version, now)
 
     def poll(self) -> list[tuple[Hashable, Group]]:
         """One engine step; the (task, group) of every prompt that finished in it, scored."""
