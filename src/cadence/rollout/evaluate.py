@@ -1,7 +1,9 @@
 """Held-out accuracy: greedy decoding, scored by the run's reward function.
 
 With an environment (`env.kind = "tool"`) each held-out problem is a greedy episode, tools and
-all, run by the same rollout worker code that training uses; without one, a single response."""
+all, run by the same rollout worker code that training uses; without one, a single response.
+Either way a prompt is fed as training feeds it (`prompt_ids`: truncated where it was cut to fit).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 from cadence.engine import Engine, Request, SamplingParams
 from cadence.envs import Environment
 from cadence.rewards import RewardFn, safe_reward
-from cadence.rollout.worker import RolloutWorker
+from cadence.rollout.worker import RolloutWorker, prompt_ids
 from cadence.types import Completion, Prompt
 
 
@@ -39,9 +41,7 @@ def evaluate(
 
 
 def _responses(engine, tokenizer, prompts, greedy) -> list[Completion]:
-    requests = [
-        Request(tokenizer(p.text, add_special_tokens=False)["input_ids"], [0]) for p in prompts
-    ]
+    requests = [Request(prompt_ids(p, tokenizer), [0]) for p in prompts]
     return [c for (c,) in engine.generate(requests, greedy)]
 
 

@@ -35,6 +35,14 @@ from cadence.rollout.episodes import EpisodeRunner
 from cadence.types import Completion, Group, Prompt
 
 
+def prompt_ids(prompt: Prompt, tokenizer) -> list[int]:
+    """The token ids a prompt is fed as: its own where it has them (truncated to fit), else its
+    text's. Training and held-out evaluation both come through here."""
+    if prompt.token_ids is not None:
+        return list(prompt.token_ids)
+    return tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+
+
 @dataclass
 class _Job:
     task: Hashable
@@ -87,9 +95,7 @@ class RolloutWorker:
         return bool(self._jobs)
 
     def encode(self, prompt: Prompt) -> list[int]:
-        if prompt.token_ids is not None:
-            return list(prompt.token_ids)
-        return self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+        return prompt_ids(prompt, self.tokenizer)
 
     def submit(self, task: Hashable, prompts: list[Prompt], iteration: int, version: int) -> None:
         """Queue `prompts` (one task) for generation with the weights of `version`."""
