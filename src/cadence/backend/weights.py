@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from cadence.engine import EngineWeights
+from cadence.models.lora import plain_weights
 
 
 class WeightSync(Protocol):
@@ -59,10 +60,13 @@ class InMemoryWeights:
 class LearnerWeights:
     """The learner's weights for an engine with its own copy (`owns_weights`, vLLM) in the
     learner's process: colocated rollouts and held-out evaluation. `sync` loads the learner's
-    current weights into the engine (names checked against the engine's model)."""
+    current weights into the engine (names checked against the engine's model) as a plain model
+    names them: a LoRA policy's adapter merged in (`plain_weights`). Every path that feeds the
+    learner's weights to an engine in its own process comes through here, so none can forget
+    the merge."""
 
     def __init__(self, weights: EngineWeights, model: torch.nn.Module) -> None:
-        self.weights, self.model = weights, model
+        self.weights, self.model = weights, plain_weights(model)
 
     def sync(self, version: int | None = None) -> None:
         self.weights.load({n: p.detach() for n, p in self.model.named_parameters()}, version)

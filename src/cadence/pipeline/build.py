@@ -18,7 +18,7 @@ from cadence.dataplane import Store
 from cadence.learner import Learner
 from cadence.metrics import Tracer
 from cadence.models import DTYPES, load_model, load_tokenizer, max_positions
-from cadence.models.lora import AdapterOff, LoraSpec, MergedWeights, apply_lora, is_lora
+from cadence.models.lora import AdapterOff, LoraSpec, apply_lora, is_lora, plain_weights
 from cadence.pipeline.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -111,8 +111,7 @@ def build_source(
         )
     separate = cfg.reward.stage == "separate"
     spec = worker_spec(cfg, worker.sampling)
-    if is_lora(model):  # the workers' model has no adapter: they load merged weights
-        model = MergedWeights(model)
+    model = plain_weights(model)  # a LoRA policy's merged: the workers' model has no adapter
     pool, store = make_pool(
         p.backend, spec, model, p.num_workers, timeout_s=p.worker_timeout_s, **ray_options(p)
     )
