@@ -214,6 +214,12 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always).")
+    stop_token_ids: list[int] = Field(
+        default_factory=list,
+        description="Extra token ids a response stops at (kept in it). Always stopped at: the "
+        "tokenizer's EOS and the model's generation_config.json eos_token_id (an int or a list: "
+        "a chat model's end-of-turn token).",
+    )
     max_prompt_tokens: int = Field(
         0,
         ge=0,

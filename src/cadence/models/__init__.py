@@ -1,5 +1,6 @@
 """Model and tokenizer I/O: the embedded default builder and loaders for any local HF directory."""
 
+from cadence.models.generation import generation_eos_ids, stop_token_ids
 from cadence.models.io import (
     DTYPES,
     ModelLoadError,
@@ -15,11 +16,13 @@ __all__ = [
     "DTYPES",
     "PRESETS",
     "ModelLoadError",
+    "generation_eos_ids",
     "init_model",
     "load_model",
     "load_skeleton",
     "load_tokenizer",
     "max_positions",
     "save_pretrained",
+    "stop_token_ids",
     "train_tokenizer",
 ]

@@ -26,6 +26,7 @@ from cadence.engine.vllm import INSTALL_HINT, VLLMOptions, vllm_available
 from cadence.envs import EnvSpec, demonstration, load_tools
 from cadence.learner import LearnerParams
 from cadence.learner.ranks import RankSpec
+from cadence.models import stop_token_ids
 from cadence.pipeline.prompts import PromptFilter
 from cadence.rollout import WorkerSpec
 
@@ -81,14 +82,22 @@ def prompt_render(cfg: Config, tokenizer) -> Render:
     return ChatRender(tokenizer, d.prompt_template, d.system_prompt, template)
 
 
-def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
-    """How rollouts sample: EOS and the configured stop strings end a response."""
+def sampling_params(cfg: Config, tokenizer, model_path: str | Path | None = None) -> SamplingParams:
+    """How rollouts sample. A response ends at the tokenizer's EOS, the ids the generation config
+    of the model in `model_path` (default `model.path`) stops at, `rollout.stop_token_ids`, and
+    the `rollout.stop` strings."""
     r = cfg.rollout
+    bad = [i for i in r.stop_token_ids if not 0 <= i < len(tokenizer)]
+    if bad:
+        raise ConfigError(
+            f"rollout.stop_token_ids: {bad} are not ids of the tokenizer's {len(tokenizer)} tokens"
+        )
+    path = model_path or cfg.model.path
     return SamplingParams(
         max_new_tokens=r.max_new_tokens,
         temperature=r.temperature,
         top_p=r.top_p,
-        stop_token_ids=(tokenizer.eos_token_id,),
+        stop_token_ids=stop_token_ids(tokenizer, path, r.stop_token_ids),
         stop=tuple(r.stop),
     )
 

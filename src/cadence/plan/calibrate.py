@@ -94,7 +94,7 @@ def calibrate(
     model = load_model(model_dir)
     say("sampling the task's prompts to get response lengths ...")
     with _threads(colocated_threads):
-        groups, score_s = _sample_groups(cfg, model, tokenizer, quick)
+        groups, score_s = _sample_groups(cfg, model_dir, model, tokenizer, quick)
     prompt_ids = [g.prompt_ids for g in groups]
     decode: dict[int, _Decode] = {}
     for threads in sorted({cfg.pipeline.threads_per_worker, colocated_threads}):
@@ -143,7 +143,7 @@ def _throughput(decode: _Decode, train: _Train, train_devices: int, score_s: flo
     )
 
 
-def _sample_groups(cfg: Config, model, tokenizer, quick: bool):
+def _sample_groups(cfg: Config, model_dir: str, model, tokenizer, quick: bool):
     """The task's prompts sampled as `cadence train` samples them; seconds to score one."""
     from cadence.pipeline.params import make_task, prompt_render
     from cadence.pipeline.prompts import PromptStream
@@ -155,7 +155,7 @@ def _sample_groups(cfg: Config, model, tokenizer, quick: bool):
         n
     )
     engine, _ = open_rollout_engine(cfg, tokenizer, model=model)
-    worker = rollout_worker(cfg, engine, tokenizer, ConstantReward(0.0))
+    worker = rollout_worker(cfg, engine, tokenizer, ConstantReward(0.0), model_path=model_dir)
     groups = worker.rollout(prompts, 0, 0)
     reward = load_reward(cfg.reward.function, cfg.reward.answer_format)
     start = time.perf_counter()

@@ -44,11 +44,20 @@ def check_binding(host: str, token: str | None) -> None:
 class Server:
     """The engine, tokenizer and limits behind the routes (no HTTP here: `make_app` adds it)."""
 
-    def __init__(self, loop: EngineLoop, tokenizer, name: str, max_positions: int, max_tokens: int):
+    def __init__(
+        self,
+        loop: EngineLoop,
+        tokenizer,
+        name: str,
+        max_positions: int,
+        max_tokens: int,
+        stop_token_ids: tuple[int, ...] = (),
+    ):
+        """A response ends at `stop_token_ids` (the tokenizer's EOS where none are given)."""
         self.loop, self.tokenizer, self.name = loop, tokenizer, name
         self.max_positions, self.max_tokens = max_positions, max_tokens
         self.params = SamplingParams(
-            max_new_tokens=max_tokens, stop_token_ids=(tokenizer.eos_token_id,)
+            max_new_tokens=max_tokens, stop_token_ids=stop_token_ids or (tokenizer.eos_token_id,)
         )
 
     async def chat(self, request: ChatRequest) -> dict[str, Any]:
@@ -139,12 +148,14 @@ def build_server(model_dir: str, max_num_seqs: int = 64, max_tokens: int = MAX_T
     from pathlib import Path
 
     from cadence.engine import open_engine
-    from cadence.models import load_tokenizer, max_positions
+    from cadence.models import load_tokenizer, max_positions, stop_token_ids
 
     tokenizer = load_tokenizer(model_dir)
     engine, weights = open_engine("continuous", str(model_dir), tokenizer, max_num_seqs)
     positions = max_positions(weights.model) or 4096
-    return Server(EngineLoop(engine), tokenizer, Path(model_dir).name, positions, max_tokens)
+    stops = stop_token_ids(tokenizer, model_dir)  # a chat model's end of turn, not EOS alone
+    name = Path(model_dir).name
+    return Server(EngineLoop(engine), tokenizer, name, positions, max_tokens, stops)
 
 
 def run(server: Server, host: str, port: int, token: str | None) -> None:
