@@ -51,6 +51,7 @@ class Server:
         name: str,
         max_positions: int,
         max_tokens: int,
+        *,
         stop_token_ids: tuple[int, ...] = (),
     ):
         """A response ends at `stop_token_ids` (the tokenizer's EOS where none are given)."""
@@ -155,7 +156,7 @@ def build_server(model_dir: str, max_num_seqs: int = 64, max_tokens: int = MAX_T
     positions = max_positions(weights.model) or 4096
     stops = stop_token_ids(tokenizer, model_dir)  # a chat model's end of turn, not EOS alone
     name = Path(model_dir).name
-    return Server(EngineLoop(engine), tokenizer, name, positions, max_tokens, stops)
+    return Server(EngineLoop(engine), tokenizer, name, positions, max_tokens, stop_token_ids=stops)
 
 
 def run(server: Server, host: str, port: int, token: str | None) -> None:
