@@ -32,7 +32,8 @@ ALLOWED = {
     # the policy acting (workers, episodes, evaluation): above what it acts with, below what
     # carries it to processes (backend) and what runs training (pipeline)
     "rollout": {"types", "engine", "envs", "models", "rewards"},
-    "backend": {"types", "dataplane", "engine", "envs", "metrics", "models", "rewards", "rollout"},
+    # engines only as what weights load into (EngineWeights); rewards for the reward stage
+    "backend": {"types", "dataplane", "engine", "metrics", "models", "rewards", "rollout"},
     "pipeline": {
         "types",
         "config",
