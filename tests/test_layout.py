@@ -29,7 +29,11 @@ ALLOWED = {
     "envs": {"types", "data", "rewards"},
     "learner": {"types", "algo", "data", "metrics", "models"},
     "dataplane": {"types", "metrics"},
-    "backend": {"types", "dataplane", "engine", "envs", "metrics", "models", "rewards"},
+    # the policy acting (workers, episodes, evaluation): above what it acts with, below what
+    # carries it to processes (backend) and what runs training (pipeline)
+    "rollout": {"types", "engine", "envs", "models", "rewards"},
+    # engines only as what weights load into (EngineWeights); rewards for the reward stage
+    "backend": {"types", "dataplane", "engine", "metrics", "models", "rewards", "rollout"},
     "pipeline": {
         "types",
         "config",
@@ -42,6 +46,7 @@ ALLOWED = {
         "rewards",
         "learner",
         "dataplane",
+        "rollout",
         "backend",
     },
 }
@@ -161,3 +166,48 @@ def test_the_checks_see_a_circle_a_private_import_and_a_layer_breach():
     }
     assert _cycles(graph) == [["cadence.backend.a", "cadence.pipeline.b"]]
     assert _top("cadence.backend.a") == "backend" and "pipeline" not in ALLOWED["backend"]
+
+
+# What an engine is, is asked of the engine (the Engine Protocol's `owns_weights`); its class only
+# the factory that builds it knows.
+ENGINE_CLASSES = {"BatchStepper", "ContinuousEngine", "HFEngine", "ScriptedEngine", "VLLMEngine"}
+FACTORIES = {"cadence.engine.factory"}
+
+
+def _class_tests(path: Path) -> set[str]:
+    """Names whose class `isinstance`/`issubclass` (or `type(x) is`) asks about in the module."""
+    asked: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in (
+            "isinstance",
+            "issubclass",
+        ):
+            target = node.args[1] if len(node.args) > 1 else None
+            elts = target.elts if isinstance(target, ast.Tuple) else [target]
+            asked |= {e.id if isinstance(e, ast.Name) else getattr(e, "attr", "") for e in elts}
+        elif isinstance(node, ast.Compare) and any(
+            isinstance(o, ast.Is | ast.IsNot) for o in node.ops
+        ):
+            asked |= {getattr(c, "id", "") for c in node.comparators}
+    return asked
+
+
+def test_no_isinstance_on_engine_classes_outside_the_factory():
+    bad = sorted(
+        f"{name} asks for {cls}"
+        for name, path in _modules().items()
+        if name not in FACTORIES
+        for cls in _class_tests(path) & ENGINE_CLASSES
+    )
+    assert bad == []
+
+
+def test_the_class_check_sees_each_way_of_asking(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import cadence.engine as e\n"
+        "a = isinstance(x, VLLMEngine)\n"
+        "b = isinstance(x, (int, e.HFEngine))\n"
+        "c = type(x) is ContinuousEngine\n"
+    )
+    assert _class_tests(probe) & ENGINE_CLASSES == {"VLLMEngine", "HFEngine", "ContinuousEngine"}

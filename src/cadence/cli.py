@@ -152,51 +152,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from cadence.engine import make_engine
-    from cadence.envs import make_env
-    from cadence.models import load_model, load_skeleton, load_tokenizer, max_positions
-    from cadence.pipeline.evaluate import evaluate
-    from cadence.pipeline.params import (
-        env_spec,
-        make_task,
-        prompt_filter,
-        prompt_render,
-        require_engine,
-        sampling_params,
-        set_threads,
-        vllm_options,
-    )
-    from cadence.pipeline.prompts import heldout_prompts
-    from cadence.rewards import load_reward
+    from cadence.pipeline.params import set_threads
+    from cadence.pipeline.workers import evaluate_model
 
     cfg = _config(args)
-    kind = cfg.rollout.engine
-    require_engine(kind)
     set_threads(cfg.train.threads)
-    tokenizer = load_tokenizer(args.model_dir)
-    model = None if kind == "vllm" else load_model(args.model_dir)  # vLLM loads its own
-    engine = make_engine(
-        kind,
-        model,
-        tokenizer,
-        cfg.rollout.max_num_seqs,
-        model_path=str(args.model_dir),
-        dtype=cfg.model.dtype,
-        vllm=vllm_options(cfg) if kind == "vllm" else None,
-    )
-    shape = model if model is not None else load_skeleton(args.model_dir)
-    fit = prompt_filter(cfg, tokenizer, max_positions(shape))
-    render = prompt_render(cfg, tokenizer)
-    prompts = heldout_prompts(make_task(cfg), render, cfg.data.task, fit)
-    result = evaluate(
-        engine,
-        tokenizer,
-        load_reward(cfg.reward.function, cfg.reward.answer_format, cfg.reward.timeout_s),
-        prompts,
-        sampling_params(cfg, tokenizer),
-        make_env(env_spec(cfg)),
-    )
-    print(json.dumps({"model": str(args.model_dir), "num_prompts": len(prompts)} | result))
+    result = evaluate_model(cfg, args.model_dir)
+    print(json.dumps({"model": str(args.model_dir)} | result))
     return 0
 
 

@@ -214,12 +214,19 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always).")
+    stop_token_ids: list[int] = Field(
+        default_factory=list,
+        description="Extra token ids a response stops at (kept in it). Always stopped at: the "
+        "tokenizer's EOS and the model's generation_config.json eos_token_id (an int or a list: "
+        "a chat model's end-of-turn token).",
+    )
     max_prompt_tokens: int = Field(
         0,
         ge=0,
         description="Longest prompt, in tokens; see on_long_prompt. 0: what the model takes "
-        "(its max_position_embeddings) minus max_new_tokens. A value over that is refused: "
-        "prompt and response always fit in the model's positions.",
+        "(its max_position_embeddings, or rollout.vllm.max_model_len where that is lower) minus "
+        "max_new_tokens, or with env.kind = 'tool' minus env.max_total_tokens (a whole "
+        "episode). A value over that is refused: prompt and response always fit.",
     )
     on_long_prompt: Literal["skip", "truncate"] = Field(
         "skip",

@@ -1,5 +1,6 @@
 """The weight gate (the version barrier) over the fake transport: when a version is written, when
-the learner may go on, and what a replaced worker changes."""
+the learner may go on, and what a replaced worker changes; and the learner's weights reaching an
+engine in its own process."""
 
 import threading
 import time
@@ -7,7 +8,8 @@ import time
 import pytest
 import torch
 
-from cadence.backend import InMemoryWeights, WeightGate, load_into
+from cadence.backend import InMemoryWeights, WeightGate, learner_sync
+from cadence.engine import EngineWeights, ScriptedEngine, load_into
 
 
 def _model(value: float) -> torch.nn.Module:
@@ -110,3 +112,30 @@ def test_a_version_already_released_is_not_written_again():
     gate.release(0)
     gate.publish(_model(9.0), version=0, wait=True)
     assert weights.versions == [0]
+
+
+class _OwnCopy(ScriptedEngine):
+    """An engine with its own copy of the weights: records what it is sent."""
+
+    owns_weights = True
+
+    def __init__(self) -> None:
+        super().__init__(lambda ids, seed: [1])
+        self.loaded: list[tuple[dict, object]] = []
+
+    def load_weights(self, tensors, version=None) -> None:
+        self.loaded.append(({n: t.clone() for n, t in dict(tensors).items()}, version))
+
+
+def test_the_learner_syncs_only_an_engine_that_keeps_its_own_copy():
+    learner = _model(2.0)
+    shared = ScriptedEngine(lambda ids, seed: [1])
+    assert learner_sync(EngineWeights(shared, learner), learner) is None  # it reads `learner`
+    own = _OwnCopy()
+    sync = learner_sync(EngineWeights(own, _model(0.0)), learner)
+    sync(4)
+    with torch.no_grad():
+        learner.weight.fill_(7.0)
+    sync(5)
+    assert [v for _, v in own.loaded] == [4, 5]
+    assert [t["weight"].flatten().tolist() for t, _ in own.loaded] == [[2.0, 2.0], [7.0, 7.0]]

@@ -6,8 +6,9 @@ import threading
 
 import torch
 
-from cadence.backend import RolloutWorker, WorkerLoop, load_into
-from cadence.engine import SamplingParams, ScriptedEngine
+from cadence.backend import WorkerLoop
+from cadence.engine import SamplingParams, ScriptedEngine, load_into
+from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
 
 

@@ -12,9 +12,12 @@ import sys
 import pytest
 import torch
 
-from cadence.engine import Request, SamplingParams, derive_seed
+from cadence.engine import Request, RequestRefused, SamplingParams, derive_seed
 from cadence.engine.vllm import VLLMEngine, VLLMOptions
+from cadence.envs import Budget, EnvReply, ScriptedEnv, ToolEnv, load_tools
 from cadence.models import load_model, load_tokenizer
+from cadence.rollout import RolloutWorker
+from cadence.types import Prompt
 from engine_checks import max_logprob_diff, recomputed_logprobs
 from tiny_models import save_vllm_ready
 
@@ -191,6 +194,49 @@ def test_greedy_decoding_is_the_argmax(engine, llama_dir, tok):
     for req, (c,) in zip(requests, out, strict=True):
         _, logits = recomputed_logprobs(model, req.prompt_ids, c.token_ids, 1.0)
         assert c.token_ids == logits.argmax(-1).tolist()
+
+
+def test_episodes_with_the_tool_environment_keep_to_their_token_budget(engine, tok):
+    # each turn asks vLLM for the room its episode has left (Request.limit), not max_new_tokens;
+    # no stop ids, so every turn runs to its cap
+    prompts = [
+        Prompt(f"q{i}", f"Question: {q}\nAnswer: ", "#### 7", i) for i, q in enumerate(QUESTIONS)
+    ]
+    tool = ToolEnv(load_tools(["calculator"]), Budget(max_turns=4, max_total_tokens=12))
+    worker = RolloutWorker(engine, tok, None, SamplingParams(max_new_tokens=40), 3, 7, env=tool)
+    lengths = [len(c.token_ids) for g in worker.rollout(prompts, 0, 0) for c in g.completions]
+    assert max(lengths) == 12  # 40 before: the whole turn, past the episode's budget
+    # several turns: 10 + reply + 10 + reply leaves 3 tokens of a 27-token budget for turn 3
+    reply = len(tok(" 7", add_special_tokens=False)["input_ids"])
+    budget = 2 * 10 + 2 * reply + 3
+    chatty = ScriptedEnv(lambda prompt, turn, text: EnvReply(" 7"), Budget(4, budget))
+    worker = RolloutWorker(engine, tok, None, SamplingParams(max_new_tokens=10), 3, 7, env=chatty)
+    for group in worker.rollout(prompts, 0, 0):
+        for c in group.completions:
+            assert c.episode.turns == 3 and len(c.token_ids) == budget
+            assert c.loss_mask[-(3 + reply) :] == [0] * reply + [1] * 3  # the last turn, cut
+            assert c.finish_reason == "length"
+
+
+def test_a_prompt_vllm_refuses_fails_alone_and_leaves_the_engine_usable(engine, tok):
+    params = SamplingParams(max_new_tokens=6)
+    ok = _requests(tok, (2, 1, 1))[0]
+    too_long = Request([5] * engine.max_model_len, [1, 2])  # no room for one new token
+    engine.add("ok", ok, params)
+    with pytest.raises(RequestRefused, match=r"prompt of 256 tokens \(max_model_len 256\)"):
+        engine.add("long", too_long, params)
+    done = {}
+    while engine.busy:  # busy until the request it took is done, not forever
+        done.update(engine.step())
+    assert list(done) == ["ok"] and len(done["ok"]) == 2
+    with pytest.raises(RequestRefused):  # the requests before it still run out
+        engine.generate([ok, too_long], params)
+    assert not engine.busy and not engine.llm.llm_engine.has_unfinished_requests()
+    worker = RolloutWorker(engine, tok, None, params, 2, 7)
+    with pytest.raises(RequestRefused):
+        worker.submit("t", [Prompt("long", "", "", 0, tuple(too_long.prompt_ids))], 0, 0)
+    assert not worker.busy and worker.task_done("t")
+    assert engine.generate([ok], params)[0][0].token_ids == done["ok"][0].token_ids
 
 
 def test_importing_cadence_does_not_import_vllm():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cadence.backend import RolloutWorker
 from cadence.engine import HFEngine, SamplingParams
+from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
 
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from cadence.algo import LossParams
-from cadence.backend import RolloutWorker
 from cadence.engine import ContinuousEngine, SamplingParams
 from cadence.envs import Budget, ScriptedEnv, replies
 from cadence.learner import Learner, LearnerParams
 from cadence.models import load_model, load_tokenizer
+from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
 
 

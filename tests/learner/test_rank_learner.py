@@ -8,13 +8,13 @@ from dataclasses import replace
 import pytest
 
 from cadence.algo import LossParams
-from cadence.backend import RolloutWorker
 from cadence.engine import HFEngine, SamplingParams
 from cadence.learner import Learner, LearnerParams
 from cadence.learner.ranks import RankSpec
 from cadence.metrics import Tracer
 from cadence.models import load_model
 from cadence.pipeline.ranks import start_local_ranks
+from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
 from updates import assert_same_params, capture_grads
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cadence.algo import LossParams
-from cadence.backend.weights import InMemoryWeights, load_into
+from cadence.backend.weights import InMemoryWeights, learner_sync
+from cadence.engine import EngineWeights, ScriptedEngine, load_into
 from cadence.learner import Learner, LearnerParams
 from cadence.models import load_model, load_tokenizer, save_pretrained
 from cadence.models.lora import (
@@ -20,6 +21,7 @@ from cadence.models.lora import (
     apply_lora,
     is_lora,
     load_adapter_into,
+    merged_parameters,
     save_merged,
 )
 from cadence.types import Completion, Group, Prompt
@@ -61,6 +63,33 @@ def test_merged_weights_are_the_plain_models_and_give_the_policys_logits() -> No
     with torch.no_grad():
         diff = (worker(input_ids=ids).logits - policy(input_ids=ids).logits).abs().max().item()
     assert diff <= 1e-5
+
+
+class _OwnCopy(ScriptedEngine):
+    """An engine that keeps its own copy of the weights (as vLLM does): records what it is sent."""
+
+    owns_weights = True
+
+    def __init__(self) -> None:
+        super().__init__(lambda ids, seed: [1])
+        self.loaded: list[tuple[dict[str, torch.Tensor], object]] = []
+
+    def load_weights(self, tensors, version=None) -> None:
+        self.loaded.append(({n: t.clone() for n, t in dict(tensors).items()}, version))
+
+
+def test_an_engine_with_its_own_copy_is_synced_the_merged_weights_under_plain_names() -> None:
+    # colocated vLLM with LoRA crashed at the first sync: it was sent the peft model's names
+    base, policy = _policy()
+    engine = _OwnCopy()
+    skeleton = copy.deepcopy(base).to("meta")  # what the engine's own copy looks like
+    sync = learner_sync(EngineWeights(engine, skeleton), policy)
+    sync(3)
+    ((tensors, version),) = engine.loaded
+    assert version == 3 and tensors.keys() == dict(base.named_parameters()).keys()
+    merged = merged_parameters(policy)
+    assert all(torch.equal(tensors[n], merged[n]) for n in tensors)
+    assert any(not torch.equal(tensors[n], p) for n, p in base.named_parameters())  # merged in
 
 
 def _group(prompt: list[int], responses: list[list[int]], rewards: list[float]) -> Group:

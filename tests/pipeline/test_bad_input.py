@@ -316,6 +316,29 @@ def test_the_prompt_limit_defaults_to_what_the_model_takes_and_refuses_more():
         max_prompt_tokens(load_config(None, ["rollout.max_new_tokens=1024"]), 1024)
 
 
+def test_the_prompt_limit_leaves_room_for_a_whole_episode_and_vllms_max_model_len():
+    from cadence.config import ConfigError
+    from cadence.pipeline.params import max_prompt_tokens
+
+    # the tool env's defaults: a 256-token episode; before, 512 - 48 = 464 was let in
+    tool = load_config(None, ["env.kind='tool'", "rollout.max_new_tokens=48"])
+    assert max_prompt_tokens(tool, 512) == 512 - 256
+    with pytest.raises(ConfigError, match=r"plus env.max_total_tokens = 256 exceeds the model's"):
+        max_prompt_tokens(
+            load_config(None, ["env.kind='tool'", "rollout.max_prompt_tokens=300"]), 512
+        )
+    vllm = ["rollout.engine='vllm'", "rollout.vllm.max_model_len=128", "rollout.max_new_tokens=48"]
+    assert max_prompt_tokens(load_config(None, vllm), 1024) == 128 - 48
+    assert max_prompt_tokens(load_config(None, vllm), None) == 128 - 48
+    assert max_prompt_tokens(load_config(None, vllm), 100) == 100 - 48  # the model's is lower
+    with pytest.raises(
+        ConfigError,
+        match=r"env.max_total_tokens = 256 leaves no room .* "
+        r"rollout.vllm.max_model_len = 128",
+    ):
+        max_prompt_tokens(load_config(None, [*vllm, "env.kind='tool'"]), 1024)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("on_long", ["skip", "truncate"])
 def test_a_prompt_longer_than_the_model_takes_is_never_fed_to_it(model_dir, tmp_path, on_long):

@@ -12,12 +12,13 @@ import time
 import pytest
 import torch
 
-from cadence.backend import RolloutWorker, SharedWeights, WorkerDied, load_into
+from cadence.backend import SharedWeights, WorkerDied
 from cadence.backend.fake import ThreadPool, WorkerKilled
-from cadence.engine import SamplingParams, ScriptedEngine
+from cadence.engine import SamplingParams, ScriptedEngine, load_into
 from cadence.metrics import Tracer
 from cadence.pipeline import WorkerSource
 from cadence.pipeline.loop import StaleGroupError, within_staleness
+from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
 
 GROUP_SIZE = 3

@@ -7,12 +7,13 @@ import time
 import pytest
 import torch
 
-from cadence.backend import InMemoryWeights, RolloutWorker, load_into
+from cadence.backend import InMemoryWeights
 from cadence.backend.fake import ThreadPool
-from cadence.engine import SamplingParams, ScriptedEngine
+from cadence.engine import SamplingParams, ScriptedEngine, load_into
 from cadence.metrics import Tracer
 from cadence.pipeline import WorkerSource
 from cadence.pipeline.oversample import Oversampler, zero_variance
+from cadence.rollout import RolloutWorker
 from cadence.types import Completion, Group, Prompt
 
 

@@ -10,16 +10,17 @@ from typing import ClassVar
 import pytest
 import torch
 
-from cadence.backend import RolloutWorker, SharedWeights, load_into
+from cadence.backend import SharedWeights
 from cadence.backend.fake import ThreadPool
 from cadence.backend.ranks import InlineRanks
-from cadence.engine import SamplingParams, ScriptedEngine
+from cadence.engine import SamplingParams, ScriptedEngine, load_into
 from cadence.learner import LearnerParams
 from cadence.metrics import Tracer
 from cadence.pipeline import WorkerSource
 from cadence.pipeline.build import check_sharded
 from cadence.pipeline.checkpoint import Checkpoint, CheckpointError
 from cadence.pipeline.ranks import RankedLearner, split_round
+from cadence.rollout import RolloutWorker
 from cadence.types import Completion, Group, Prompt
 
 

@@ -1,15 +1,18 @@
 """rollout.engine = 'vllm' in the pipeline: worker processes and the learner's own process,
 sync and periodic making the same update, and the refusals (no vLLM, a model it cannot run)."""
 
+import copy
 import multiprocessing
 
 import pytest
 
 from cadence.cli import main
 from cadence.config import ConfigError, load_config
+from cadence.engine import Request, SamplingParams
 from cadence.metrics import MemorySink
-from cadence.models import ModelLoadError, init_model, load_model
+from cadence.models import ModelLoadError, init_model, load_model, load_tokenizer
 from cadence.pipeline import build_run, params, train
+from engine_checks import max_logprob_diff
 from tiny_models import save_vllm_ready
 from updates import assert_same_update, capture_grads, max_relative_diff
 
@@ -51,8 +54,8 @@ def _train(cfg, out):
     try:
         train(run, out, extra_sinks=[sink], evaluate=cfg.pipeline.placement == "colocated")
     finally:
-        engine = getattr(run.heldout_accuracy.engine, "engine", None)
-        if engine is not None:  # vLLM in this process: shut it down for the tests after
+        engine = run.heldout_accuracy.engine
+        if engine.owns_weights:  # vLLM in this process: shut it down for the tests after
             engine.close()
     return run, sink.records, grads
 
@@ -99,6 +102,28 @@ def test_colocated_vllm_trains_like_the_workers(vllm_dir, sync_run, tmp_path):
         col_run.learner.model, sync.learner.model, col_grads, sync_grads, grad_rtol=5e-5
     )
     assert all(r["t_weight_sync"] > 0 for r in col_records)
+
+
+def test_colocated_vllm_with_lora_syncs_and_evaluates_the_merged_policy(vllm_dir, tmp_path):
+    # it crashed at the first sync: the peft model's names (base_model.model..., lora_A) went to
+    # vLLM, where worker processes are sent the merged weights
+    lora = ("model.lora.r=4", "model.lora.alpha=8.0", "model.lora.target_modules=['q_proj']")
+    extra = (*lora, "train.iterations=2", "train.lr=5e-2")  # an adapter that moves the policy
+    cfg = load_config(None, _overrides(vllm_dir, "sync", "colocated", *extra))
+    run = build_run(cfg)
+    engine = run.heldout_accuracy.engine
+    try:
+        summary = train(run, tmp_path, evaluate=True)
+        assert 0.0 <= summary["accuracy_after"] <= 1.0
+        run.heldout_accuracy.sync()  # what evaluation loads: the trained policy, merged
+        tok = load_tokenizer(vllm_dir)
+        requests = [Request(tok("What is 3 + 4?")["input_ids"], [1, 2])]
+        outputs = engine.generate(requests, SamplingParams(max_new_tokens=8))
+        merged = copy.deepcopy(run.learner.model).merge_and_unload()
+        assert max_logprob_diff(merged, requests, outputs, 1.0) <= 1e-5
+        assert max_logprob_diff(load_model(vllm_dir), requests, outputs, 1.0) > 1e-3  # trained
+    finally:
+        engine.close()
 
 
 def test_missing_vllm_exits_2_with_the_install_command(vllm_dir, tmp_path, monkeypatch, capsys):

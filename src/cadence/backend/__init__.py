@@ -1,12 +1,14 @@
 """How work reaches processes and machines, and how weights travel to them.
 
-Rollout workers (`RolloutWorker`, run by `WorkerLoop`) in slots of a `Pool`: spawned processes
-(`LocalPool`), Ray actors (`RayPool`, `backend.ray_pool`) or threads (`backend.fake.ThreadPool`,
-the test double); reward workers (`RewardStage`) on the same process machinery (`procs`); weight
-transports behind `WeightSync` (shared memory, Ray's object store, a torch.distributed
-broadcast; `InMemoryWeights` the fake) and the `WeightGate` that is the version barrier. It must
-not know what an iteration is, nor read the config: the run builder passes plain values. Ray is
-imported only inside the Ray modules' functions, when asked for.
+Rollout workers (`cadence.rollout`, each run by a `WorkerLoop`) in slots of a `Pool`: spawned
+processes (`LocalPool`), Ray actors (`RayPool`, `backend.ray_pool`) or threads
+(`backend.fake.ThreadPool`, the test double); reward workers (`RewardStage`) on the same process
+machinery (`procs`); weight transports behind `WeightSync` (shared memory, Ray's object store, a
+torch.distributed broadcast; `InMemoryWeights` the fake), the `WeightGate` that is the version
+barrier, and `learner_sync` for an engine with its own copy in the learner's process. It must
+not know what an iteration is, which engine or reward a worker holds, nor read the config: the
+run builder passes plain values. Ray is imported only inside the Ray modules' functions, when
+asked for.
 """
 
 from __future__ import annotations
@@ -19,18 +21,17 @@ from cadence.backend.local import LocalPool
 from cadence.backend.pool import InFlight, Lost, Pool, TaskResult
 from cadence.backend.procs import Processes, WorkerDied, WorkerError
 from cadence.backend.reward_stage import RewardSpec, RewardStage
-from cadence.backend.rollout import RolloutWorker
 from cadence.backend.weights import (
-    EngineWeights,
     InMemoryWeights,
     LearnerWeights,
     SharedWeights,
     WeightGate,
     WeightSync,
-    load_into,
+    learner_sync,
 )
-from cadence.backend.worker_loop import WorkerLoop, WorkerSpec, build_worker
+from cadence.backend.worker_loop import WorkerLoop
 from cadence.dataplane import SampleStore, Store
+from cadence.rollout import WorkerSpec
 
 
 def make_pool(
@@ -64,7 +65,6 @@ def make_pool(
 
 
 __all__ = [
-    "EngineWeights",
     "InFlight",
     "InMemoryWeights",
     "LearnerWeights",
@@ -74,7 +74,6 @@ __all__ = [
     "Processes",
     "RewardSpec",
     "RewardStage",
-    "RolloutWorker",
     "SharedWeights",
     "TaskResult",
     "WeightGate",
@@ -82,8 +81,6 @@ __all__ = [
     "WorkerDied",
     "WorkerError",
     "WorkerLoop",
-    "WorkerSpec",
-    "build_worker",
-    "load_into",
+    "learner_sync",
     "make_pool",
 ]

@@ -19,9 +19,9 @@ from typing import Any
 
 from cadence.backend.pool import InFlight, Lost
 from cadence.backend.procs import WorkerDied, WorkerError
-from cadence.backend.rollout import RolloutWorker
 from cadence.backend.weights import WeightSync
 from cadence.backend.worker_loop import WorkerLoop
+from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
 
 MakeWorker = Callable[[int], tuple[RolloutWorker, Callable[[int], None]]]

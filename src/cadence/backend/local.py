@@ -19,8 +19,9 @@ import torch
 
 from cadence.backend.pool import InFlight, Lost
 from cadence.backend.procs import Processes, Sender, WorkerDied, WorkerError
-from cadence.backend.weights import SharedWeights, load_into
-from cadence.backend.worker_loop import WorkerLoop, WorkerSpec, build_worker
+from cadence.backend.weights import SharedWeights
+from cadence.backend.worker_loop import WorkerLoop
+from cadence.rollout import WorkerSpec, build_worker
 from cadence.types import Prompt
 
 
@@ -39,7 +40,7 @@ def worker_main(wid: int, spec: WorkerSpec, tensors: dict, inbox, results) -> No
         outbox.report_error(wid)
         return
     try:
-        load = functools.partial(load_into, target, tensors)  # load(version)
+        load = functools.partial(target.load, tensors)  # load(version)
         WorkerLoop(wid, worker, load, inbox, outbox).run()
     except BaseException:
         outbox.report_error(wid)

@@ -45,7 +45,8 @@ from cadence.backend.ray_weights import (
     ObjectStoreWeights,
     RayWeights,
 )
-from cadence.backend.worker_loop import WorkerLoop, WorkerSpec, build_worker
+from cadence.backend.worker_loop import WorkerLoop
+from cadence.rollout import WorkerSpec, build_worker
 from cadence.types import Prompt
 
 _DRAIN_S = 1.0  # longest a `drain` call waits for a message before returning none
@@ -141,12 +142,12 @@ class RayWorker:
         self.receiver: ObjectStoreReceiver | BroadcastReceiver | None = None
         try:
             torch.set_num_threads(spec.threads)
-            model, worker = build_worker(spec)
-            model.to("cuda" if ray.get_gpu_ids() else "cpu")
+            weights, worker = build_worker(spec)
+            weights.to("cuda" if ray.get_gpu_ids() else "cpu")
             if broadcast is None:
-                self.receiver = ObjectStoreReceiver(model)
+                self.receiver = ObjectStoreReceiver(weights)
             else:
-                self.receiver = BroadcastReceiver(model, "cuda" if broadcast == "nccl" else "cpu")
+                self.receiver = BroadcastReceiver(weights, "cuda" if broadcast == "nccl" else "cpu")
         except BaseException:
             self.outbox.put(("error", wid, traceback.format_exc()))
             return

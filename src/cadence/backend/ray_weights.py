@@ -30,7 +30,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from cadence.backend.weights import WeightSync, load_into
+from cadence.backend.weights import WeightSync
+from cadence.engine import EngineWeights
 
 
 class RayWeights(WeightSync, Protocol):
@@ -86,8 +87,8 @@ class ObjectStoreWeights:
 
 
 class ObjectStoreReceiver:
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    def __init__(self, weights: EngineWeights) -> None:
+        self.weights = weights
         self._refs: dict[int, Any] = {}
 
     def stage(self, version: int, message: Any) -> None:
@@ -98,15 +99,15 @@ class ObjectStoreReceiver:
 
         arrays = ray.get(self._refs[version])
         self._refs = {v: ref for v, ref in self._refs.items() if v > version}
-        dtypes = {name: p.dtype for name, p in self.model.named_parameters()}
+        dtypes = {name: p.dtype for name, p in self.weights.named_parameters()}
         tensors = {name: _from_numpy(a, dtypes[name]) for name, a in arrays.items()}
-        load_into(self.model, tensors, version)
+        self.weights.load(tensors, version)
 
 
 class _Flat:
     """One flat buffer per dtype on `device`, and a view of it shaped like each parameter."""
 
-    def __init__(self, model: torch.nn.Module, device: str) -> None:
+    def __init__(self, model: torch.nn.Module | EngineWeights, device: str) -> None:
         params = list(model.named_parameters())
         sizes: dict[torch.dtype, int] = {}
         for _, p in params:
@@ -199,9 +200,9 @@ def _init_group(
 
 
 class BroadcastReceiver:
-    def __init__(self, model: torch.nn.Module, device: str) -> None:
-        self.model = model
-        self._flat = _Flat(model, device)
+    def __init__(self, weights: EngineWeights, device: str) -> None:
+        self.weights = weights
+        self._flat = _Flat(weights, device)
 
     def join(
         self,
@@ -223,4 +224,4 @@ class BroadcastReceiver:
 
         for b in self._flat.buffers:
             dist.broadcast(b, src=0)
-        load_into(self.model, self._flat.views, version)
+        self.weights.load(self._flat.views, version)

@@ -1,13 +1,14 @@
 """Weight sync: how the learner's parameters reach the workers, and when.
 
 A transport (`WeightSync`) moves one version's parameters: `SharedWeights` (local backend) holds
-one shared-memory copy of every parameter, written by `publish` and copied out of by each worker
-(`load_into`); the tensors are handed to each worker process once, at spawn, and nothing is
+one shared-memory copy of every parameter, written by `publish` and loaded from by each worker
+(`EngineWeights.load`); the tensors are handed to each worker process once, at spawn, and nothing is
 pickled per iteration. The Ray transports are in `ray_weights`. `InMemoryWeights` is the
 deterministic fake: plain tensors, and a record of every version published.
 
 `WeightGate` decides when: it is the version barrier between the learner and the workers (see
-its docstring). Publishing and loading never overlap because of it.
+its docstring). Publishing and loading never overlap because of it. `LearnerWeights` brings an
+engine with its own copy in the learner's process to the learner's weights.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+
+from cadence.engine import EngineWeights
+from cadence.models.lora import plain_weights
 
 
 class WeightSync(Protocol):
@@ -53,61 +57,28 @@ class InMemoryWeights:
         self.versions.append(version)
 
 
-class EngineWeights:
-    """The weights of an engine that keeps its own copy of the model (vLLM), seen as a model:
-    `named_parameters` describes them (a skeleton of the model on the meta device: names,
-    shapes, dtypes, no memory), and `load` hands new tensors to the engine."""
-
-    def __init__(self, engine, skeleton: torch.nn.Module) -> None:
-        self.engine = engine
-        self.skeleton = skeleton
-
-    def named_parameters(self):
-        return self.skeleton.named_parameters()
-
-    def parameters(self):
-        return self.skeleton.parameters()
-
-    def to(self, device) -> EngineWeights:
-        return self  # the engine places its own copy
-
-    def load(self, tensors: dict[str, torch.Tensor], version: int | None) -> None:
-        self.engine.load_weights(tensors, version)
-
-
 class LearnerWeights:
-    """An engine with its own copy of the weights (vLLM) in the learner's process, brought to
-    the learner's current weights before it generates: colocated rollouts (`sync`, given the
-    version) and held-out evaluation (`generate`)."""
+    """The learner's weights for an engine with its own copy (`owns_weights`, vLLM) in the
+    learner's process: colocated rollouts and held-out evaluation. `sync` loads the learner's
+    current weights into the engine (names checked against the engine's model) as a plain model
+    names them: a LoRA policy's adapter merged in (`plain_weights`). Every path that feeds the
+    learner's weights to an engine in its own process comes through here, so none can forget
+    the merge."""
 
-    def __init__(self, engine, model: torch.nn.Module) -> None:
-        self.engine, self.model = engine, model
+    def __init__(self, weights: EngineWeights, model: torch.nn.Module) -> None:
+        self.weights, self.model = weights, plain_weights(model)
 
     def sync(self, version: int | None = None) -> None:
-        self.engine.load_weights({n: p.detach() for n, p in self.model.named_parameters()}, version)
-
-    def generate(self, requests, params):
-        self.sync()
-        return self.engine.generate(requests, params)
+        self.weights.load({n: p.detach() for n, p in self.model.named_parameters()}, version)
 
 
-@torch.no_grad()
-def load_into(
-    model: torch.nn.Module | EngineWeights,
-    tensors: dict[str, torch.Tensor],
-    version: int | None = None,
-) -> None:
-    """Copy published tensors into a worker's own model (names must match exactly), or hand them
-    to its engine when the engine keeps its own copy (`version` labels them there)."""
-    params = dict(model.named_parameters())
-    if params.keys() != tensors.keys():
-        missing = sorted(set(tensors) ^ set(params))[:5]
-        raise ValueError(f"worker model and published weights differ in parameters: {missing}")
-    if isinstance(model, EngineWeights):
-        model.load(tensors, version)
-        return
-    for name, p in params.items():
-        p.copy_(tensors[name])
+def learner_sync(
+    weights: EngineWeights, model: torch.nn.Module
+) -> Callable[[int | None], None] | None:
+    """How the learner's current weights reach the engine of `weights` in the learner's process:
+    None where the engine decodes with the learner's own model (nothing to bring over), else
+    `LearnerWeights.sync`."""
+    return LearnerWeights(weights, model).sync if weights.engine.owns_weights else None
 
 
 class WeightGate:

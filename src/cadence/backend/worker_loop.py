@@ -1,4 +1,5 @@
-"""A rollout worker's life in any process: build it from a `WorkerSpec`, then run its message loop.
+"""A rollout worker's life in any process: its message loop (the worker itself is built from a
+`WorkerSpec` by `cadence.rollout.build_worker`, before the loop starts).
 
 The loop obeys three messages, in order: `sync` (load the published weights, acknowledge the
 version), `rollout` (generate and score a task of prompts with the loaded version) and `stop`.
@@ -22,71 +23,9 @@ import os
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 from cadence.backend.pool import TaskResult
-from cadence.backend.rollout import RolloutWorker
-from cadence.engine import SamplingParams
-from cadence.envs import EnvSpec
 from cadence.types import Group
-
-if TYPE_CHECKING:
-    from cadence.engine.vllm import VLLMOptions
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process needs to build itself (plain, picklable values)."""
-
-    model_path: str
-    dtype: str
-    reward: str  # the reward function's spec; "" when a reward stage scores instead
-    sampling: SamplingParams
-    group_size: int
-    run_seed: int
-    threads: int
-    max_num_seqs: int
-    engine: str = "continuous"
-    reward_timeout_s: float = 0.0  # longest one reward call may take (0: no limit)
-    answer_format: str = "auto"  # reward.answer_format of the "math" reward
-    env: EnvSpec = field(default_factory=EnvSpec)  # single turn unless told otherwise
-    vllm: VLLMOptions | None = None  # engine 'vllm': the [rollout.vllm] settings
-
-
-def build_worker(spec: WorkerSpec):
-    """(what new weights load into, RolloutWorker) as `spec` describes: the worker's model, or
-    its engine's own copy (`EngineWeights`, vLLM). transformers is imported here, not before."""
-    from cadence.backend.weights import EngineWeights
-    from cadence.engine import make_engine
-    from cadence.envs import make_env
-    from cadence.models import DTYPES, load_model, load_skeleton, load_tokenizer
-    from cadence.rewards import load_reward
-
-    tokenizer = load_tokenizer(spec.model_path)
-    dtype = DTYPES[spec.dtype]
-    target: Any
-    if spec.engine == "vllm":
-        engine = make_engine(
-            "vllm",
-            None,
-            tokenizer,
-            spec.max_num_seqs,
-            model_path=spec.model_path,
-            dtype=spec.dtype,
-            vllm=spec.vllm,
-        )
-        target = EngineWeights(engine, load_skeleton(spec.model_path, dtype))
-    else:
-        target = load_model(spec.model_path, dtype=dtype)
-        engine = make_engine(spec.engine, target, tokenizer, max_num_seqs=spec.max_num_seqs)
-    reward = (
-        load_reward(spec.reward, spec.answer_format, spec.reward_timeout_s) if spec.reward else None
-    )
-    env = make_env(spec.env)
-    return target, RolloutWorker(
-        engine, tokenizer, reward, spec.sampling, spec.group_size, spec.run_seed, env=env
-    )
 
 
 class WorkerLoop:

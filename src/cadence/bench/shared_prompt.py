@@ -35,20 +35,12 @@ LONG_PROMPT = dict(num_groups=8, prompt_len=256, response_len=64, group_size=8)
 
 def default_groups(cfg, model, tokenizer) -> list[Group]:
     """One iteration's groups of the config's workload, sampled by its model."""
-    from cadence.backend import RolloutWorker
-    from cadence.engine import HFEngine
-    from cadence.pipeline.params import make_task, prompt_render, sampling_params
+    from cadence.pipeline.params import make_task, prompt_render
     from cadence.pipeline.prompts import PromptStream
-    from cadence.rewards import load_reward
+    from cadence.pipeline.workers import open_rollout_engine, rollout_worker, run_reward
 
-    worker = RolloutWorker(
-        HFEngine(model, tokenizer, max_num_seqs=cfg.rollout.max_num_seqs),
-        tokenizer,
-        load_reward(cfg.reward.function, cfg.reward.answer_format),
-        sampling_params(cfg, tokenizer),
-        cfg.rollout.group_size,
-        cfg.train.seed,
-    )
+    engine, _ = open_rollout_engine(cfg, tokenizer, model=model, kind="static")
+    worker = rollout_worker(cfg, engine, tokenizer, run_reward(cfg))
     prompts = PromptStream(make_task(cfg), prompt_render(cfg, tokenizer), cfg.data.task).next_batch(
         cfg.train.prompts_per_iteration
     )

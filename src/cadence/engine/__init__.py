@@ -1,42 +1,52 @@
 """Inference engines: the Protocol, Hugging Face implementations (continuous batching and static
-batches), vLLM (`cadence.engine.vllm`, imported on use: vllm is optional), and a scripted fake."""
+batches), vLLM (`cadence.engine.vllm`, imported on use: vllm is optional), a scripted fake, and
+the factory that picks one by name (`engine/factory.py`)."""
 
 from cadence.engine.base import (
     BatchStepper,
     Engine,
     Request,
+    RequestRefused,
     SamplingParams,
     StreamingEngine,
+    Tensors,
+    WeightOwner,
     as_streaming,
     derive_seed,
     derive_turn_seed,
+    generate_by_steps,
     sample_tokens,
     step_uniforms,
 )
-from cadence.engine.continuous import (
-    ContinuousEngine,
-    UnsupportedModel,
-    check_continuous,
-    make_engine,
-)
+from cadence.engine.continuous import ContinuousEngine, UnsupportedModel, check_continuous
+from cadence.engine.factory import keeps_own_copy, make_engine, open_engine
 from cadence.engine.fake import ScriptedEngine
 from cadence.engine.hf import HFEngine
+from cadence.engine.weights import EngineWeights, load_into
 
 __all__ = [
     "BatchStepper",
     "ContinuousEngine",
     "Engine",
+    "EngineWeights",
     "HFEngine",
     "Request",
+    "RequestRefused",
     "SamplingParams",
     "ScriptedEngine",
     "StreamingEngine",
+    "Tensors",
     "UnsupportedModel",
+    "WeightOwner",
     "as_streaming",
     "check_continuous",
     "derive_seed",
     "derive_turn_seed",
+    "generate_by_steps",
+    "keeps_own_copy",
+    "load_into",
     "make_engine",
+    "open_engine",
     "sample_tokens",
     "step_uniforms",
 ]

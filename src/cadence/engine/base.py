@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -46,9 +46,34 @@ class Request:
         return min(self.max_new_tokens, params.max_new_tokens)
 
 
+Tensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+class RequestRefused(ValueError):
+    """An engine would not take a request (a prompt longer than it holds, say): the request is
+    not in the engine, and everything else in it goes on."""
+
+
 class Engine(Protocol):
+    """Turns requests into completions. `owns_weights` says where its weights live: False, it
+    decodes with the model object it was given, so a change to that model's parameters is a
+    change to the engine's (colocated with the learner, nothing needs copying); True, it keeps a
+    copy of its own (vLLM) that new weights reach only through `load_weights` (`WeightOwner`)."""
+
+    @property
+    def owns_weights(self) -> bool: ...
+
     def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
         """One list of completions per request, in request order, `len(seeds)` each."""
+        ...
+
+
+class WeightOwner(Engine, Protocol):
+    """An engine with its own copy of the weights (`owns_weights` True)."""
+
+    def load_weights(self, tensors: Tensors, version: int | str | None = None) -> None:
+        """Put new weights, under the plain model's parameter names, into the engine's copy;
+        `version` labels them. Only while idle: a request never sees two versions."""
         ...
 
 
@@ -57,6 +82,9 @@ class StreamingEngine(Protocol):
     """Work added at any time; each `step()` returns the requests that finished, by key."""
 
     occupancy: list[tuple[float, int]]  # (time.perf_counter(), sequences decoding), appended
+
+    @property
+    def owns_weights(self) -> bool: ...
 
     @property
     def busy(self) -> bool: ...
@@ -74,6 +102,10 @@ class BatchStepper:
         self.pending: list[tuple[Hashable, Request]] = []
         self.params: SamplingParams | None = None
         self.occupancy: list[tuple[float, int]] = []
+
+    @property
+    def owns_weights(self) -> bool:
+        return self.engine.owns_weights
 
     @property
     def busy(self) -> bool:
@@ -97,6 +129,26 @@ class BatchStepper:
 
 def as_streaming(engine: Engine) -> StreamingEngine:
     return engine if isinstance(engine, StreamingEngine) else BatchStepper(engine)
+
+
+def generate_by_steps(
+    engine: StreamingEngine, requests: list[Request], params: SamplingParams
+) -> list[list[Completion]]:
+    """The Engine Protocol's `generate` of a streaming engine: add every request, step until the
+    engine is idle, and return the completions in request order."""
+    if engine.busy:
+        raise RuntimeError("generate() needs an idle engine (streaming work is in flight)")
+    try:
+        for i, r in enumerate(requests):
+            engine.add(i, r, params)
+    except RequestRefused:
+        while engine.busy:  # the requests already added run out: the engine is left idle
+            engine.step()
+        raise
+    out: dict[Hashable, list[Completion]] = {}
+    while engine.busy:
+        out.update(engine.step())
+    return [out[i] for i in range(len(requests))]
 
 
 def derive_seed(run_seed: int, iteration: int, prompt_index: int, sample_index: int) -> int:

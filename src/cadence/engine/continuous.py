@@ -21,20 +21,21 @@ was admitted, or on its batch companions. The weights must not change while the 
 from __future__ import annotations
 
 import time
-import warnings
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-from cadence.engine.base import Request, SamplingParams, sample_tokens, step_uniforms
+from cadence.engine.base import (
+    Request,
+    SamplingParams,
+    generate_by_steps,
+    sample_tokens,
+    step_uniforms,
+)
 from cadence.types import Completion
-
-if TYPE_CHECKING:
-    from cadence.engine.vllm import VLLMOptions
 
 PREFILL_BATCH = 8  # prompts prefilled together when one is needed (their K/V wait until admitted)
 
@@ -141,6 +142,8 @@ class ContinuousEngine:
     Protocol) does that for a list of requests and returns them in order.
     """
 
+    owns_weights = False  # it decodes with `model`: whatever changes that model changes it
+
     def __init__(self, model, tokenizer, max_num_seqs: int = 256) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -171,14 +174,7 @@ class ContinuousEngine:
         self.waiting.append(job)
 
     def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
-        if self.busy:
-            raise RuntimeError("generate() needs an idle engine (streaming work is in flight)")
-        for i, r in enumerate(requests):
-            self.add(i, r, params)
-        out: dict[Hashable, list[Completion]] = {}
-        while self.busy:
-            out.update(self.step())
-        return [out[i] for i in range(len(requests))]
+        return generate_by_steps(self, requests, params)
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Hashable, list[Completion]]]:
@@ -366,39 +362,3 @@ def check_continuous(model, tokenizer) -> str | None:
             if diff > tol:
                 return f"log-probs differ from the reference engine by {diff:.1e}"
     return None
-
-
-def make_engine(
-    kind: str,
-    model,
-    tokenizer,
-    max_num_seqs: int,
-    *,
-    model_path: str | None = None,
-    dtype: str = "float32",
-    vllm: VLLMOptions | None = None,
-):
-    """'continuous' (falls back to 'static', with a warning, where the check fails), 'static',
-    or 'vllm' (its own copy of the model in `model_path`, as `dtype`; `model` is not used)."""
-    from cadence.engine.hf import HFEngine
-
-    if kind == "vllm":
-        from cadence.engine.vllm import VLLMEngine
-
-        if model_path is None:
-            raise ValueError("the 'vllm' engine loads its own model: pass model_path")
-        return VLLMEngine(
-            model_path, tokenizer, max_num_seqs=max_num_seqs, dtype=dtype, options=vllm
-        )
-    if kind == "continuous":
-        reason = check_continuous(model, tokenizer)
-        if reason is None:
-            return ContinuousEngine(model, tokenizer, max_num_seqs=max_num_seqs)
-        warnings.warn(
-            f"continuous batching does not reproduce this model ({reason}); "
-            "using static batches (rollout.engine = 'static')",
-            stacklevel=2,
-        )
-    elif kind != "static":
-        raise ValueError(f"unknown engine {kind!r}; use 'continuous', 'static' or 'vllm'")
-    return HFEngine(model, tokenizer, max_num_seqs=max_num_seqs)

@@ -16,6 +16,8 @@ Script = Callable[[list[int], int], list[int]]
 
 
 class ScriptedEngine:
+    owns_weights = False  # it has no weights: a model beside it is loaded by whoever holds it
+
     def __init__(
         self,
         script: Script,

@@ -21,6 +21,8 @@ from cadence.types import Completion
 
 
 class HFEngine:
+    owns_weights = False  # it decodes with `model`: whatever changes that model changes it
+
     def __init__(self, model, tokenizer, max_num_seqs: int = 256) -> None:
         self.model = model
         self.tokenizer = tokenizer

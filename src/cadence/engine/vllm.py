@@ -34,14 +34,20 @@ import itertools
 import os
 import random
 import time
-from collections.abc import Hashable, Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from cadence.engine.base import Request, SamplingParams
+from cadence.engine.base import (
+    Request,
+    RequestRefused,
+    SamplingParams,
+    Tensors,
+    generate_by_steps,
+)
 from cadence.types import Completion
 
 INSTALL_HINT = (
@@ -112,6 +118,7 @@ class VLLMEngine:
     cannot load or run is refused at construction with `ModelLoadError` and vLLM's reason.
     """
 
+    owns_weights = True  # its model is vLLM's own copy: new weights arrive by `load_weights`
     _open = False  # vLLM keeps one engine's parallel state per process: one engine at a time
 
     def __init__(
@@ -144,17 +151,39 @@ class VLLMEngine:
     def busy(self) -> bool:
         return bool(self._jobs)
 
+    @property
+    def max_model_len(self) -> int:
+        """The most positions (prompt and response) a request may take."""
+        return self.llm.llm_engine.model_config.max_model_len
+
     def add(self, key: Hashable, request: Request, params: SamplingParams) -> None:
+        """Queue the request's samples; a request vLLM refuses raises `RequestRefused`, with
+        none of its samples left in the engine (the job is registered only once all are in)."""
         if not request.seeds:
             raise ValueError("a request needs at least one seed")
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import tokens_input
 
-        job = _Job(key, [None] * len(request.seeds), len(request.seeds), self.version)
         prompt = tokens_input(list(request.prompt_ids))
-        for j, seed in enumerate(request.seeds):
-            rid = str(next(self._ids))
+        limit = request.limit(params)  # an episode's turn: the room its budget leaves
+        added: list[str] = []
+        try:
+            for seed in request.seeds:
+                rid = str(next(self._ids))
+                self.llm.llm_engine.add_request(rid, prompt, _vllm_params(params, seed, limit))
+                added.append(rid)
+        except BaseException as e:
+            if added:
+                self.llm.llm_engine.abort_request(added)
+            if isinstance(e, VLLMClientError | ValueError):
+                raise RequestRefused(
+                    f"vLLM refused a request with a prompt of {len(request.prompt_ids)} tokens "
+                    f"(max_model_len {self.max_model_len}): {e}"
+                ) from e
+            raise
+        job = _Job(key, [None] * len(added), len(added), self.version)
+        for j, rid in enumerate(added):
             self._jobs[rid] = (job, j)
-            self.llm.llm_engine.add_request(rid, prompt, _vllm_params(params, seed))
 
     def step(self) -> list[tuple[Hashable, list[Completion]]]:
         """One vLLM engine step; the (key, completions) of every request it finished."""
@@ -174,20 +203,9 @@ class VLLMEngine:
         return done
 
     def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
-        if self.busy:
-            raise RuntimeError("generate() needs an idle engine (streaming work is in flight)")
-        for i, r in enumerate(requests):
-            self.add(i, r, params)
-        out: dict[Hashable, list[Completion]] = {}
-        while self.busy:
-            out.update(self.step())
-        return [out[i] for i in range(len(requests))]
+        return generate_by_steps(self, requests, params)
 
-    def load_weights(
-        self,
-        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        version: int | str | None = None,
-    ) -> None:
+    def load_weights(self, tensors: Tensors, version: int | str | None = None) -> None:
         """Put new weights (Hugging Face parameter names) into the running model, in place."""
         if self.busy:
             raise RuntimeError("load_weights while requests decode: one would see two versions")
@@ -286,7 +304,7 @@ def _version() -> str:
     return vllm.__version__
 
 
-def _vllm_params(params: SamplingParams, seed: int):
+def _vllm_params(params: SamplingParams, seed: int, max_tokens: int):
     from vllm import SamplingParams as VSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -295,7 +313,7 @@ def _vllm_params(params: SamplingParams, seed: int):
         seed=seed,
         temperature=params.temperature,
         top_p=params.top_p,
-        max_tokens=params.max_new_tokens,
+        max_tokens=max_tokens,
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=True,  # stop where cadence's engines stop: at `stop_token_ids` (EOS among them)

@@ -3,7 +3,7 @@ environment with its call syntax and the `calculator` tool, and deterministic fa
 
 `env.kind = "single_turn"` (the default) is one prompt and one response, as ever; `"tool"` lets
 the policy call tools over up to `env.max_turns` turns. The rollout worker runs the episodes
-(backend/episodes.py); this package only decides what the environment says.
+(rollout/episodes.py); this package only decides what the environment says.
 """
 
 from cadence.envs.base import KINDS, Budget, Environment, EnvReply, Episode

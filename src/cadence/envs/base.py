@@ -12,7 +12,7 @@ wrong is a reply the policy reads. It must return within a bounded time (a tool 
 its tools off at their timeout).
 
 This module must not import torch, an engine or a process: it is the seam, not the machinery
-(that is `backend/episodes.py`).
+(that is `rollout/episodes.py`).
 """
 
 from __future__ import annotations

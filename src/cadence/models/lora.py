@@ -6,7 +6,9 @@ workers see, and what is saved.
 - `AdapterOff` is the reference model without a second copy: the same module run with the
   adapter disabled (no parameters of its own, so `frozen_copies_mb` counts nothing for it).
 - `MergedWeights` is what a transport publishes: every weight under the plain model's name, with
-  the adapter's update added (W + scale * B @ A), so rollout workers load a model with no adapter.
+  the adapter's update added (W + scale * B @ A), so rollout workers load a model with no adapter;
+  `plain_weights` gives it for a LoRA policy and the model itself otherwise, for every path that
+  hands the learner's weights to a worker or to an engine with its own copy (vLLM).
 - `save_pretrained` of a peft model writes the adapter alone (`adapter_config.json`, naming the
   base by its absolute path); `save_merged` writes a whole model with the adapter merged in;
   `load_model` (models/io.py) loads an adapter directory back as a plain, merged model.
@@ -140,6 +142,12 @@ class MergedWeights(torch.nn.Module):
 
     def parameters(self, *args: Any, **kwargs: Any):  # type: ignore[override]
         return iter(merged_parameters(self.policy).values())
+
+
+def plain_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """What leaves the learner for an engine or a worker: `model`, or for a LoRA policy its
+    merged weights under the plain model's names (`MergedWeights`), the only names they know."""
+    return MergedWeights(model) if is_lora(model) else model
 
 
 def save_merged(policy, tokenizer, out: str | Path) -> Path:

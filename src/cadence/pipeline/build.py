@@ -12,26 +12,22 @@ from typing import Any
 import torch
 
 from cadence.algo import needs_reference
-from cadence.backend import LearnerWeights, RewardSpec, RewardStage, RolloutWorker, make_pool
+from cadence.backend import RewardSpec, RewardStage, make_pool
 from cadence.config import Config, ConfigError, PipelineConfig, to_toml
 from cadence.dataplane import Store
-from cadence.engine.vllm import VLLMEngine
-from cadence.envs import make_env
 from cadence.learner import Learner
 from cadence.metrics import Tracer
 from cadence.models import DTYPES, load_model, load_tokenizer, max_positions
-from cadence.models.lora import AdapterOff, LoraSpec, MergedWeights, apply_lora, is_lora
+from cadence.models.lora import AdapterOff, LoraSpec, apply_lora, is_lora, plain_weights
 from cadence.pipeline.checkpoint import (
     Checkpoint,
     CheckpointError,
     restore_learner,
     weights_digest,
 )
-from cadence.pipeline.evaluate import Evaluator
 from cadence.pipeline.loop import LoopParams, Run
 from cadence.pipeline.params import (
     check_group_size,
-    env_spec,
     learner_params,
     learner_threads,
     make_task,
@@ -40,15 +36,21 @@ from cadence.pipeline.params import (
     prompt_render,
     rank_spec,
     require_engine,
-    rollout_engine,
-    sampling_params,
     set_threads,
     worker_spec,
 )
-from cadence.pipeline.prompts import PromptStream, heldout_prompts
+from cadence.pipeline.prompts import PromptStream
 from cadence.pipeline.ranks import RankedLearner, start_local_ranks, start_ray_ranks
 from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
-from cadence.rewards import load_reward
+from cadence.pipeline.workers import (
+    Sync,
+    heldout_evaluator,
+    heldout_set,
+    learner_engine,
+    rollout_worker,
+    run_reward,
+)
+from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
 
 
@@ -87,7 +89,10 @@ def build_source(
     tracer: Tracer,
     stream: PromptStream,
     first_iteration: int = 0,
+    sync: Sync | None = None,
 ) -> GroupSource:
+    """Where the run's groups come from; colocated, `sync(version)` brings the worker's engine
+    to the learner's weights before each iteration (None: it decodes with the learner's model)."""
     p = cfg.pipeline
 
     def next_prompts() -> list[Prompt]:
@@ -95,7 +100,6 @@ def build_source(
 
     filter_groups = p.filter_groups == "zero_variance"
     if p.placement == "colocated":
-        own_copy = isinstance(worker.engine, VLLMEngine)  # loads the learner's weights each time
         return ColocatedSource(
             worker,
             tracer,
@@ -103,12 +107,11 @@ def build_source(
             filter_groups=filter_groups,
             max_oversample=p.max_oversample,
             next_extra=stream.extra,
-            sync=LearnerWeights(worker.engine, model).sync if own_copy else None,
+            sync=sync,
         )
     separate = cfg.reward.stage == "separate"
     spec = worker_spec(cfg, worker.sampling)
-    if is_lora(model):  # the workers' model has no adapter: they load merged weights
-        model = MergedWeights(model)
+    model = plain_weights(model)  # a LoRA policy's merged: the workers' model has no adapter
     pool, store = make_pool(
         p.backend, spec, model, p.num_workers, timeout_s=p.worker_timeout_s, **ray_options(p)
     )
@@ -197,13 +200,9 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
         digest = restore_driver(cfg, model, resume)
     else:
         learner, digest = _learner(cfg, model, tokenizer, tracer, resume)
-    engine = rollout_engine(cfg, model, tokenizer)
-    reward = load_reward(cfg.reward.function, cfg.reward.answer_format, cfg.reward.timeout_s)
-    sampling = sampling_params(cfg, tokenizer)
-    env = make_env(env_spec(cfg))
-    worker = RolloutWorker(
-        engine, tokenizer, reward, sampling, cfg.rollout.group_size, cfg.train.seed, env=env
-    )
+    engine, sync = learner_engine(cfg, model, tokenizer)
+    reward = run_reward(cfg)
+    worker = rollout_worker(cfg, engine, tokenizer, reward)
     task = make_task(cfg)
     cursor = resume.state["cursor"] if resume else 0
     positions = max_positions(model)
@@ -211,8 +210,8 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     render = prompt_render(cfg, tokenizer)
     stream = PromptStream(task, render, cfg.data.task, start=cursor, fit=fit)
     first = resume.iteration if resume else 0
-    heldout = heldout_prompts(task, render, cfg.data.task, prompt_filter(cfg, tokenizer, positions))
-    source = build_source(cfg, model, worker, tracer, stream, first_iteration=first)
+    heldout = heldout_set(cfg, tokenizer, positions, task)
+    source = build_source(cfg, model, worker, tracer, stream, first_iteration=first, sync=sync)
     if learner is None:
         try:
             learner = start_ranks(cfg, model, tokenizer.pad_token_id, tracer, resume)
@@ -224,15 +223,7 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
         tokenizer=tokenizer,
         learner=learner,
         source=source,
-        heldout_accuracy=Evaluator(
-            model,
-            LearnerWeights(engine, model) if isinstance(engine, VLLMEngine) else engine,
-            tokenizer,
-            reward,
-            heldout,
-            sampling,
-            env,
-        ),
+        heldout_accuracy=heldout_evaluator(cfg, model, engine, tokenizer, reward, heldout, sync),
         num_heldout=len(heldout),
         stream=stream,
         tracer=tracer,

@@ -19,15 +19,16 @@ from cadence.algo import (
     is_pair_loss,
     needs_reference,
 )
-from cadence.backend import WorkerSpec
 from cadence.config import Config, ConfigError
 from cadence.data import ChatRender, Example, PlainRender, Render, load_task, make_prompt
-from cadence.engine import SamplingParams, make_engine
+from cadence.engine import SamplingParams
 from cadence.engine.vllm import INSTALL_HINT, VLLMOptions, vllm_available
 from cadence.envs import EnvSpec, demonstration, load_tools
 from cadence.learner import LearnerParams
 from cadence.learner.ranks import RankSpec
+from cadence.models import stop_token_ids
 from cadence.pipeline.prompts import PromptFilter
+from cadence.rollout import WorkerSpec
 
 
 def set_threads(threads: int) -> None:
@@ -81,14 +82,22 @@ def prompt_render(cfg: Config, tokenizer) -> Render:
     return ChatRender(tokenizer, d.prompt_template, d.system_prompt, template)
 
 
-def sampling_params(cfg: Config, tokenizer) -> SamplingParams:
-    """How rollouts sample: EOS and the configured stop strings end a response."""
+def sampling_params(cfg: Config, tokenizer, model_path: str | Path | None = None) -> SamplingParams:
+    """How rollouts sample. A response ends at the tokenizer's EOS, the ids the generation config
+    of the model in `model_path` (default `model.path`) stops at, `rollout.stop_token_ids`, and
+    the `rollout.stop` strings."""
     r = cfg.rollout
+    bad = [i for i in r.stop_token_ids if not 0 <= i < len(tokenizer)]
+    if bad:
+        raise ConfigError(
+            f"rollout.stop_token_ids: {bad} are not ids of the tokenizer's {len(tokenizer)} tokens"
+        )
+    path = model_path or cfg.model.path
     return SamplingParams(
         max_new_tokens=r.max_new_tokens,
         temperature=r.temperature,
         top_p=r.top_p,
-        stop_token_ids=(tokenizer.eos_token_id,),
+        stop_token_ids=stop_token_ids(tokenizer, path, r.stop_token_ids),
         stop=tuple(r.stop),
     )
 
@@ -105,27 +114,44 @@ def prompt_filter(cfg: Config, tokenizer, max_positions: int | None = None) -> P
 
 
 def max_prompt_tokens(cfg: Config, max_positions: int | None) -> int:
-    """The longest prompt a run feeds the model: `rollout.max_prompt_tokens`, or when it is 0 the
-    model's positions (`max_positions`) minus `rollout.max_new_tokens`, so that prompt and
-    response always fit; a setting that would not fit is a `ConfigError`. 0 (no limit) only for
-    a model that states no limit."""
+    """The longest prompt a run feeds the model: `rollout.max_prompt_tokens`, or when it is 0
+    the positions left once a response has room, so that prompt and response always fit; a
+    setting that would not fit is a `ConfigError`. 0 (no limit) only for a model that states no
+    limit and no `rollout.vllm.max_model_len`.
+
+    The positions are the model's (`max_positions`), capped by `rollout.vllm.max_model_len`; a
+    response is `rollout.max_new_tokens`, or with an environment the whole episode after the
+    prompt (`env.max_total_tokens`: every turn and tool reply)."""
     r = cfg.rollout
-    if max_positions is None:
+    positions, where = _engine_positions(cfg, max_positions)
+    if positions is None:
         return r.max_prompt_tokens
-    room = max_positions - r.max_new_tokens
+    reply, what = _response_budget(cfg)
+    room = positions - reply
     if room < 1:
-        raise ConfigError(
-            f"rollout.max_new_tokens = {r.max_new_tokens} leaves no room for a prompt in the "
-            f"model's {max_positions} positions (max_position_embeddings): lower it"
-        )
+        raise ConfigError(f"{what} = {reply} leaves no room for a prompt in {where}: lower it")
     if r.max_prompt_tokens > room:
         raise ConfigError(
-            f"rollout.max_prompt_tokens = {r.max_prompt_tokens} plus rollout.max_new_tokens = "
-            f"{r.max_new_tokens} exceeds the model's {max_positions} positions "
-            f"(max_position_embeddings): set rollout.max_prompt_tokens <= {room}, or 0 for "
-            "that limit"
+            f"rollout.max_prompt_tokens = {r.max_prompt_tokens} plus {what} = {reply} exceeds "
+            f"{where}: set rollout.max_prompt_tokens <= {room}, or 0 for that limit"
         )
     return r.max_prompt_tokens or room
+
+
+def _engine_positions(cfg: Config, max_positions: int | None) -> tuple[int | None, str]:
+    """(the most positions prompt and response may take, what sets them, for messages)."""
+    cap = cfg.rollout.vllm.max_model_len
+    model = f"the model's {max_positions} positions (max_position_embeddings)"
+    if cap and (max_positions is None or cap < max_positions):
+        return cap, f"rollout.vllm.max_model_len = {cap}"
+    return max_positions, model
+
+
+def _response_budget(cfg: Config) -> tuple[int, str]:
+    """(the most tokens after the prompt, the key that sets them)."""
+    if cfg.env.kind != "single_turn":
+        return cfg.env.max_total_tokens, "env.max_total_tokens"
+    return cfg.rollout.max_new_tokens, "rollout.max_new_tokens"
 
 
 def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
@@ -251,7 +277,7 @@ def worker_spec(cfg: Config, sampling: SamplingParams) -> WorkerSpec:
         threads=cfg.pipeline.threads_per_worker,
         max_num_seqs=cfg.rollout.max_num_seqs,
         engine=cfg.rollout.engine,
-        vllm=vllm_options(cfg) if cfg.rollout.engine == "vllm" else None,
+        vllm=vllm_options(cfg),  # read by an engine that takes them (vllm) only
         reward_timeout_s=cfg.reward.timeout_s,
         answer_format=cfg.reward.answer_format,
         env=env_spec(cfg),
@@ -298,19 +324,6 @@ def tokenizer_corpus(cfg: Config, n: int) -> list[str]:
 def vllm_options(cfg: Config) -> VLLMOptions:
     """The `[rollout.vllm]` table as the vLLM engine takes it."""
     return VLLMOptions(**cfg.rollout.vllm.model_dump())
-
-
-def rollout_engine(cfg: Config, model, tokenizer):
-    """The engine of the learner's process: the rollout engine when colocated, held-out
-    evaluation always. With 'vllm' in worker processes, cadence's own engine evaluates on the
-    learner's model (a second vLLM beside the learner would take its GPU's memory)."""
-    kind, r = cfg.rollout.engine, cfg.rollout
-    if kind == "vllm" and cfg.pipeline.placement == "colocated":
-        path, dtype, opts = cfg.model.path, cfg.model.dtype, vllm_options(cfg)
-        return make_engine(
-            kind, None, tokenizer, r.max_num_seqs, model_path=path, dtype=dtype, vllm=opts
-        )
-    return make_engine("continuous" if kind == "vllm" else kind, model, tokenizer, r.max_num_seqs)
 
 
 def require_engine(kind: str) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Protocol
 
-from cadence.backend import Pool, RewardStage, RolloutWorker, TaskResult, WeightGate
+from cadence.backend import Pool, RewardStage, TaskResult, WeightGate
 from cadence.dataplane import (
     LEARNER,
     TRAIN,
@@ -32,6 +32,7 @@ from cadence.metrics.trace import Span, Tracer
 from cadence.pipeline.oversample import Oversampler
 from cadence.pipeline.producer import Producer
 from cadence.pipeline.recovery import Recovery
+from cadence.rollout import RolloutWorker
 from cadence.types import Group, Prompt, SampleBatch, SourceStats
 
 

@@ -79,12 +79,14 @@ def calibrate(
     model_dir: str, cfg: Config, quick: bool = False, log: Callable[[str], None] | None = None
 ) -> Calibration:
     """Measure the profile; `quick` uses very few tokens (tests), not for planning."""
+    from cadence.engine import keeps_own_copy
     from cadence.models import load_model, load_tokenizer
 
-    if cfg.rollout.engine == "vllm":
+    if keeps_own_copy(cfg.rollout.engine):  # the engines here decode with the model loaded below
         raise ConfigError(
-            "cadence plan --calibrate times cadence's own engines in this process; vLLM batches "
-            "continuously too: calibrate with --set rollout.engine='\"continuous\"'"
+            f"cadence plan --calibrate times cadence's own engines in this process, not "
+            f"rollout.engine = '{cfg.rollout.engine}' (it loads its own copy of the model); it "
+            "batches continuously too: calibrate with --set rollout.engine='\"continuous\"'"
         )
     say = log or (lambda _msg: None)
     devices, learner_threads, colocated_threads = cpu_layout(cfg)
@@ -92,7 +94,7 @@ def calibrate(
     model = load_model(model_dir)
     say("sampling the task's prompts to get response lengths ...")
     with _threads(colocated_threads):
-        groups, score_s = _sample_groups(cfg, model, tokenizer, quick)
+        groups, score_s = _sample_groups(cfg, model_dir, model, tokenizer, quick)
     prompt_ids = [g.prompt_ids for g in groups]
     decode: dict[int, _Decode] = {}
     for threads in sorted({cfg.pipeline.threads_per_worker, colocated_threads}):
@@ -141,23 +143,19 @@ def _throughput(decode: _Decode, train: _Train, train_devices: int, score_s: flo
     )
 
 
-def _sample_groups(cfg: Config, model, tokenizer, quick: bool):
+def _sample_groups(cfg: Config, model_dir: str, model, tokenizer, quick: bool):
     """The task's prompts sampled as `cadence train` samples them; seconds to score one."""
-    from cadence.backend import RolloutWorker
-    from cadence.engine import make_engine
-    from cadence.pipeline.params import make_task, prompt_render, sampling_params
+    from cadence.pipeline.params import make_task, prompt_render
     from cadence.pipeline.prompts import PromptStream
+    from cadence.pipeline.workers import open_rollout_engine, rollout_worker
     from cadence.rewards import ConstantReward, load_reward, safe_reward
 
     n = max(2, cfg.train.micro_batch_groups) if quick else max(32, cfg.train.micro_batch_groups)
     prompts = PromptStream(make_task(cfg), prompt_render(cfg, tokenizer), cfg.data.task).next_batch(
         n
     )
-    engine = make_engine(cfg.rollout.engine, model, tokenizer, cfg.rollout.max_num_seqs)
-    sampling = sampling_params(cfg, tokenizer)
-    worker = RolloutWorker(
-        engine, tokenizer, ConstantReward(0.0), sampling, cfg.rollout.group_size, cfg.train.seed
-    )
+    engine, _ = open_rollout_engine(cfg, tokenizer, model=model)
+    worker = rollout_worker(cfg, engine, tokenizer, ConstantReward(0.0), model_path=model_dir)
     groups = worker.rollout(prompts, 0, 0)
     reward = load_reward(cfg.reward.function, cfg.reward.answer_format)
     start = time.perf_counter()
@@ -169,10 +167,11 @@ def _sample_groups(cfg: Config, model, tokenizer, quick: bool):
 
 
 def _measure_decode(cfg: Config, model, tokenizer, prompt_ids, quick: bool) -> _Decode:
-    from cadence.engine import Request, SamplingParams, make_engine
+    from cadence.engine import Request, SamplingParams
+    from cadence.pipeline.workers import open_rollout_engine
 
     G, cap = cfg.rollout.group_size, cfg.rollout.max_num_seqs
-    engine = make_engine(cfg.rollout.engine, model, tokenizer, cap)
+    engine, _ = open_rollout_engine(cfg, tokenizer, model=model)
     steps = 4 if quick else 24
     rows = sorted({min(G * q, cap) for q in ((1, 2) if quick else (1, 4, 16))})
 
@@ -254,7 +253,8 @@ def _measure_train(cfg: Config, model_dir: str, pad_id: int, groups, quick: bool
 
 def _measure_sync(model) -> tuple[float, float]:
     """Seconds to publish into shared memory, and to load from it (median of 3 each)."""
-    from cadence.backend import SharedWeights, load_into
+    from cadence.backend import SharedWeights
+    from cadence.engine import load_into
 
     shared, other = SharedWeights(model), copy.deepcopy(model)
     publish, load = [], []

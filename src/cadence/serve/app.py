@@ -75,13 +75,15 @@ class Server:
         *,
         vocab_size: int,
         max_body_bytes: int = MAX_BODY_BYTES,
+        stop_token_ids: tuple[int, ...] = (),
     ):
+        """A response ends at `stop_token_ids` (the tokenizer's EOS where none are given)."""
         self.loop, self.tokenizer, self.name = loop, tokenizer, name
         self.max_positions, self.max_tokens = max_positions, max_tokens
         self.limits = Limits(vocab_size, max_positions, max_tokens)
         self.max_body_bytes = max_body_bytes
         self.params = SamplingParams(
-            max_new_tokens=max_tokens, stop_token_ids=(tokenizer.eos_token_id,)
+            max_new_tokens=max_tokens, stop_token_ids=stop_token_ids or (tokenizer.eos_token_id,)
         )
         # one thread: the tokenizer is used from one place at a time, and never the event loop
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="cadence-serve-tokenizer")
@@ -243,24 +245,23 @@ def build_server(model_dir: str, max_num_seqs: int = 64, max_tokens: int = MAX_T
     """Load a Hugging Face causal-LM directory behind a continuous-batching engine."""
     from pathlib import Path
 
-    from cadence.engine import make_engine
-    from cadence.models import load_model, load_tokenizer
+    from cadence.engine import open_engine
+    from cadence.models import load_tokenizer, max_positions, stop_token_ids
 
     tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir).eval()
-    engine = make_engine("continuous", model, tokenizer, max_num_seqs=max_num_seqs)
-    # after a step that raised, the loop starts a fresh engine of the class make_engine chose
+    engine, weights = open_engine("continuous", str(model_dir), tokenizer, max_num_seqs)
+    model = weights.model.eval()
+    # after a step that raised, the loop starts a fresh engine of the class the factory chose
     # (ContinuousEngine or HFEngine, which take these arguments) over the same weights
     renew = partial(type(engine), model, tokenizer, max_num_seqs=max_num_seqs)
-    positions = getattr(model.config, "max_position_embeddings", None) or 4096
-    vocab_size = model.get_input_embeddings().num_embeddings
     return Server(
         EngineLoop(engine, renew),
         tokenizer,
         Path(model_dir).name,
-        positions,
+        max_positions(model) or 4096,
         max_tokens,
-        vocab_size=vocab_size,
+        vocab_size=model.get_input_embeddings().num_embeddings,
+        stop_token_ids=stop_token_ids(tokenizer, model_dir),  # a chat model's end of turn too
     )
 
 

@@ -88,12 +88,14 @@ class EpisodeRunner:
         return bool(self._groups)
 
     def add(self, key: Hashable, prompt, prompt_ids: list[int], seeds: list[int]) -> None:
+        """Start a prompt's episodes. Their first turns share the prompt, so an engine that
+        refuses one refuses the first: then nothing of the group is left behind."""
         group = _Group(key, list(prompt_ids), remaining=len(seeds))
-        self._groups[key] = group
         for j, seed in enumerate(seeds):
             episode = _Episode(group, j, seed, self.env.start(prompt))
             group.episodes.append(episode)
             self._next_turn(episode)
+        self._groups[key] = group
 
     def step(self) -> list[Finished]:
         self._take_replies()
@@ -110,9 +112,9 @@ class EpisodeRunner:
         seed = derive_turn_seed(episode.seed, episode.stats.turns)
         room = self.env.budget.max_total_tokens - len(episode.token_ids)
         key = (episode.group.key, episode.sample)
-        self._in_engine[key] = episode
         prompt = episode.group.prompt_ids + episode.token_ids
         self.engine.add(key, Request(prompt, [seed], max_new_tokens=room), self.sampling)
+        self._in_engine[key] = episode
 
     def _turn_done(self, episode: _Episode, turn: Completion) -> None:
         n = len(turn.token_ids)

@@ -9,7 +9,7 @@ Two ways in: `rollout` generates a list of prompts and returns when all are done
 `poll` stream, for a worker process that keeps its engine's slots full across tasks and hands each
 group out the moment it is complete. The loaded weights must not change while `busy`.
 
-With an environment (cadence.envs) each sample is a multi-turn episode (backend/episodes.py): a
+With an environment (cadence.envs) each sample is a multi-turn episode (rollout/episodes.py): a
 group is handed out once its G episodes have all ended, so `busy` covers every unfinished
 episode and weights never change inside one. Without one (`env.kind = "single_turn"`) a sample
 is one response, exactly as before.
@@ -21,7 +21,6 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
 
-from cadence.backend.episodes import EpisodeRunner
 from cadence.engine import (
     Engine,
     Request,
@@ -32,7 +31,16 @@ from cadence.engine import (
 )
 from cadence.envs import Environment
 from cadence.rewards import RewardFn, safe_reward
+from cadence.rollout.episodes import EpisodeRunner
 from cadence.types import Completion, Group, Prompt
+
+
+def prompt_ids(prompt: Prompt, tokenizer) -> list[int]:
+    """The token ids a prompt is fed as: its own where it has them (truncated to fit), else its
+    text's. Training and held-out evaluation both come through here."""
+    if prompt.token_ids is not None:
+        return list(prompt.token_ids)
+    return tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
 
 
 @dataclass
@@ -87,9 +95,7 @@ class RolloutWorker:
         return bool(self._jobs)
 
     def encode(self, prompt: Prompt) -> list[int]:
-        if prompt.token_ids is not None:
-            return list(prompt.token_ids)
-        return self.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+        return prompt_ids(prompt, self.tokenizer)
 
     def submit(self, task: Hashable, prompts: list[Prompt], iteration: int, version: int) -> None:
         """Queue `prompts` (one task) for generation with the weights of `version`."""
@@ -100,11 +106,12 @@ class RolloutWorker:
                 derive_seed(self.run_seed, iteration, prompt.index, j)
                 for j in range(self.group_size)
             ]
-            self._jobs[(task, pos)] = _Job(task, prompt, ids, iteration, version, now)
             if self.episodes is not None:
                 self.episodes.add((task, pos), prompt, ids, seeds)
             else:
                 self.engine.add((task, pos), Request(ids, seeds), self.sampling)
+            # only once the engine took it: a refused prompt must not leave the worker busy
+            self._jobs[(task, pos)] = _Job(task, prompt, ids, iteration, version, now)
 
     def poll(self) -> list[tuple[Hashable, Group]]:
         """One engine step; the (task, group) of every prompt that finished in it, scored."""

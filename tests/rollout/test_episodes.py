@@ -9,16 +9,18 @@ import pytest
 import torch
 
 import fixtures_tools
-from cadence.backend import RolloutWorker, WorkerLoop, load_into
+from cadence.backend import WorkerLoop
 from cadence.engine import (
     ContinuousEngine,
     SamplingParams,
     ScriptedEngine,
     derive_seed,
     derive_turn_seed,
+    load_into,
 )
 from cadence.envs import Budget, EnvReply, ScriptedEnv, SingleTurnEnv, ToolEnv, load_tools, replies
 from cadence.metrics import sample_figures
+from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
 
 PROMPTS = [Prompt(f"p{i}", f"Question: What is {i} + 2?\nAnswer: ", "#### 0", i) for i in range(2)]

@@ -1,17 +1,20 @@
 """Held-out accuracy: greedy decoding, scored by the run's reward function.
 
 With an environment (`env.kind = "tool"`) each held-out problem is a greedy episode, tools and
-all, run by the same rollout worker code that training uses; without one, a single response."""
+all, run by the same rollout worker code that training uses; without one, a single response.
+Either way a prompt is fed as training feeds it (`prompt_ids`: truncated where it was cut to fit).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cadence.backend import RolloutWorker
 from cadence.engine import Engine, Request, SamplingParams
 from cadence.envs import Environment
 from cadence.rewards import RewardFn, safe_reward
+from cadence.rollout.worker import RolloutWorker, prompt_ids
 from cadence.types import Completion, Prompt
 
 
@@ -38,9 +41,7 @@ def evaluate(
 
 
 def _responses(engine, tokenizer, prompts, greedy) -> list[Completion]:
-    requests = [
-        Request(tokenizer(p.text, add_special_tokens=False)["input_ids"], [0]) for p in prompts
-    ]
+    requests = [Request(prompt_ids(p, tokenizer), [0]) for p in prompts]
     return [c for (c,) in engine.generate(requests, greedy)]
 
 
@@ -60,10 +61,16 @@ class Evaluator:
     prompts: list[Prompt]
     sampling: SamplingParams
     env: Environment | None = None
+    sync: Callable[..., None] | None = None  # brings an engine with its own copy to the policy
 
-    def __call__(self) -> float:
+    def results(self) -> dict[str, float]:
+        """`evaluate`'s figures for the policy as it is now."""
         self.model.eval()
-        result = evaluate(
+        if self.sync is not None:
+            self.sync()
+        return evaluate(
             self.engine, self.tokenizer, self.reward, self.prompts, self.sampling, self.env
         )
-        return result["accuracy"]
+
+    def __call__(self) -> float:
+        return self.results()["accuracy"]

@@ -1,0 +1,96 @@
+"""The engine factory: the one place that maps an engine's name to its class.
+
+'continuous' (cadence's slot engine; falls back to 'static', with a warning, where it does not
+reproduce the model), 'static' (batches that end with their slowest sequence) and 'vllm' (its own
+copy of the model, loaded from the model directory). `open_engine` also answers what new weights
+load into (`EngineWeights`): the model the engine decodes with, or a skeleton of the engine's own
+copy. Everything else asks an engine what it is through the Engine Protocol (`owns_weights`);
+nothing outside this module tests an engine's class or name.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+from cadence.engine.base import Engine
+from cadence.engine.continuous import ContinuousEngine, check_continuous
+from cadence.engine.hf import HFEngine
+from cadence.engine.weights import EngineWeights
+
+if TYPE_CHECKING:
+    from cadence.engine.vllm import VLLMOptions
+
+KINDS = ("continuous", "static", "vllm")
+
+
+def make_engine(
+    kind: str,
+    model,
+    tokenizer,
+    max_num_seqs: int,
+    *,
+    model_path: str | None = None,
+    dtype: str = "float32",
+    vllm: VLLMOptions | None = None,
+) -> Engine:
+    """'continuous' (falls back to 'static', with a warning, where the check fails), 'static',
+    or 'vllm' (its own copy of the model in `model_path`, as `dtype`; `model` is not used)."""
+    if kind == "vllm":
+        from cadence.engine.vllm import VLLMEngine
+
+        if model_path is None:
+            raise ValueError("the 'vllm' engine loads its own model: pass model_path")
+        return VLLMEngine(
+            model_path, tokenizer, max_num_seqs=max_num_seqs, dtype=dtype, options=vllm
+        )
+    if kind == "continuous":
+        reason = check_continuous(model, tokenizer)
+        if reason is None:
+            return ContinuousEngine(model, tokenizer, max_num_seqs=max_num_seqs)
+        warnings.warn(
+            f"continuous batching does not reproduce this model ({reason}); "
+            "using static batches (rollout.engine = 'static')",
+            stacklevel=2,
+        )
+    elif kind != "static":
+        raise ValueError(f"unknown engine {kind!r}; use {', '.join(repr(k) for k in KINDS)}")
+    return HFEngine(model, tokenizer, max_num_seqs=max_num_seqs)
+
+
+def keeps_own_copy(kind: str) -> bool:
+    """Whether engine `kind` loads its own copy of the model (so none is loaded for it): what its
+    instances answer as `owns_weights`, known before one is built."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown engine {kind!r}; use {', '.join(repr(k) for k in KINDS)}")
+    return kind == "vllm"
+
+
+def open_engine(
+    kind: str,
+    model_path: str,
+    tokenizer,
+    max_num_seqs: int,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    vllm: VLLMOptions | None = None,
+    model=None,
+) -> tuple[Engine, EngineWeights]:
+    """Engine `kind` over the model in `model_path`, and its weights as new ones load into them.
+
+    An engine that decodes with a model object decodes with `model` (loaded from `model_path` as
+    `dtype` on `device` when None); one that keeps its own copy loads it itself (`model` unused)
+    and a skeleton describes its weights: the model is never loaded twice.
+    """
+    from cadence.models import DTYPES, load_model, load_skeleton
+
+    if keeps_own_copy(kind):
+        engine = make_engine(
+            kind, None, tokenizer, max_num_seqs, model_path=model_path, dtype=dtype, vllm=vllm
+        )
+        return engine, EngineWeights(engine, load_skeleton(model_path, DTYPES[dtype]))
+    if model is None:
+        model = load_model(model_path, dtype=DTYPES[dtype], device=device)
+    engine = make_engine(kind, model, tokenizer, max_num_seqs)
+    return engine, EngineWeights(engine, model)

@@ -1,0 +1,63 @@
+"""What new weights load into: an engine's weights, seen as a model.
+
+An engine either decodes with a model object (`owns_weights` False), and new weights are copied
+into that model's parameters; or keeps a copy of its own (vLLM, `owns_weights` True), and new
+weights are handed to its `load_weights`, a skeleton of the model (meta device: names, shapes,
+dtypes, no memory) describing them. `EngineWeights` is the one view of both: `named_parameters`
+says what a transport must deliver (its buffers are shaped from it), `load` refuses tensors whose
+names differ and puts them where the engine reads them. It must not know where the tensors came
+from (a transport, the learner's own model): that is backend/'s and the builder's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import cast
+
+import torch
+
+from cadence.engine.base import Engine, WeightOwner
+
+
+@torch.no_grad()
+def load_into(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy `tensors` into `model`'s parameters; the names must match exactly."""
+    params = dict(model.named_parameters())
+    _check_names(params, tensors)
+    for name, p in params.items():
+        p.copy_(tensors[name])
+
+
+def _check_names(params: Mapping[str, object], tensors: Mapping[str, torch.Tensor]) -> None:
+    if params.keys() != tensors.keys():
+        differ = sorted(set(tensors) ^ set(params))[:5]
+        raise ValueError(f"the engine's model and the weights sent differ in parameters: {differ}")
+
+
+class EngineWeights:
+    """The weights `engine` decodes with, as a model: `model` is the model it decodes with, or
+    for an engine that keeps its own copy, a skeleton of that model."""
+
+    def __init__(self, engine: Engine, model: torch.nn.Module) -> None:
+        self.engine, self.model = engine, model
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return self.model.named_parameters()
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        return self.model.parameters()
+
+    def to(self, device: str | torch.device) -> EngineWeights:
+        """Move the model the engine decodes with (an engine's own copy places itself)."""
+        if not self.engine.owns_weights:
+            self.model.to(device)
+        return self
+
+    def load(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        """Put `tensors` where the engine reads its weights; `version` labels them in an engine
+        that keeps its own copy."""
+        if not self.engine.owns_weights:
+            load_into(self.model, tensors)
+            return
+        _check_names(dict(self.model.named_parameters()), tensors)
+        cast(WeightOwner, self.engine).load_weights(tensors, version)

@@ -1,0 +1,74 @@
+"""A rollout worker built from plain values, in whatever process it is to run.
+
+`WorkerSpec` is everything a worker needs (picklable: a process or a Ray actor is sent it) and
+`build_worker` assembles the worker from it: the engine and the weights it decodes with (through
+the engine factory, which alone knows whether an engine keeps its own copy), the reward, the
+environment. It lives here rather than beside the message loop in backend/ because choosing what
+acts is the policy's side: backend/ carries a spec to a process, calls `build_worker`, loads
+weights through what it returns, and must not know which engine, reward or environment a worker
+holds. transformers is imported inside `build_worker`, not before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from cadence.engine import EngineWeights, SamplingParams
+from cadence.envs import EnvSpec
+from cadence.rollout.worker import RolloutWorker
+
+if TYPE_CHECKING:
+    from cadence.engine.vllm import VLLMOptions
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs to build itself (plain, picklable values)."""
+
+    model_path: str
+    dtype: str
+    reward: str  # the reward function's spec; "" when a reward stage scores instead
+    sampling: SamplingParams
+    group_size: int
+    run_seed: int
+    threads: int
+    max_num_seqs: int
+    engine: str = "continuous"
+    reward_timeout_s: float = 0.0  # longest one reward call may take (0: no limit)
+    answer_format: str = "auto"  # reward.answer_format of the "math" reward
+    env: EnvSpec = field(default_factory=EnvSpec)  # single turn unless told otherwise
+    vllm: VLLMOptions | None = None  # engine 'vllm': the [rollout.vllm] settings
+
+
+def build_worker(spec: WorkerSpec) -> tuple[EngineWeights, RolloutWorker]:
+    """(what new weights load into, the worker) as `spec` describes: the weights are those of
+    the worker's engine (`EngineWeights.load` copies into its model, or hands them to an engine
+    that keeps its own copy)."""
+    from cadence.engine import open_engine
+    from cadence.envs import make_env
+    from cadence.models import load_tokenizer
+    from cadence.rewards import load_reward
+
+    tokenizer = load_tokenizer(spec.model_path)
+    engine, weights = open_engine(
+        spec.engine,
+        spec.model_path,
+        tokenizer,
+        spec.max_num_seqs,
+        dtype=spec.dtype,
+        vllm=spec.vllm,
+    )
+    reward = (
+        load_reward(spec.reward, spec.answer_format, spec.reward_timeout_s) if spec.reward else None
+    )
+    worker = RolloutWorker(
+        engine,
+        tokenizer,
+        reward,
+        spec.sampling,
+        spec.group_size,
+        spec.run_seed,
+        env=make_env(spec.env),
+    )
+    return weights, worker
