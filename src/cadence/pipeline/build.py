@@ -45,6 +45,7 @@ from cadence.pipeline.params import (
     set_threads,
     worker_spec,
 )
+from cadence.pipeline.producer import ProducerParams
 from cadence.pipeline.prompts import PromptStream, heldout_prompts
 from cadence.pipeline.ranks import RankedLearner, start_local_ranks, start_ray_ranks
 from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
@@ -122,20 +123,28 @@ def build_source(
         model,
         tracer,
         next_prompts,
+        producer_params(cfg, first_iteration),
         stream=p.mode != "sync",
+        store=store,
+        reward_stage=stage,
+        filter_groups=filter_groups,
+        max_oversample=p.max_oversample,
+        next_extra=stream.extra,
+    )
+
+
+def producer_params(cfg: Config, first_iteration: int = 0) -> ProducerParams:
+    """How the producer feeds the workers; a resumed run's begins at `first_iteration`."""
+    p = cfg.pipeline
+    return ProducerParams(
         prompts_per_task=p.prompts_per_task,
         tasks_in_flight=p.tasks_in_flight,
         max_staleness=max_staleness(cfg),
         queue_size=p.queue_size,
         iterations=cfg.train.iterations,
         first_iteration=first_iteration,
-        max_worker_restarts=p.max_worker_restarts,
         group_size=cfg.rollout.group_size,
-        store=store,
-        reward_stage=stage,
-        filter_groups=filter_groups,
-        max_oversample=p.max_oversample,
-        next_extra=stream.extra,
+        max_worker_restarts=p.max_worker_restarts,
     )
 
 
