@@ -87,9 +87,11 @@ def build_source(
     worker: RolloutWorker,
     tracer: Tracer,
     stream: PromptStream,
-    first_iteration: int = 0,
+    resume: Checkpoint | None = None,
 ) -> GroupSource:
+    """The run's source of groups; a resumed run's (from `resume`) begins where it stopped."""
     p = cfg.pipeline
+    first_iteration = resume.iteration if resume else 0
 
     def next_prompts() -> list[Prompt]:
         return stream.next_batch(cfg.train.prompts_per_iteration)
@@ -130,6 +132,8 @@ def build_source(
         filter_groups=filter_groups,
         max_oversample=p.max_oversample,
         next_extra=stream.extra,
+        checkpoint_every=cfg.train.checkpoint_every,
+        behaviour=resume.state.get("behaviour_policies", []) if resume else [],
     )
 
 
@@ -218,10 +222,10 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     positions = max_positions(model)
     fit = prompt_filter(cfg, tokenizer, positions)
     render = prompt_render(cfg, tokenizer)
-    stream = PromptStream(task, render, cfg.data.task, start=cursor, fit=fit)
-    first = resume.iteration if resume else 0
+    replay = resume.state.get("pending_batches", []) if resume else []
+    stream = PromptStream(task, render, cfg.data.task, start=cursor, fit=fit, replay=replay)
     heldout = heldout_prompts(task, render, cfg.data.task, prompt_filter(cfg, tokenizer, positions))
-    source = build_source(cfg, model, worker, tracer, stream, first_iteration=first)
+    source = build_source(cfg, model, worker, tracer, stream, resume)
     if learner is None:
         try:
             learner = start_ranks(cfg, model, tokenizer.pad_token_id, tracer, resume)

@@ -21,7 +21,9 @@ Draw order. The prompts come from one stream, in an order that does not depend o
 run draws the same prompts each time (and a resumed run those the uninterrupted one drew): the
 extra prompts of iteration k (dynamic sampling, `want`) are drawn after every batch that version
 k's release admits and before any that a later release does, and only once `sync k` is queued,
-so that they are generated with version k.
+so that they are generated with version k. A run resumed from a checkpoint begins at the
+checkpoint's iteration, draws the batches the producer had drawn ahead again (prompts.py) and
+first publishes again the versions that generated them (behaviour.py).
 
 The store. The producer puts each finished group's rows (`GENERATED`, and the reward when the
 workers scored it; otherwise `reward_stage` writes it). `groups()` takes the iteration's whole

@@ -13,7 +13,7 @@ groups whose rewards differ (oversample.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -28,6 +28,7 @@ from cadence.dataplane import (
     record_depths,
 )
 from cadence.metrics.trace import Span, Tracer
+from cadence.pipeline.behaviour import BehaviourPolicies
 from cadence.pipeline.oversample import Oversampler
 from cadence.pipeline.producer import Producer, ProducerParams
 from cadence.types import Group, Prompt, SampleBatch, SourceStats
@@ -42,6 +43,11 @@ class GroupSource(Protocol):
 
     def stats(self) -> SourceStats:
         """What the current iteration measured so far, and the run's counts."""
+        ...
+
+    def resume_state(self, iteration: int) -> dict[str, Any]:
+        """What a checkpoint after `iteration - 1` must hold for a run resumed from it to
+        generate what this one will (plain containers and tensors)."""
         ...
 
     def close(self) -> None: ...
@@ -77,6 +83,9 @@ class ColocatedSource:
 
     def stats(self) -> SourceStats:
         return replace(self.times, stages={"gen": (1, self._rows)})
+
+    def resume_state(self, iteration: int) -> dict[str, Any]:
+        return {}  # each iteration is generated when the learner reaches it
 
     def start_iteration(self, iteration: int, version: int) -> None:
         """Generate the iteration's groups; with dynamic sampling, in rounds: each round draws
@@ -139,10 +148,14 @@ class WorkerSource:
         filter_groups: bool = False,
         max_oversample: int = 0,
         next_extra: Callable[[int], Prompt] | None = None,
+        checkpoint_every: int = 0,
+        behaviour: Sequence[dict[str, Any]] = (),
         **settings: Any,
     ) -> None:
         """`params`: the producer's settings (the builder makes them); or `settings`, the same
-        by keyword (`ProducerParams`' fields)."""
+        by keyword (`ProducerParams`' fields). `behaviour`: the behaviour policies of the
+        checkpoint a run resumes from (`resume_state`), published again before its first
+        iteration (pipeline/behaviour.py)."""
         if params is None:
             params = ProducerParams(**settings)
         elif settings:
@@ -168,6 +181,10 @@ class WorkerSource:
             scored=reward_stage is None,
             on_result=self._arrived,
         )
+        self.behaviour = BehaviourPolicies(
+            params.max_staleness, checkpoint_every, params.iterations
+        )
+        self._republish = self.behaviour.restore(behaviour)
         self.times = SourceStats()
         self._current, self._version = -1, -1  # the learner's iteration and version
 
@@ -196,10 +213,18 @@ class WorkerSource:
         self.producer.start()
         self.times = SourceStats(start=self.tracer.now())
         with self.tracer.span("weight_sync", "learner"):
+            for old, weights in self._republish:  # a resumed run's begun iterations, as begun
+                self.gate.publish(weights, old, wait=False)
+                self.gate.release(old)
+            self._republish = []
             self.barrier(version)
+        self.behaviour.published(version, self.model)
         self.times.weight_sync_s = self.tracer.now() - self.times.start
         self._current, self._version = iteration, version
         self.gate.release(version)
+
+    def resume_state(self, iteration: int) -> dict[str, Any]:
+        return {"behaviour_policies": self.behaviour.state(iteration)}
 
     def barrier(self, version: int) -> None:
         """Make `version` reach the workers; with max_staleness = 0, wait until all have it."""
