@@ -1,5 +1,7 @@
 """Tools by name or import path, the call syntax, and calls that fail without failing the run."""
 
+import concurrent.futures as cf
+import threading
 import time
 
 import pytest
@@ -102,3 +104,36 @@ def test_the_tool_episode_counts_calls_errors_and_timeouts():
     assert (hung.tool_calls, hung.tool_errors, hung.tool_timeouts) == (1, 1, 1)
     fixtures_tools.RELEASE.set()
     assert env.stop == ("</call>",)
+
+
+def _tool_threads(name):
+    return [t for t in threading.enumerate() if t.name == f"cadence-tool-{name}"]
+
+
+def test_a_tool_that_always_hangs_holds_a_bounded_number_of_threads():
+    fixtures_tools.RELEASE.set()  # hung calls of earlier tests end first
+    for t in _tool_threads("hang"):
+        t.join(timeout=5)
+    assert not _tool_threads("hang")
+    fixtures_tools.RELEASE.clear()
+    box = ToolBox(load_tools(["calculator", "fixtures_tools:hang"]), 0.05, max_threads=3)
+    try:
+        with cf.ThreadPoolExecutor(4) as pool:  # as the episodes of a worker call it, at once
+            outcomes = list(pool.map(lambda _: box.call("hang", "x"), range(24)))
+        for hung in outcomes:  # every call still ends at its timeout, with the tool's error
+            assert (hung.reply, hung.error, hung.timeout) == (
+                "<result>error: hang timed out after 0.05s</result>",
+                True,
+                True,
+            )
+            assert hung.end - hung.start < 1.0
+        assert len(_tool_threads("hang")) == 3  # not one per call
+        ok = box.call("calculator", "3 + 4")  # another tool is not held up by the hung one
+        assert (ok.reply, ok.timeout) == ("<result>7</result>", False)
+    finally:
+        fixtures_tools.RELEASE.set()
+    for t in _tool_threads("hang"):
+        t.join(timeout=5)
+    assert box.call("hang", "x").reply == "<result>too late</result>"  # its threads came back
+    with pytest.raises(ValueError, match="max_threads must be at least 1, got 0"):
+        ToolBox(box.tools, 1.0, max_threads=0)

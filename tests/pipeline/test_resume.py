@@ -146,3 +146,88 @@ def test_resume_errors_name_the_problem(model_dir, tmp_path, capsys):
     args = ["train", "configs/default.toml", "--out", str(tmp_path / "unfinished")]
     assert main([*args, "--set", f"model.path='{model_dir}'"]) == 2
     assert "did not finish: continue it with `cadence train --resume" in capsys.readouterr().err
+
+
+class Interrupted(Exception):
+    """Raised from inside an iteration: the run stops mid-iteration, as a crash would."""
+
+
+def _offpolicy_cfg(model_dir):
+    from cadence.config import load_config
+
+    return load_config(
+        None,
+        [
+            f"model.path='{model_dir}'",
+            "pipeline.mode='offpolicy'",
+            "pipeline.max_staleness=1",
+            "pipeline.filter_groups='zero_variance'",
+            "pipeline.placement='separate'",
+            "pipeline.num_workers=1",
+            "pipeline.learner_threads=1",
+            "pipeline.prompts_per_task=4",
+            "pipeline.tasks_in_flight=1",  # one task at a time: groups arrive in one order
+            "train.iterations=6",
+            "train.prompts_per_iteration=4",
+            "train.micro_batch_groups=2",
+            "train.lr=1e-3",
+            "train.checkpoint_every=3",
+            "train.keep_checkpoints=1",
+            "rollout.group_size=2",  # half the groups constant: extra prompts every iteration
+            "rollout.max_new_tokens=10",
+            "data.num_heldout=4",
+            "algo.kl_coef=0.05",
+            "metrics.progress=false",
+            "reward.function='fixtures_rewards:even_length'",
+        ],
+    )
+
+
+def _recorded_train(cfg, out, trained, resume=None, stop_in=None):
+    """Train (from `resume`), recording each trained group's (policy_version, prompt uid) by
+    iteration in `trained`; raise `Interrupted` after the second group of iteration `stop_in`."""
+    from cadence.pipeline import build_run, train
+
+    run = build_run(cfg, resume=resume)
+    groups = run.source.groups
+
+    def recording():
+        for g in groups():
+            trained.setdefault(g.iteration, []).append((g.policy_version, g.prompt.uid))
+            if g.iteration == stop_in and len(trained[g.iteration]) == 2:
+                raise Interrupted(f"stopped in iteration {stop_in}")
+            yield g
+
+    run.source.groups = recording
+    train(run, out)
+    return run
+
+
+def test_an_offpolicy_run_with_dynamic_sampling_resumes_to_the_same_prompts_and_parameters(
+    model_dir, tmp_path
+):
+    from cadence.pipeline.checkpoint import find_checkpoint
+
+    cfg = _offpolicy_cfg(model_dir)
+    full: dict[int, list] = {}
+    _recorded_train(cfg, tmp_path / "full", full)
+    records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").open()]
+    assert sum(r["oversampled_prompts"] for r in records) > 0  # extra prompts were drawn
+    assert max(r["staleness_max"] for r in records) == 1  # generation really ran ahead
+
+    killed = tmp_path / "killed"
+    resumed: dict[int, list] = {}
+    with pytest.raises(Interrupted):
+        _recorded_train(cfg, killed, resumed, stop_in=4)  # one past the checkpoint after 3
+    assert [p.name for p in list_checkpoints(killed)] == ["iter-000003"]
+    for k in (3, 4):
+        resumed.pop(k, None)  # the iterations the resumed run does again
+    _recorded_train(cfg, killed, resumed, resume=find_checkpoint(killed))
+    assert _iterations(killed) == list(range(6))
+
+    assert resumed == full  # the same prompts, by the same versions, in the same order
+    uids = [uid for groups in full.values() for _, uid in groups]
+    assert len(set(uids)) == len(uids)  # none trained twice
+    a, b = load_model(tmp_path / "full" / "final"), load_model(killed / "final")
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.allclose(pa, pb, rtol=0, atol=1e-6), name

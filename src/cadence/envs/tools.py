@@ -7,7 +7,10 @@ by its function's name. Never `eval`: a spec is resolved with importlib.
 `ToolBox.call` runs the tool in a daemon thread of its own and waits at most `timeout_s`: a tool
 that raises, returns something that is not a string, or hangs gives an error outcome the policy
 reads, and a hung tool's thread is left behind (a daemon: it cannot keep the process alive) while
-the episode goes on. Counted, never fatal.
+the episode goes on. Counted, never fatal. A tool runs in at most `max_threads` threads at once,
+hung ones included: once that many hang, its next calls wait for one to end, up to their own
+timeout, and time out the same way, so a tool that always hangs holds a bounded number of
+threads rather than one per call, and holds up no other tool.
 """
 
 from __future__ import annotations
@@ -71,11 +74,20 @@ class Outcome:
     timeout: bool = False
 
 
+MAX_THREADS = 16  # per tool: as many calls as a worker's episodes make at once (ENV_THREADS)
+
+
 class ToolBox:
-    def __init__(self, tools: dict[str, Tool], timeout_s: float) -> None:
+    def __init__(
+        self, tools: dict[str, Tool], timeout_s: float, max_threads: int = MAX_THREADS
+    ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"a tool timeout must be > 0 seconds, got {timeout_s}")
+        if max_threads < 1:
+            raise ValueError(f"a tool's max_threads must be at least 1, got {max_threads}")
         self.tools, self.timeout_s = tools, timeout_s
+        # a slot is held by a running call's thread, and by a hung one until (if ever) it ends
+        self._slots = {name: threading.BoundedSemaphore(max_threads) for name in tools}
 
     def call(self, name: str, argument: str) -> Outcome:
         start = time.perf_counter()
@@ -85,6 +97,7 @@ class ToolBox:
             return Outcome(error_text(f"unknown tool {name!r}; tools: {known}"), start, start, True)
         box: dict[str, object] = {}
         finished = threading.Event()
+        slots = self._slots[name]
 
         def run() -> None:
             try:
@@ -92,13 +105,20 @@ class ToolBox:
             except Exception as e:
                 box["error"] = f"{type(e).__name__}: {e}"
             finally:
+                slots.release()
                 finished.set()
 
-        threading.Thread(target=run, name=f"cadence-tool-{name}", daemon=True).start()
-        if not finished.wait(self.timeout_s):
-            message = f"{name} timed out after {self.timeout_s:g}s"
-            return Outcome(error_text(message), start, time.perf_counter(), True, True)
-        return self._outcome(name, box, start)
+        deadline = time.monotonic() + self.timeout_s
+        if slots.acquire(timeout=self.timeout_s):
+            try:
+                threading.Thread(target=run, name=f"cadence-tool-{name}", daemon=True).start()
+            except BaseException:
+                slots.release()
+                raise
+            if finished.wait(max(deadline - time.monotonic(), 0.0)):
+                return self._outcome(name, box, start)
+        message = f"{name} timed out after {self.timeout_s:g}s"
+        return Outcome(error_text(message), start, time.perf_counter(), True, True)
 
     def _outcome(self, name: str, box: dict[str, object], start: float) -> Outcome:
         end = time.perf_counter()

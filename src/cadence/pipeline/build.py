@@ -39,6 +39,7 @@ from cadence.pipeline.params import (
     set_threads,
     worker_spec,
 )
+from cadence.pipeline.producer import ProducerParams
 from cadence.pipeline.prompts import PromptStream
 from cadence.pipeline.ranks import RankedLearner, start_local_ranks, start_ray_ranks
 from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
@@ -88,12 +89,14 @@ def build_source(
     worker: RolloutWorker,
     tracer: Tracer,
     stream: PromptStream,
-    first_iteration: int = 0,
+    resume: Checkpoint | None = None,
     sync: Sync | None = None,
 ) -> GroupSource:
-    """Where the run's groups come from; colocated, `sync(version)` brings the worker's engine
-    to the learner's weights before each iteration (None: it decodes with the learner's model)."""
+    """Where the run's groups come from; a resumed run's (from `resume`) begins where it stopped.
+    Colocated, `sync(version)` brings the worker's engine to the learner's weights before each
+    iteration (None: it decodes with the learner's model)."""
     p = cfg.pipeline
+    first_iteration = resume.iteration if resume else 0
 
     def next_prompts() -> list[Prompt]:
         return stream.next_batch(cfg.train.prompts_per_iteration)
@@ -125,20 +128,30 @@ def build_source(
         model,
         tracer,
         next_prompts,
+        producer_params(cfg, first_iteration),
         stream=p.mode != "sync",
+        store=store,
+        reward_stage=stage,
+        filter_groups=filter_groups,
+        max_oversample=p.max_oversample,
+        next_extra=stream.extra,
+        checkpoint_every=cfg.train.checkpoint_every,
+        behaviour=resume.state.get("behaviour_policies", []) if resume else [],
+    )
+
+
+def producer_params(cfg: Config, first_iteration: int = 0) -> ProducerParams:
+    """How the producer feeds the workers; a resumed run's begins at `first_iteration`."""
+    p = cfg.pipeline
+    return ProducerParams(
         prompts_per_task=p.prompts_per_task,
         tasks_in_flight=p.tasks_in_flight,
         max_staleness=max_staleness(cfg),
         queue_size=p.queue_size,
         iterations=cfg.train.iterations,
         first_iteration=first_iteration,
-        max_worker_restarts=p.max_worker_restarts,
         group_size=cfg.rollout.group_size,
-        store=store,
-        reward_stage=stage,
-        filter_groups=filter_groups,
-        max_oversample=p.max_oversample,
-        next_extra=stream.extra,
+        max_worker_restarts=p.max_worker_restarts,
     )
 
 
@@ -208,10 +221,10 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     positions = max_positions(model)
     fit = prompt_filter(cfg, tokenizer, positions)
     render = prompt_render(cfg, tokenizer)
-    stream = PromptStream(task, render, cfg.data.task, start=cursor, fit=fit)
-    first = resume.iteration if resume else 0
+    replay = resume.state.get("pending_batches", []) if resume else []
+    stream = PromptStream(task, render, cfg.data.task, start=cursor, fit=fit, replay=replay)
     heldout = heldout_set(cfg, tokenizer, positions, task)
-    source = build_source(cfg, model, worker, tracer, stream, first_iteration=first, sync=sync)
+    source = build_source(cfg, model, worker, tracer, stream, resume, sync=sync)
     if learner is None:
         try:
             learner = start_ranks(cfg, model, tokenizer.pad_token_id, tracer, resume)

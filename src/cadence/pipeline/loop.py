@@ -380,11 +380,9 @@ def start_fresh(out: Path) -> None:
 
 def checkpoint(run: Run, out: Path, iteration: int, records: list, accuracy_before: float) -> None:
     """Save the state after `iteration` iterations (see pipeline/checkpoint.py)."""
-    starts = run.stream.batch_starts  # batch i of this process is iteration first_iteration + i
-    i = iteration - run.first_iteration
-    cursor = starts[i] if i < len(starts) else run.stream.cursor
     extra = {
-        "cursor": cursor,
+        **run.stream.resume_state(iteration - run.first_iteration),  # "cursor" and more
+        **run.source.resume_state(iteration),
         "metrics_bytes": (out / "metrics.jsonl").stat().st_size,
         "records": records,
         "accuracy_before": accuracy_before,

@@ -17,6 +17,14 @@ With max_staleness = 0 the learner also waits in `start_iteration` until every w
 loaded the version (the barrier). Dispatch hands a task to the worker with the most room, up to
 `tasks_in_flight` each, and holds tasks back while `queue_size` groups wait for the learner.
 
+Draw order. The prompts come from one stream, in an order that does not depend on timing, so a
+run draws the same prompts each time (and a resumed run those the uninterrupted one drew): the
+extra prompts of iteration k (dynamic sampling, `want`) are drawn after every batch that version
+k's release admits and before any that a later release does, and only once `sync k` is queued,
+so that they are generated with version k. A run resumed from a checkpoint begins at the
+checkpoint's iteration, draws the batches the producer had drawn ahead again (prompts.py) and
+first publishes again the versions that generated them (behaviour.py).
+
 The store. The producer puts each finished group's rows (`GENERATED`, and the reward when the
 workers scored it; otherwise `reward_stage` writes it). `groups()` takes the iteration's whole
 groups with every field for the task "learner", checked against the learner's version by the
@@ -28,9 +36,11 @@ worker or reward-stage failure is re-raised in the learner's thread.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from cadence.backend import Pool, TaskResult, WeightGate, WorkerDied
 from cadence.dataplane import GENERATED, LEARNER, Store, StoreClosed, group_rows, record_depths
@@ -39,10 +49,41 @@ from cadence.pipeline.recovery import Recovery
 from cadence.types import Group, Prompt
 
 
+@dataclass(frozen=True)
+class ProducerParams:
+    """How the producer feeds the workers (made by `build.producer_params`)."""
+
+    prompts_per_task: int  # prompts sent to a worker as one task
+    tasks_in_flight: int  # tasks queued at each worker at once
+    max_staleness: int = 0  # versions generation may run ahead of the learner (0: on-policy)
+    queue_size: int = 0  # most groups waiting for the learner before tasks pause (0: no bound)
+    iterations: int | None = None  # None: begin iterations for as long as admission allows
+    first_iteration: int = 0  # a resumed run begins where it stopped
+    group_size: int = 1  # samples per prompt: the generation queue's depth in rows
+    max_worker_restarts: int = 0  # replacements per worker slot over the run
+
+    def __post_init__(self) -> None:
+        least = {"prompts_per_task": 1, "tasks_in_flight": 1}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and value < least.get(f.name, 0):
+                raise ValueError(
+                    f"producer {f.name} = {value}: must be at least {least.get(f.name, 0)}"
+                )
+
+    def admitting_version(self, iteration: int) -> int:
+        """The version whose release lets the producer begin `iteration` (and generates it)."""
+        return max(iteration - self.max_staleness, 0)
+
+    def ends_before(self, iteration: int) -> bool:
+        """True when the run has no iteration `iteration`."""
+        return self.iterations is not None and iteration >= self.iterations
+
+
 class Producer:
-    """The producer thread (see the module docstring); the learner's side is
-    `source.WorkerSource`, which reads `sizes` (iteration -> its prompts, once begun) under
-    `cond`, asks for extra prompts (`want`), and re-raises `failure`."""
+    """The producer thread (see the module docstring). The learner's side (`WorkerSource`) waits
+    for an iteration to begin (`wait_begun`), asks for extra prompts (`want`), says when it is
+    done with one (`iteration_done`), and re-raises `failure`."""
 
     def __init__(
         self,
@@ -50,36 +91,26 @@ class Producer:
         store: Store,
         tracer: Tracer,
         gate: WeightGate,
-        recovery: Recovery,
+        params: ProducerParams,
         next_prompts: Callable[[], list[Prompt]],
-        *,
-        prompts_per_task: int,
-        tasks_in_flight: int,
-        max_staleness: int = 0,
-        queue_size: int = 0,
-        iterations: int | None = None,
-        first_iteration: int = 0,
-        group_size: int = 1,
-        scored: bool = True,
         next_extra: Callable[[int], Prompt] | None = None,
+        *,
+        scored: bool = True,
         on_result: Callable[[TaskResult], None] = lambda result: None,
     ) -> None:
         self.pool, self.store, self.tracer = pool, store, tracer
-        self.gate, self.recovery = gate, recovery
+        self.gate, self.params = gate, params
+        self.recovery = Recovery(pool, gate, params.max_worker_restarts)
         self.next_prompts, self.next_extra = next_prompts, next_extra
-        self.prompts_per_task, self.tasks_in_flight = prompts_per_task, tasks_in_flight
-        self.max_staleness = max_staleness
-        self.queue_size = queue_size  # most groups waiting for the learner before tasks pause
-        self.iterations = iterations  # None: begin iterations for as long as admission allows
-        self.first_iteration = first_iteration  # a resumed run begins where it stopped
-        self.group_size = group_size  # samples per prompt: the generation queue's depth in rows
         self.scored = scored  # the workers score; else a reward stage writes the rewards
         self.on_result = on_result  # told of every worker result, as it arrives
-        self.cond = threading.Condition()  # guards `sizes` and `_wanted`
-        self.sizes: dict[int, int] = {}  # iteration -> its prompts, once begun
         self.failure: BaseException | None = None
         self.rows_generated = 0  # rows put in the store, over the run
+        self._cond = threading.Condition()  # guards `_sizes` and `_wanted`
+        self._sizes: dict[int, int] = {}  # iteration -> its prompts, once begun, until done
         self._wanted: list[tuple[int, int]] = []  # (iteration, position) of extra prompts
+        self._due: collections.deque[tuple[int, int]] = collections.deque()  # taken, not drawn
+        self._next_iteration = params.first_iteration  # the next to begin
         self._next_group, self._next_row = 0, 0  # store ids, in arrival order
         self._gen_waiting = 0  # rows begun, not yet put
         self._stop = threading.Event()
@@ -97,17 +128,37 @@ class Producer:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def wait_begun(self, iteration: int, check: Callable[[], None]) -> int:
+        """Wait until `iteration` has begun; its number of prompts. `check` raises whatever
+        stopped the pipeline meanwhile; no beginning within the workers' timeout raises."""
+        deadline = time.monotonic() + self.pool.timeout_s
+        with self._cond:
+            while iteration not in self._sizes:
+                check()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"workers did not begin iteration {iteration} within "
+                        f"{self.pool.timeout_s:.0f}s (pipeline.worker_timeout_s)"
+                    )
+                self._cond.wait(timeout=0.5)
+            return self._sizes[iteration]
+
     def want(self, iteration: int, position: int) -> None:
         """One more prompt for `iteration`, at `position` in it (dynamic sampling)."""
-        with self.cond:
+        with self._cond:
             self._wanted.append((iteration, position))
-            self.cond.notify_all()
+            self._cond.notify_all()
+
+    def iteration_done(self, iteration: int) -> None:
+        """The learner has taken all of `iteration`: it wants nothing more of it."""
+        with self._cond:
+            del self._sizes[iteration]
 
     def stop(self) -> None:
         """Stop the thread (before the workers, so that it cannot mistake stopped ones for dead)."""
         self._stop.set()
-        with self.cond:
-            self.cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
@@ -120,24 +171,15 @@ class Producer:
         except BaseException as e:  # surfaces in the learner's thread
             self.failure = e
             self.gate.wake()
-            with self.cond:
-                self.cond.notify_all()
+            with self._cond:
+                self._cond.notify_all()
             self.store.close()
 
     def _produce_loop(self) -> None:
-        dispatch = Dispatch(self.pool, self.tasks_in_flight, self._learner_backlog_full)
-        begun, last_word = self.first_iteration, time.monotonic()
+        dispatch = Dispatch(self.pool, self.params.tasks_in_flight, self._learner_backlog_full)
+        last_word = time.monotonic()
         while not self._stop.is_set():
-            new_versions, admit = self.gate.take()
-            for v in new_versions:
-                dispatch.sync(v)
-            for iteration, position in self._take_wanted():
-                dispatch.add(iteration, [[self._draw_extra(position)]])
-            while admit >= max(0, begun - self.max_staleness) and (
-                self.iterations is None or begun < self.iterations
-            ):
-                dispatch.add(begun, self._begin(begun))
-                begun += 1
+            self._feed(dispatch)
             dispatch.run()
             try:
                 message = self.pool.poll(0.05)
@@ -157,25 +199,62 @@ class Producer:
                     )
                 continue
             last_word = time.monotonic()
-            kind, wid, payload = message
-            if kind == "ack":
-                self.gate.acked(wid, payload)
-                continue
-            self._record(payload)
-            for g in payload.groups:
-                if self.recovery.fresh(g):  # a replaced worker's, sent twice: train it once
-                    self._put(g)
-            if payload.task_done and (k := dispatch.done(wid, payload.task_id)) is not None:
-                self.recovery.finished(k)
+            self._receive(dispatch, message)
 
-    def _take_wanted(self) -> list[tuple[int, int]]:
-        with self.cond:
-            wanted, self._wanted = self._wanted, []
-        return wanted
+    def _feed(self, dispatch: Dispatch) -> None:
+        """Queue the new versions' syncs, then draw what is due in the draw order (module
+        docstring): extra prompts go to the workers ahead of new batches, for the learner is
+        waiting on them."""
+        new_versions, released = self.gate.take()
+        for v in new_versions:
+            dispatch.sync(v)
+        # Wants taken after the gate: a release seen above follows every want of the iterations
+        # before it, so none of those can be missed while a batch the release admits is drawn.
+        with self._cond:
+            self._due.extend(self._wanted)
+            self._wanted = []
+        extras, batches = [], []
+        p = self.params
+        k = self._next_iteration
+        while not p.ends_before(k) and p.admitting_version(k) <= released:
+            extras += self._draw_due(released)
+            batches.append((k, self._begin(k)))
+            self._next_iteration = k = k + 1
+        extras += self._draw_due(released)
+        for iteration, prompt in extras:
+            dispatch.add(iteration, [[prompt]])
+        for iteration, tasks in batches:
+            dispatch.add(iteration, tasks)
+
+    def _draw_due(self, released: int) -> list[tuple[int, Prompt]]:
+        """The extra prompts due before the next batch: those of iterations whose sync is queued
+        and whose release admits no batch not yet drawn. Wants come in iteration order."""
+        p, upcoming = self.params, self._next_iteration
+        drawn = []
+        while self._due:
+            iteration, position = self._due[0]
+            later = not p.ends_before(upcoming) and p.admitting_version(upcoming) <= iteration
+            if iteration > released or later:
+                break
+            self._due.popleft()
+            drawn.append((iteration, self._draw_extra(position)))
+        return drawn
+
+    def _receive(self, dispatch: Dispatch, message: tuple) -> None:
+        kind, wid, payload = message
+        if kind == "ack":
+            self.gate.acked(wid, payload)
+            return
+        self._record(payload)
+        for g in payload.groups:
+            if self.recovery.fresh(g):  # a replaced worker's, sent twice: train it once
+                self._put(g)
+        if payload.task_done and (k := dispatch.done(wid, payload.task_id)) is not None:
+            self.recovery.finished(k)
 
     def _draw_extra(self, position: int) -> Prompt:
         assert self.next_extra is not None
-        self._gen_waiting += self.group_size
+        self._gen_waiting += self.params.group_size
         self._sample_gen_waiting()
         return self.next_extra(position)
 
@@ -197,21 +276,19 @@ class Producer:
 
     def _begin(self, iteration: int) -> list[list[Prompt]]:
         prompts = self.next_prompts()
-        with self.cond:
-            self.sizes[iteration] = len(prompts)
-            self.cond.notify_all()
-        self._gen_waiting += len(prompts) * self.group_size
+        with self._cond:
+            self._sizes[iteration] = len(prompts)
+            self._cond.notify_all()
+        self._gen_waiting += len(prompts) * self.params.group_size
         self._sample_gen_waiting()
-        return [
-            prompts[i : i + self.prompts_per_task]
-            for i in range(0, len(prompts), self.prompts_per_task)
-        ]
+        per_task = self.params.prompts_per_task
+        return [prompts[i : i + per_task] for i in range(0, len(prompts), per_task)]
 
     def _learner_backlog_full(self) -> bool:
-        if not self.queue_size:
+        if not self.params.queue_size:
             return False
         waiting = self.store.depth(GENERATED, LEARNER, groups=True, units=True)
-        return waiting >= self.queue_size
+        return waiting >= self.params.queue_size
 
     def _record(self, result: TaskResult) -> None:
         origin, track = self.tracer.origin, f"worker-{result.worker}"

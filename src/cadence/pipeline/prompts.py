@@ -2,7 +2,8 @@
 
 The cursor is a plain integer so a run can be resumed exactly; prompt `index` is the position in
 the iteration's batch, which (with the run seed and iteration) fixes the sampling seeds. Dynamic
-sampling draws more prompts for an iteration (`extra`), positioned after its batch.
+sampling draws more prompts for an iteration (`extra`), positioned after its batch. A prompt's uid
+is the stream's name and its example's position, so a batch drawn again has the same uids.
 
 A prompt longer than `max_tokens` is skipped (the next example takes its place) or truncated to
 its last `max_tokens` tokens (the end, where the question's template hands over to the answer, is
@@ -12,8 +13,10 @@ what the model continues from); either is counted.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 from cadence.data import DataError, Render, to_prompt
 from cadence.types import Prompt
@@ -49,6 +52,16 @@ class PromptFilter:
 
 
 class PromptStream:
+    """A task's training examples as prompts, from position `start` of its stream.
+
+    The producer draws from it in its own thread while the learner's thread reads its state for
+    a checkpoint, hence the lock. A checkpoint records `resume_state`: where the next example
+    comes from, and where each batch drawn for an iteration not yet trained began (off-policy,
+    the producer runs ahead); a stream resumed with those (`replay`) draws those batches again
+    first, then goes on where the first one stopped, so it hands out what the uninterrupted
+    stream would have.
+    """
+
     def __init__(
         self,
         task,
@@ -56,14 +69,21 @@ class PromptStream:
         name: str,
         start: int = 0,
         fit: PromptFilter | None = None,
+        replay: Sequence[int] = (),
     ) -> None:
         self.task = task
         self.template = template
         self.name = name
-        self.cursor = start
         self.fit = fit or PromptFilter(None)
-        self.batch_starts: list[int] = []  # the cursor at each batch's first example
-        self._it = task.train_iter(start)
+        self.batch_starts: list[int] = []  # where each batch of this process began, in order
+        self._reader = _Reader(task, start)
+        self._replay = list(replay)  # starts of batches to draw again, first
+        self._lock = threading.Lock()
+
+    @property
+    def cursor(self) -> int:
+        """The position of the next example drawn (after any batches to draw again)."""
+        return self._reader.cursor
 
     @property
     def prompts_skipped(self) -> int:
@@ -82,19 +102,28 @@ class PromptStream:
 
     def next_batch(self, n: int) -> list[Prompt]:
         """The next iteration's `n` prompts, indexed 0..n-1."""
-        self.batch_starts.append(self.cursor)
-        return [self._next(index) for index in range(n)]
+        with self._lock:
+            reader = _Reader(self.task, self._replay.pop(0)) if self._replay else self._reader
+            self.batch_starts.append(reader.cursor)
+            return [self._next(reader, index) for index in range(n)]
 
     def extra(self, index: int) -> Prompt:
         """One more prompt for the current iteration (dynamic sampling), at position `index`."""
-        return self._next(index)
+        with self._lock:
+            return self._next(self._reader, index)
 
-    def _next(self, index: int) -> Prompt:
+    def resume_state(self, batches_trained: int) -> dict[str, Any]:
+        """For a checkpoint taken once this process has trained `batches_trained` batches: the
+        next example's position, and the starts of the batches drawn but not yet trained."""
+        with self._lock:
+            pending = self.batch_starts[batches_trained:] + self._replay
+            return {"cursor": self._reader.cursor, "pending_batches": pending}
+
+    def _next(self, reader: _Reader, index: int) -> Prompt:
         skipped_in_a_row = 0
         while True:
-            example = next(self._it)
-            uid = f"{self.name}:{self.cursor}"
-            self.cursor += 1
+            example, position = reader.next()
+            uid = f"{self.name}:{position}"
             prompt = self.fit(to_prompt(example, uid, index, self.template))
             if prompt is not None:
                 return prompt
@@ -105,6 +134,19 @@ class PromptStream:
                     f"rollout.max_prompt_tokens = {self.fit.max_tokens}: raise it, or set "
                     "rollout.on_long_prompt = 'truncate'"
                 )
+
+
+class _Reader:
+    """A task's training stream from `start`, and the position of its next example."""
+
+    def __init__(self, task, start: int) -> None:
+        self.cursor = start
+        self._it = task.train_iter(start)
+
+    def next(self) -> tuple[Any, int]:
+        example, position = next(self._it), self.cursor
+        self.cursor += 1
+        return example, position
 
 
 def heldout_prompts(

@@ -13,10 +13,9 @@ groups whose rewards differ (oversample.py).
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from cadence.backend import Pool, RewardStage, TaskResult, WeightGate
 from cadence.dataplane import (
@@ -29,9 +28,9 @@ from cadence.dataplane import (
     record_depths,
 )
 from cadence.metrics.trace import Span, Tracer
+from cadence.pipeline.behaviour import BehaviourPolicies
 from cadence.pipeline.oversample import Oversampler
-from cadence.pipeline.producer import Producer
-from cadence.pipeline.recovery import Recovery
+from cadence.pipeline.producer import Producer, ProducerParams
 from cadence.rollout import RolloutWorker
 from cadence.types import Group, Prompt, SampleBatch, SourceStats
 
@@ -45,6 +44,11 @@ class GroupSource(Protocol):
 
     def stats(self) -> SourceStats:
         """What the current iteration measured so far, and the run's counts."""
+        ...
+
+    def resume_state(self, iteration: int) -> dict[str, Any]:
+        """What a checkpoint after `iteration - 1` must hold for a run resumed from it to
+        generate what this one will (plain containers and tensors)."""
         ...
 
     def close(self) -> None: ...
@@ -80,6 +84,9 @@ class ColocatedSource:
 
     def stats(self) -> SourceStats:
         return replace(self.times, stages={"gen": (1, self._rows)})
+
+    def resume_state(self, iteration: int) -> dict[str, Any]:
+        return {}  # each iteration is generated when the learner reaches it
 
     def start_iteration(self, iteration: int, version: int) -> None:
         """Generate the iteration's groups; with dynamic sampling, in rounds: each round draws
@@ -124,8 +131,9 @@ class ColocatedSource:
 class WorkerSource:
     """The learner's side of worker processes fed by the producer thread: publishes each version
     through the weight gate, then takes the iteration's groups from the sample store as they
-    become ready (`stream`) or all at once (sync). `stream` and `max_staleness` are the sync /
-    periodic / offpolicy knobs (producer.py says how versions, admission and the store work)."""
+    become ready (`stream`) or all at once (sync). `stream` and the producer's `max_staleness`
+    are the sync / periodic / offpolicy knobs (producer.py says how versions, admission and the
+    store work)."""
 
     def __init__(
         self,
@@ -133,61 +141,61 @@ class WorkerSource:
         model,
         tracer: Tracer,
         next_prompts: Callable[[], list[Prompt]],
+        params: ProducerParams | None = None,
         *,
         stream: bool,
-        prompts_per_task: int,
-        tasks_in_flight: int,
-        max_staleness: int = 0,
-        queue_size: int = 0,
-        iterations: int | None = None,
-        first_iteration: int = 0,
-        max_worker_restarts: int = 0,
         store: Store | None = None,
         reward_stage: RewardStage | None = None,
-        group_size: int = 1,
         filter_groups: bool = False,
         max_oversample: int = 0,
         next_extra: Callable[[int], Prompt] | None = None,
+        checkpoint_every: int = 0,
+        behaviour: Sequence[dict[str, Any]] = (),
+        **settings: Any,
     ) -> None:
-        if queue_size and (max_staleness > 0 or not stream):
+        """`params`: the producer's settings (the builder makes them); or `settings`, the same
+        by keyword (`ProducerParams`' fields). `behaviour`: the behaviour policies of the
+        checkpoint a run resumes from (`resume_state`), published again before its first
+        iteration (pipeline/behaviour.py)."""
+        if params is None:
+            params = ProducerParams(**settings)
+        elif settings:
+            raise TypeError(f"give ProducerParams or its fields, not both: {sorted(settings)}")
+        if params.queue_size and (params.max_staleness > 0 or not stream):
             raise ValueError("pipeline.queue_size must be 0 (unbounded) unless mode is periodic")
         if filter_groups and next_extra is None:
             raise ValueError("filter_groups needs next_extra, the source of extra prompts")
         self.pool, self.model, self.tracer = pool, model, tracer
-        self.stream, self.max_staleness = stream, max_staleness
+        self.stream, self.max_staleness = stream, params.max_staleness
         self.store: Store = store if store is not None else SampleStore()
         self.reward_stage = reward_stage  # scores the rows when the workers do not
         self.filter_groups, self.max_oversample = filter_groups, max_oversample
         self.gate = WeightGate(pool.weights, pool.num_workers, pool.timeout_s, self._raise_failure)
-        self.recovery = Recovery(pool, self.gate, max_worker_restarts)
         self.producer = Producer(
             pool,
             self.store,
             tracer,
             self.gate,
-            self.recovery,
+            params,
             next_prompts,
-            prompts_per_task=prompts_per_task,
-            tasks_in_flight=tasks_in_flight,
-            max_staleness=max_staleness,
-            queue_size=queue_size,
-            iterations=iterations,
-            first_iteration=first_iteration,
-            group_size=group_size,
+            next_extra,
             scored=reward_stage is None,
-            next_extra=next_extra,
             on_result=self._arrived,
         )
+        self.behaviour = BehaviourPolicies(
+            params.max_staleness, checkpoint_every, params.iterations
+        )
+        self._republish = self.behaviour.restore(behaviour)
         self.times = SourceStats()
         self._current, self._version = -1, -1  # the learner's iteration and version
 
     @property
     def restarts(self) -> list[int]:
-        return self.recovery.restarts
+        return self.producer.recovery.restarts
 
     @property
     def duplicates(self) -> int:
-        return self.recovery.duplicates
+        return self.producer.recovery.duplicates
 
     def stats(self) -> SourceStats:
         stages = {"gen": (self.pool.num_workers, self.producer.rows_generated)}
@@ -206,10 +214,18 @@ class WorkerSource:
         self.producer.start()
         self.times = SourceStats(start=self.tracer.now())
         with self.tracer.span("weight_sync", "learner"):
+            for old, weights in self._republish:  # a resumed run's begun iterations, as begun
+                self.gate.publish(weights, old, wait=False)
+                self.gate.release(old)
+            self._republish = []
             self.barrier(version)
+        self.behaviour.published(version, self.model)
         self.times.weight_sync_s = self.tracer.now() - self.times.start
         self._current, self._version = iteration, version
         self.gate.release(version)
+
+    def resume_state(self, iteration: int) -> dict[str, Any]:
+        return {"behaviour_policies": self.behaviour.state(iteration)}
 
     def barrier(self, version: int) -> None:
         """Make `version` reach the workers; with max_staleness = 0, wait until all have it."""
@@ -233,7 +249,7 @@ class WorkerSource:
         """The current iteration's groups: as they become ready (stream) or once all are; with
         dynamic sampling, only those whose rewards differ (oversample.py)."""
         k, version = self._current, self._version
-        size = self._begun(k)
+        size = self.producer.wait_begun(k, self._raise_failure)
         sampler = Oversampler(size, self.max_oversample, self.filter_groups)
         while sampler.outstanding > 0:
             batch = self._take(k, version, sampler.outstanding)
@@ -250,21 +266,7 @@ class WorkerSource:
         self.times.filtered_groups = sampler.filtered
         self.times.oversampled_prompts = sampler.extra
         self.store.clear(k)
-        with self.producer.cond:
-            del self.producer.sizes[k]
-
-    def _begun(self, k: int) -> int:
-        """Wait until the producer has begun iteration `k`; its number of prompts."""
-        deadline = time.monotonic() + self.pool.timeout_s
-        with self.producer.cond:
-            while k not in self.producer.sizes:
-                self._raise_failure()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"workers did not begin iteration {k} within {self.pool.timeout_s:.0f}s"
-                    )
-                self.producer.cond.wait(timeout=0.5)
-            return self.producer.sizes[k]
+        self.producer.iteration_done(k)
 
     def _take(self, iteration: int, version: int, left: int) -> SampleBatch:
         """The next group (stream) or all `left` (sync) of `iteration` from the store, waiting
