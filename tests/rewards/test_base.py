@@ -150,6 +150,7 @@ def test_public_surface() -> None:
         "RewardLoadError",
         "RewardResult",
         "RewardTimeout",
+        "RowRewardFn",
         "TableReward",
         "TimedReward",
         "extract_prediction",
