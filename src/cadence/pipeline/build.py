@@ -219,20 +219,22 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
         except BaseException:
             source.close()
             raise
+    evaluator = Evaluator(
+        model,
+        LearnerWeights(engine, model) if isinstance(engine, VLLMEngine) else engine,
+        tokenizer,
+        reward,
+        heldout,
+        sampling,
+        env,
+    )
     return Run(
         params=loop_params(cfg),
         tokenizer=tokenizer,
         learner=learner,
         source=source,
-        heldout_accuracy=Evaluator(
-            model,
-            LearnerWeights(engine, model) if isinstance(engine, VLLMEngine) else engine,
-            tokenizer,
-            reward,
-            heldout,
-            sampling,
-            env,
-        ),
+        heldout_accuracy=evaluator,
+        heldout_tasks=evaluator.tasks,
         num_heldout=len(heldout),
         stream=stream,
         tracer=tracer,

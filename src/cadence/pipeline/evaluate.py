@@ -1,16 +1,18 @@
 """Held-out accuracy: greedy decoding, scored by the run's reward function.
 
 With an environment (`env.kind = "tool"`) each held-out problem is a greedy episode, tools and
-all, run by the same rollout worker code that training uses; without one, a single response."""
+all, run by the same rollout worker code that training uses; without one, a single response.
+Prompts labelled with a task (a mix) also give the accuracy of each task."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cadence.backend import RolloutWorker
 from cadence.engine import Engine, Request, SamplingParams
 from cadence.envs import Environment
+from cadence.metrics.tasks import task_accuracy
 from cadence.rewards import RewardFn, safe_reward
 from cadence.types import Completion, Prompt
 
@@ -23,18 +25,23 @@ def evaluate(
     sampling: SamplingParams,
     env: Environment | None = None,
 ) -> dict[str, float]:
-    """Fraction of held-out prompts whose greedy answer scores >= 1, and mean response length."""
+    """Fraction of held-out prompts whose greedy answer scores >= 1, and mean response length;
+    with task labels, each task's fraction too (`accuracy/<task>`)."""
     greedy = replace(sampling, temperature=0.0)
     if env is not None:
         completions = _episodes(engine, tokenizer, reward, prompts, greedy, env)
     else:
         completions = _responses(engine, tokenizer, prompts, greedy)
-    correct, tokens = 0, 0
-    for p, c in zip(prompts, completions, strict=True):
-        correct += safe_reward(reward, p.text, c.text, p.answer).value >= 1.0
-        tokens += len(c.token_ids)
+    scores = [
+        safe_reward(reward, p.text, c.text, p.answer, p.metadata).value
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+    correct = sum(s >= 1.0 for s in scores)
+    tokens = sum(len(c.token_ids) for c in completions)
     n = max(len(prompts), 1)
-    return {"accuracy": correct / n, "response_tokens_mean": tokens / n}
+    return {"accuracy": correct / n, "response_tokens_mean": tokens / n} | task_accuracy(
+        prompts, scores
+    )
 
 
 def _responses(engine, tokenizer, prompts, greedy) -> list[Completion]:
@@ -60,10 +67,18 @@ class Evaluator:
     prompts: list[Prompt]
     sampling: SamplingParams
     env: Environment | None = None
+    by_task: dict[str, float] = field(default_factory=dict)  # of the last call, per task label
 
     def __call__(self) -> float:
         self.model.eval()
         result = evaluate(
             self.engine, self.tokenizer, self.reward, self.prompts, self.sampling, self.env
         )
+        self.by_task = {
+            f"heldout_{key}": value for key, value in result.items() if key.startswith("accuracy/")
+        }
         return result["accuracy"]
+
+    def tasks(self) -> dict[str, float]:
+        """`heldout_accuracy/<task>` of the last call ({} before the first, or without labels)."""
+        return dict(self.by_task)
