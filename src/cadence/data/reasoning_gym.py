@@ -15,7 +15,7 @@ dataset scores from its metadata) gets the reference "". A `developer_prompt` (a
 `reasoning_gym.utils.SYSTEM_PROMPTS`, or the text itself) becomes every example's system
 message, so, like `data.system_prompt`, it needs a chat template.
 
-reasoning-gym takes 3-5 s to import (sympy, matplotlib): it is imported inside functions, only
+reasoning-gym takes 1-5 s to import (sympy, matplotlib): it is imported inside functions, only
 when this task is built. An unknown dataset, a config key its dataset does not have, or a config
 its dataset refuses is a `DataError` naming the key, raised when the task is built. Nothing here
 reads files or the network (reasoning-gym's own data ships in its wheel).

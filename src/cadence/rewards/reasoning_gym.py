@@ -10,7 +10,7 @@ entry `{"question": prompt, "answer": reference, "metadata": metadata}`. A compl
 marker has no answer (None), which reasoning-gym's graders score 0; an empty reference stands for
 a row without a single oracle answer (None), which its dataset grades from the metadata.
 
-reasoning-gym (3-5 s to import) is imported when the reward is built, in each process that
+reasoning-gym (1-5 s to import) is imported when the reward is built, in each process that
 scores, never inside a timed call. This module holds no state beyond one grader per dataset.
 """
 
