@@ -73,6 +73,15 @@ def test_heldout_rows_stay_apart_even_beside_the_heldout_seed() -> None:
     assert held.isdisjoint(_train_questions(task, 300))
 
 
+@pytest.mark.parametrize(("seed", "heldout_seed"), [(0, 0), (1, 0), (0, 1), (2, 1)])
+def test_small_seeds_share_no_rows_with_the_heldout_mix(seed, heldout_seed) -> None:
+    """With the datasets' wide default configs, questions repeat only when rows do: no training
+    row is dropped, so the held-out mix's seed lies far from these training seeds."""
+    wide = [DatasetChoice("basic_arithmetic"), DatasetChoice("chain_sum")]
+    task = ReasoningGymTask(wide, size=300, seed=seed, num_heldout=100, heldout_seed=heldout_seed)
+    assert task.num_overlap == 0 and len(task.heldout()) == 100
+
+
 def test_heldout_depends_on_data_seed_only() -> None:
     held = [e.question for e in _task(seed=0).heldout()]
     assert held == [e.question for e in _task(seed=7, size=50).heldout()]
