@@ -231,14 +231,7 @@ class DataConfig(_Section):
                 "data.task = 'reasoning_gym' needs a [data.reasoning_gym] table: datasets = "
                 "{ name = { weight = 1.0, config = { ... } } }, size, seed"
             )
-        for key in (
-            *DATASET_ONLY,
-            *FILES_ONLY,
-            "path",
-            "heldout_path",
-            "difficulty",
-            "max_operand",
-        ):
+        for key in NOT_REASONING_GYM:
             if getattr(self, key) != DataConfig.model_fields[key].default:
                 raise ValueError(
                     f"data.{key} does not apply to data.task = 'reasoning_gym' (its rows come from "
@@ -259,6 +252,14 @@ class DataConfig(_Section):
 
 DATASET_ONLY = ("prompt_field", "answer_field")
 FILES_ONLY = ("split", "heldout_split", "heldout_fraction")
+NOT_REASONING_GYM = (
+    *DATASET_ONLY,
+    *FILES_ONLY,
+    "path",
+    "heldout_path",
+    "difficulty",
+    "max_operand",
+)
 
 # vLLM arguments cadence sets itself (engine/vllm.py): not for rollout.vllm.engine_args
 VLLM_RESERVED_ARGS = ("model", "tokenizer", "seed", "logprobs_mode", "max_num_seqs", "max_logprobs")
@@ -870,11 +871,14 @@ class Config(_Section):
         if not isinstance(data, dict):
             return data
         d = data.get("data")
-        task = (
-            d.task if isinstance(d, DataConfig) else d.get("task") if isinstance(d, dict) else None
-        )
-        if task == "reasoning_gym" and isinstance(data.setdefault("reward", {}), dict):
-            data["reward"].setdefault("function", "reasoning_gym")
+        if isinstance(d, DataConfig):
+            task = d.task
+        else:
+            task = d.get("task") if isinstance(d, dict) else None
+        if task == "reasoning_gym":
+            reward = data.setdefault("reward", {})
+            if isinstance(reward, dict):
+                reward.setdefault("function", "reasoning_gym")
         return data
 
     @model_validator(mode="after")
