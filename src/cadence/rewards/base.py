@@ -2,10 +2,10 @@
 
 A reward function maps (prompt, completion, reference answer) to a float; one that also takes
 `metadata=` gets the row's own data (`Prompt.metadata`) where the row has some (rewards/calls.py:
-the `reasoning_gym` reward scores so). `safe_reward` turns a
-raised exception or a non-finite value into reward 0.0 plus an error string recorded on the
-completion, and `RewardErrorBudget` stops the run once such errors exceed a set fraction, so a
-broken reward is neither fatal on one sample nor silently trained on.
+the `reasoning_gym` reward scores so). `safe_reward` turns a raised exception or a non-finite
+value into reward 0.0 plus an error string recorded on the completion, and `RewardErrorBudget`
+stops the run once such errors exceed a set fraction, so a broken reward is neither fatal on one
+sample nor silently trained on.
 
 This module must not import torch or a model library, nor evaluate strings as code: a
 "module:function" spec is resolved with importlib, never `eval`.
