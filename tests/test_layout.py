@@ -31,7 +31,7 @@ ALLOWED = {
     "dataplane": {"types", "metrics"},
     # the policy acting (workers, episodes, evaluation): above what it acts with, below what
     # carries it to processes (backend) and what runs training (pipeline)
-    "rollout": {"types", "engine", "envs", "models", "rewards"},
+    "rollout": {"types", "engine", "envs", "metrics", "models", "rewards"},
     # engines only as what weights load into (EngineWeights); rewards for the reward stage
     "backend": {"types", "dataplane", "engine", "metrics", "models", "rewards", "rollout"},
     "pipeline": {

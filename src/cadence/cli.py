@@ -314,9 +314,23 @@ def print_summary(summary: dict, out: Path) -> None:
         ("RL wall time", f"{summary['wall_s']:.1f}s"),
         ("mode / placement", f"{summary['mode']} / {summary['placement']}"),
     ]
+    rows[3:3] = _task_rows(summary)  # after the run's reward
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)
+
+
+def _task_rows(summary: dict) -> list[tuple[str, str]]:
+    """Per task of a mix: reward first -> last, held-out accuracy before -> after."""
+    rows = []
+    nan = float("nan")
+    for task in sorted(k.partition("/")[2] for k in summary if k.startswith("reward_mean_first/")):
+        first, last = summary[f"reward_mean_first/{task}"], summary[f"reward_mean_last/{task}"]
+        before = summary.get(f"accuracy_before/{task}", nan)  # not after a resume
+        after = summary.get(f"accuracy_after/{task}", nan)
+        value = f"{first:.3f} -> {last:.3f} / {before:.3f} -> {after:.3f}"
+        rows.append((f"{task}: reward / held-out accuracy", value))
+    return rows
 
 
 def parser() -> argparse.ArgumentParser:

@@ -49,12 +49,74 @@ class ModelConfig(_Section):
     )
 
 
+class ReasoningGymDataset(_Section):
+    weight: float = Field(
+        1.0,
+        gt=0.0,
+        description="This dataset's share of the mix: each row picks a dataset with probability "
+        "weight / (sum of the weights), as reasoning-gym's DatasetSpec weights do.",
+    )
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments of the dataset's own config class in reasoning-gym (for "
+        "chain_sum: min_terms, max_terms, min_digits, max_digits, allow_negation); a key the "
+        "dataset does not have is an error when the task is built. Not seed or size: "
+        "data.reasoning_gym sets them for every dataset.",
+    )
+
+    @model_validator(mode="after")
+    def _no_seed_or_size(self) -> ReasoningGymDataset:
+        for key in ("seed", "size"):
+            if key in self.config:
+                raise ValueError(
+                    f"config.{key} is set by data.reasoning_gym.{key} for every dataset (a "
+                    "dataset's own seed would hold out rows that training draws too): leave it out"
+                )
+        return self
+
+
+class ReasoningGymConfig(_Section):
+    datasets: dict[str, ReasoningGymDataset] = Field(
+        ...,
+        min_length=1,
+        description="The mix: reasoning-gym dataset name -> { weight = 1.0, config = { ... } } "
+        "(reasoning-gym's own `datasets` table, as its TRL and verl examples write it). Each "
+        "row's reward is its dataset's own score_answer (reward.function 'reasoning_gym').",
+    )
+    size: int = Field(
+        1000,
+        ge=1,
+        description="Training rows drawn from the mix (reasoning-gym's dataset_size); each epoch "
+        "visits every one once, in an order shuffled by the seed. Rows whose question is held "
+        "out are dropped.",
+    )
+    seed: int | None = Field(
+        None,
+        description="Seed of the training rows and their order (default: train.seed). The "
+        "held-out rows are drawn with a seed hashed from data.seed, so they never coincide with "
+        "training rows.",
+    )
+    developer_prompt: str | None = Field(
+        None,
+        description="The system message of every prompt: a name of reasoning-gym's "
+        "SYSTEM_PROMPTS ('DeepSeekZero', 'default', 'simple', 'direct', 'chain_of_draft': they "
+        "ask for the answer in <answer> tags) or the text itself. Needs data.chat_template; "
+        "instead of data.system_prompt.",
+    )
+
+
 class DataConfig(_Section):
-    task: Literal["arithmetic", "gsm8k", "dataset"] = Field(
+    task: Literal["arithmetic", "gsm8k", "dataset", "reasoning_gym"] = Field(
         "arithmetic",
         description="Task family: procedural arithmetic; gsm8k (GSM8K-format rows: question, "
         "answer ending in '#### x'); dataset (any local data set, columns named by prompt_field "
-        "and answer_field).",
+        "and answer_field); reasoning_gym (a weighted mix of reasoning-gym's procedural "
+        "datasets, [data.reasoning_gym]; needs the 'reasoning-gym' extra).",
+    )
+    reasoning_gym: ReasoningGymConfig | None = Field(
+        None,
+        description="Task 'reasoning_gym': the table { datasets = { name = { weight, config } }, "
+        "size, seed, developer_prompt }.",
     )
     path: str | None = Field(
         None,
@@ -105,9 +167,9 @@ class DataConfig(_Section):
     num_heldout: int = Field(200, ge=1, description="Held-out examples for accuracy (at most).")
     seed: int = Field(
         0,
-        description="Seed of the held-out split (task 'arithmetic', or a data set's "
-        "heldout_fraction): fixed whatever train.seed, so runs with different seeds are measured "
-        "on the same problems.",
+        description="Seed of the held-out split (task 'arithmetic' or 'reasoning_gym', or a data "
+        "set's heldout_fraction): fixed whatever train.seed, so runs with different seeds are "
+        "measured on the same problems.",
     )
     prompt_template: str = Field(
         "Question: {question}\nAnswer: ",
@@ -130,7 +192,13 @@ class DataConfig(_Section):
         files = self.task in ("gsm8k", "dataset")
         if files and not self.path:
             raise ValueError(f"data.path is required when data.task = '{self.task}'")
-        refused = {"dataset": (), "gsm8k": DATASET_ONLY, "arithmetic": DATASET_ONLY + FILES_ONLY}
+        self._reasoning_gym()
+        refused = {
+            "dataset": (),
+            "gsm8k": DATASET_ONLY,
+            "arithmetic": DATASET_ONLY + FILES_ONLY,
+            "reasoning_gym": (),  # its own check, `_reasoning_gym`
+        }
         for key in refused[self.task]:
             if getattr(self, key) != DataConfig.model_fields[key].default:
                 tasks = "'dataset'" if key in DATASET_ONLY else "'dataset' and 'gsm8k'"
@@ -149,9 +217,49 @@ class DataConfig(_Section):
             raise ValueError("data.chat_template is true, false, or a Jinja template file's path")
         return self
 
+    def _reasoning_gym(self) -> None:
+        """[data.reasoning_gym] with task 'reasoning_gym', and none of the other tasks' keys."""
+        if self.task != "reasoning_gym":
+            if self.reasoning_gym is not None:
+                raise ValueError(
+                    "data.reasoning_gym applies to data.task = 'reasoning_gym' only: set the task "
+                    "or leave the table out"
+                )
+            return
+        if self.reasoning_gym is None:
+            raise ValueError(
+                "data.task = 'reasoning_gym' needs a [data.reasoning_gym] table: datasets = "
+                "{ name = { weight = 1.0, config = { ... } } }, size, seed"
+            )
+        for key in NOT_REASONING_GYM:
+            if getattr(self, key) != DataConfig.model_fields[key].default:
+                raise ValueError(
+                    f"data.{key} does not apply to data.task = 'reasoning_gym' (its rows come from "
+                    "[data.reasoning_gym]): leave it out"
+                )
+        if self.reasoning_gym.developer_prompt is not None:
+            if self.system_prompt is not None:
+                raise ValueError(
+                    "data.reasoning_gym.developer_prompt and data.system_prompt both set the "
+                    "system message: set one"
+                )
+            if self.chat_template is False:
+                raise ValueError(
+                    "data.reasoning_gym.developer_prompt is a system message: set "
+                    "data.chat_template = true"
+                )
+
 
 DATASET_ONLY = ("prompt_field", "answer_field")
 FILES_ONLY = ("split", "heldout_split", "heldout_fraction")
+NOT_REASONING_GYM = (
+    *DATASET_ONLY,
+    *FILES_ONLY,
+    "path",
+    "heldout_path",
+    "difficulty",
+    "max_operand",
+)
 
 # vLLM arguments cadence sets itself (engine/vllm.py): not for rollout.vllm.engine_args
 VLLM_RESERVED_ARGS = ("model", "tokenizer", "seed", "logprobs_mode", "max_num_seqs", "max_logprobs")
@@ -266,8 +374,11 @@ class RewardConfig(_Section):
     )
     function: str = Field(
         "math",
-        description="'math' (math-verify final answer) or 'module:function'. With kind 'model' "
-        "it still scores held-out accuracy.",
+        description="'math' (math-verify final answer), 'reasoning_gym' (each row's own "
+        "reasoning-gym score_answer, in [0, 1]; the default when data.task = 'reasoning_gym') or "
+        "'module:function' (fn(prompt, completion, answer) -> float; a `metadata` keyword or "
+        "**kwargs also gets the row's metadata). With kind 'model' it still scores held-out "
+        "accuracy.",
     )
     model_path: str | None = Field(
         None,
@@ -311,7 +422,9 @@ class RewardConfig(_Section):
         description="function 'math': the graded part of a completion and of the reference: the "
         "line after the last '####', the last \\boxed{...}, the last number, or auto (whichever "
         "of '####' and \\boxed{ comes last, else the whole text). A plain-number reference cuts "
-        "the prediction to its last number.",
+        "the prediction to its last number. function 'reasoning_gym': auto is reasoning-gym's "
+        "own rule, the last <answer>...</answer>; the others as for 'math' (no marker: no "
+        "answer, score 0).",
     )
     overlong_buffer: int = Field(
         0,
@@ -805,6 +918,32 @@ class Config(_Section):
         description="Where figures go besides metrics.jsonl: the console, TensorBoard, "
         "Weights & Biases, MLflow (docs/outputs.md).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reasoning_gym_reward(cls, data: Any) -> Any:
+        """reasoning-gym rows are scored by their own datasets unless reward.function is set."""
+        if not isinstance(data, dict):
+            return data
+        d = data.get("data")
+        if isinstance(d, DataConfig):
+            task = d.task
+        else:
+            task = d.get("task") if isinstance(d, dict) else None
+        if task == "reasoning_gym":
+            reward = data.setdefault("reward", {})
+            if isinstance(reward, dict):
+                reward.setdefault("function", "reasoning_gym")
+        return data
+
+    @model_validator(mode="after")
+    def _reasoning_gym_rows(self) -> Config:
+        if self.reward.function == "reasoning_gym" and self.data.task != "reasoning_gym":
+            raise ValueError(
+                "reward.function = 'reasoning_gym' scores reasoning-gym rows with their own "
+                f"metadata: it needs data.task = 'reasoning_gym', not '{self.data.task}'"
+            )
+        return self
 
     @model_validator(mode="after")
     def _reward_stage_needs_workers(self) -> Config:

@@ -84,6 +84,8 @@ def _toml(value: Any) -> str:
 
 
 def _default(field: FieldInfo) -> str:
+    if field.is_required():
+        return "required"
     default = field.get_default(call_default_factory=True)
     if default is None:
         return "unset"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,9 @@ class Prompt:
 
     `index` is the prompt's position in its iteration's batch (0..prompts_per_iteration-1); with
     the run seed and the iteration it fixes the sampling seed of every response to this prompt.
+    `task` labels the prompt's task within a mix (figures are reported per label); `metadata` is
+    the row's own data for a reward that scores with it (a reasoning-gym row's `metadata`): plain
+    Python values that pickle to worker processes, read-only, left out of the hash.
     """
 
     uid: str  # stable id of the task instance (dataset name + row, or generator seed)
@@ -23,6 +27,8 @@ class Prompt:
     answer: str  # reference answer (GSM8K convention: "... #### 42"; the number after #### counts)
     index: int = 0
     token_ids: tuple[int, ...] | None = None  # set when the text was truncated to fit: use these
+    task: str = ""  # the task in a mix ("" for a single task): per-task figures use it
+    metadata: dict[str, Any] | None = field(default=None, hash=False)  # the row's, for the reward
 
 
 # How `safe_reward` records a call past its deadline: "RewardTimeout: reward 'mod:fn' did not ..."

@@ -168,7 +168,7 @@ def test_reference_answer_takes_text_after_last_marker() -> None:
 
 
 def test_load_task_builds_registered_tasks_and_names_choices() -> None:
-    assert set(TASKS) == {"arithmetic", "gsm8k", "dataset"}
+    assert set(TASKS) == {"arithmetic", "gsm8k", "dataset", "reasoning_gym"}
     task = load_task("arithmetic", difficulty=2, seed=5)
     assert isinstance(task, ArithmeticTask) and task.difficulty == 2
     with pytest.raises(ValueError, match=r"'nope'.*arithmetic.*gsm8k"):
@@ -185,10 +185,12 @@ def test_public_surface() -> None:
         "as_render",
         "ChatRender",
         "DataError",
+        "DatasetChoice",
         "DatasetTask",
         "Example",
         "JsonlTask",
         "PlainRender",
+        "ReasoningGymTask",
         "Render",
         "Task",
         "load_gsm8k_jsonl",

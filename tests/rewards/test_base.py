@@ -45,7 +45,7 @@ def test_load_reward_module_function(reward_module: str) -> None:
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
-        ("nonsense", "must be 'math' or 'package.module:function'"),
+        ("nonsense", "must be 'math', 'reasoning_gym' or 'package.module:function'"),
         (":fn", "must be 'math'"),
         ("mod:", "must be 'math'"),
         ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
@@ -150,6 +150,7 @@ def test_public_surface() -> None:
         "RewardLoadError",
         "RewardResult",
         "RewardTimeout",
+        "RowRewardFn",
         "TableReward",
         "TimedReward",
         "extract_prediction",

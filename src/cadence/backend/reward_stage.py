@@ -77,7 +77,7 @@ class RuleScorer:
 
     def __call__(self, data: dict[str, list]) -> Scores:
         results = [
-            safe_reward(self.fn, p.text, text, p.answer)
+            safe_reward(self.fn, p.text, text, p.answer, p.metadata)
             for p, text in zip(data["prompt"], data["response_text"], strict=True)
         ]
         return [r.value for r in results], [r.error for r in results]

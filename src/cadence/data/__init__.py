@@ -7,6 +7,7 @@ from cadence.data.base import DataError
 from cadence.data.chat import ChatRender, PlainRender, Render, as_render
 from cadence.data.dataset import DatasetTask, read_rows, to_examples
 from cadence.data.gsm8k import JsonlTask, load_gsm8k_jsonl
+from cadence.data.reasoning_gym import DatasetChoice, ReasoningGymTask
 from cadence.data.tasks import (
     DEFAULT_TEMPLATE,
     TASKS,
@@ -25,10 +26,12 @@ __all__ = [
     "ArithmeticTask",
     "ChatRender",
     "DataError",
+    "DatasetChoice",
     "DatasetTask",
     "Example",
     "JsonlTask",
     "PlainRender",
+    "ReasoningGymTask",
     "Render",
     "Task",
     "as_render",

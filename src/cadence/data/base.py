@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from cadence.types import Prompt
 
@@ -26,12 +26,16 @@ class Example:
     worked answers end in "#### <final answer>").
 
     A conversational prompt keeps its `messages` as (role, content) pairs, ending with the
-    user's turn, whose text is `question`; a chat template renders them (data/chat.py).
+    user's turn, whose text is `question`; a chat template renders them (data/chat.py). A task
+    that mixes several labels each example with `task` and may keep the row's own `metadata` for
+    its reward (both carried onto the `Prompt`).
     """
 
     question: str
     answer: str
     messages: tuple[tuple[str, str], ...] = ()
+    task: str = ""
+    metadata: dict[str, Any] | None = field(default=None, hash=False)
 
 
 class Task(Protocol):
@@ -72,7 +76,14 @@ def to_prompt(
     """Wrap an example as the `Prompt` record that crosses into the workers; `template` is a
     plain template or a renderer (data/chat.py)."""
     text = render_plain(example, template) if isinstance(template, str) else template(example)
-    return Prompt(uid=uid, text=text, answer=example.answer, index=index)
+    return Prompt(
+        uid=uid,
+        text=text,
+        answer=example.answer,
+        index=index,
+        task=example.task,
+        metadata=example.metadata,
+    )
 
 
 def reference_answer(answer: str) -> str:

@@ -30,6 +30,7 @@ from cadence.data.base import (
 )
 from cadence.data.dataset import DatasetTask
 from cadence.data.gsm8k import JsonlTask
+from cadence.data.reasoning_gym import ReasoningGymTask
 
 __all__ = [
     "DEFAULT_TEMPLATE",
@@ -233,6 +234,7 @@ TASKS: dict[str, Callable[..., Task]] = {
     "arithmetic": ArithmeticTask,
     "gsm8k": JsonlTask,
     "dataset": DatasetTask,
+    "reasoning_gym": ReasoningGymTask,  # imports reasoning-gym when built, never before
 }
 
 

@@ -17,6 +17,7 @@ from cadence.metrics.sinks import (
     MetricsSink,
     TensorBoardSink,
 )
+from cadence.metrics.tasks import task_accuracy, task_figures, task_summary
 from cadence.metrics.trace import Sample, Span, Tracer
 
 __all__ = [
@@ -34,5 +35,8 @@ __all__ = [
     "sample_figures",
     "stage_figures",
     "summary",
+    "task_accuracy",
+    "task_figures",
+    "task_summary",
     "tpspd",
 ]

@@ -231,12 +231,14 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
         except BaseException:
             source.close()
             raise
+    evaluator = heldout_evaluator(cfg, model, engine, tokenizer, reward, heldout, sync)
     return Run(
         params=loop_params(cfg),
         tokenizer=tokenizer,
         learner=learner,
         source=source,
-        heldout_accuracy=heldout_evaluator(cfg, model, engine, tokenizer, reward, heldout, sync),
+        heldout_accuracy=evaluator,
+        heldout_tasks=evaluator.tasks,
         num_heldout=len(heldout),
         stream=stream,
         tracer=tracer,

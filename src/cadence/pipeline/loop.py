@@ -32,6 +32,8 @@ from cadence.metrics import (
     sample_figures,
     stage_figures,
     summary,
+    task_figures,
+    task_summary,
     tpspd,
 )
 from cadence.metrics.curves import draw_curves
@@ -98,6 +100,8 @@ class Run:
     tracer: Tracer
     resume: Checkpoint | None = None  # the checkpoint this run continues from
     reference_digest: str | None = None  # identity of the reference weights (for checkpoints)
+    # `heldout_accuracy/<task>` of the last held-out measurement ({}: no task labels)
+    heldout_tasks: Callable[[], dict[str, float]] = dict
 
     @property
     def first_iteration(self) -> int:
@@ -161,6 +165,7 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
         stats
         | {"iteration": iteration, "policy_version": version}
         | samples
+        | task_figures(seen)
         | {
             "wall_s": wall,
             "tpspd": tpspd(stats["num_tokens"], wall),
@@ -230,6 +235,7 @@ def _train(run: Run, out: Path, extra_sinks: list[MetricsSink], evaluate: bool) 
     sinks: list[MetricsSink] = []
     try:
         records, accuracy_before = _begin(run, out, evaluate)
+        tasks_before = run.heldout_tasks()  # {} when resuming: not in the checkpoint
         atomic_write(out / "config.toml", p.config_toml)
         sinks = _sinks(run, out, extra_sinks or [])
         loop_s = _loop(run, out, sinks, records, accuracy_before)
@@ -258,6 +264,7 @@ def _train(run: Run, out: Path, extra_sinks: list[MetricsSink], evaluate: bool) 
         after=(accuracy_after, result["accuracy_after_stderr"]),
         title=f"cadence {p.mode} / {p.placement}",
     )
+    result |= task_summary(records, tasks_before, run.heldout_tasks() if evaluate else {})
     result["total_wall_s"] = time.perf_counter() - t_total
     result["bad_lines_skipped"] = run.stream.bad_lines_skipped
     atomic_write(out / "summary.json", json.dumps(result, indent=2) + "\n")
@@ -279,6 +286,7 @@ def _loop(
             accuracy = run.heldout_accuracy()
             record["heldout_accuracy"] = accuracy
             record["heldout_accuracy_stderr"] = binomial_stderr(accuracy, run.num_heldout)
+            record |= run.heldout_tasks()
         constant.update(record)
         records.append(record)
         for s in sinks:

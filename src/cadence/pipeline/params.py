@@ -20,7 +20,15 @@ from cadence.algo import (
     needs_reference,
 )
 from cadence.config import Config, ConfigError
-from cadence.data import ChatRender, Example, PlainRender, Render, load_task, make_prompt
+from cadence.data import (
+    ChatRender,
+    DatasetChoice,
+    Example,
+    PlainRender,
+    Render,
+    load_task,
+    make_prompt,
+)
 from cadence.engine import SamplingParams
 from cadence.engine.vllm import INSTALL_HINT, VLLMOptions, vllm_available
 from cadence.envs import EnvSpec, demonstration, load_tools
@@ -37,9 +45,22 @@ def set_threads(threads: int) -> None:
 
 
 def make_task(cfg: Config):
-    """The configured task (procedural, or a local data set): its training stream seeded by the
-    run seed, its held-out split by `data.seed`."""
+    """The configured task (procedural, a local data set, or a reasoning-gym mix): its training
+    stream seeded by the run seed (a reasoning-gym mix: by its own seed if set), its held-out
+    split by `data.seed`. A reasoning-gym mix builds each of its datasets here, so a bad name or
+    config key stops the run before it trains (a `DataError`, exit code 2)."""
     d = cfg.data
+    if d.task == "reasoning_gym" and d.reasoning_gym is not None:
+        rg = d.reasoning_gym
+        return load_task(
+            d.task,
+            datasets=[DatasetChoice(n, c.weight, c.config) for n, c in rg.datasets.items()],
+            size=rg.size,
+            seed=cfg.train.seed if rg.seed is None else rg.seed,
+            num_heldout=d.num_heldout,
+            heldout_seed=d.seed,
+            developer_prompt=rg.developer_prompt,
+        )
     if d.task in ("gsm8k", "dataset"):
         fields = {"prompt_field": d.prompt_field, "answer_field": d.answer_field}
         return load_task(

@@ -161,7 +161,8 @@ def _sample_groups(cfg: Config, model_dir: str, model, tokenizer, quick: bool):
     start = time.perf_counter()
     for g in groups:
         for c in g.completions:
-            c.reward = safe_reward(reward, g.prompt.text, c.text, g.prompt.answer).value
+            p = g.prompt
+            c.reward = safe_reward(reward, p.text, c.text, p.answer, p.metadata).value
     score_s = (time.perf_counter() - start) / sum(len(g.completions) for g in groups)
     return groups, score_s
 

@@ -1,7 +1,9 @@
 """Reward functions: the `RewardFn` seam, the math-verify reward and test doubles.
 
-Rewards are pure functions of text; nothing here imports torch or holds model state. The learned
-reward (`cadence.rewards.model`, a sequence classifier) is imported on its own.
+Rewards are pure functions of text (and of a row's metadata, for those that take it); nothing
+here imports torch or holds model state. The learned reward (`cadence.rewards.model`, a sequence
+classifier) and reasoning-gym's graders (`cadence.rewards.reasoning_gym`) are imported on their
+own.
 """
 
 from cadence.rewards.base import (
@@ -11,6 +13,7 @@ from cadence.rewards.base import (
     RewardFn,
     RewardLoadError,
     RewardResult,
+    RowRewardFn,
     TableReward,
     load_reward,
     safe_reward,
@@ -27,6 +30,7 @@ __all__ = [
     "RewardLoadError",
     "RewardResult",
     "RewardTimeout",
+    "RowRewardFn",
     "TableReward",
     "TimedReward",
     "extract_prediction",

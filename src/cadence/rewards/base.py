@@ -1,9 +1,11 @@
 """The reward seam: the `RewardFn` protocol, loading one by name, and failing safely.
 
-A reward function maps (prompt, completion, reference answer) to a float. `safe_reward` turns a
-raised exception or a non-finite value into reward 0.0 plus an error string recorded on the
-completion, and `RewardErrorBudget` stops the run once such errors exceed a set fraction, so a
-broken reward is neither fatal on one sample nor silently trained on.
+A reward function maps (prompt, completion, reference answer) to a float; one that also takes
+`metadata=` gets the row's own data (`Prompt.metadata`) where the row has some (rewards/calls.py:
+the `reasoning_gym` reward scores so). `safe_reward` turns a raised exception or a non-finite
+value into reward 0.0 plus an error string recorded on the completion, and `RewardErrorBudget`
+stops the run once such errors exceed a set fraction, so a broken reward is neither fatal on one
+sample nor silently trained on.
 
 This module must not import torch or a model library, nor evaluate strings as code: a
 "module:function" spec is resolved with importlib, never `eval`.
@@ -15,13 +17,22 @@ import importlib
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from cadence.rewards.calls import call_reward
 from cadence.rewards.timeout import TimedReward
 
 
 class RewardFn(Protocol):
     def __call__(self, prompt: str, completion: str, answer: str) -> float: ...
+
+
+class RowRewardFn(Protocol):
+    """A reward that scores with the row's own data too (reasoning-gym's `score_answer`)."""
+
+    def __call__(
+        self, prompt: str, completion: str, answer: str, *, metadata: dict[str, Any] | None = None
+    ) -> float: ...
 
 
 class RewardBudgetExceeded(RuntimeError):
@@ -39,8 +50,9 @@ class RewardLoadError(ValueError):
 
 
 def load_reward(spec: str, answer_format: str = "auto", timeout_s: float = 0.0) -> RewardFn:
-    """ "math" gives `MathReward(answer_format)`; "package.module:name" imports a function or
-    callable object (which reads the reference answer as it likes: `answer_format` is math's).
+    """ "math" gives `MathReward(answer_format)`; "reasoning_gym" gives `ReasoningGymReward(
+    answer_format)` (each row scored by its dataset's own `score_answer`); "package.module:name"
+    imports a function or callable object (which reads the reference answer as it likes).
 
     With `timeout_s` > 0 every call returns within it or raises `RewardTimeout` (`TimedReward`).
     """
@@ -53,9 +65,18 @@ def _import_reward(spec: str, answer_format: str) -> RewardFn:
         from cadence.rewards.math import MathReward
 
         return MathReward(answer_format)
+    if spec == "reasoning_gym":
+        from cadence.rewards.reasoning_gym import ReasoningGymReward
+
+        try:
+            return ReasoningGymReward(answer_format)
+        except ImportError as e:
+            raise RewardLoadError(f"reward spec {spec!r}: {e}") from None
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise RewardLoadError(f"reward spec {spec!r} must be 'math' or 'package.module:function'")
+        raise RewardLoadError(
+            f"reward spec {spec!r} must be 'math', 'reasoning_gym' or 'package.module:function'"
+        )
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # not found, or its own import failed (a SyntaxError, say)
@@ -74,13 +95,20 @@ def _import_reward(spec: str, answer_format: str) -> RewardFn:
     return fn
 
 
-def safe_reward(fn: RewardFn, prompt: str, completion: str, answer: str) -> RewardResult:
-    """Call `fn`; an exception or a non-finite/non-numeric value gives 0.0 and an error string.
+def safe_reward(
+    fn: RewardFn,
+    prompt: str,
+    completion: str,
+    answer: str,
+    metadata: dict[str, Any] | None = None,
+) -> RewardResult:
+    """Call `fn` (with the row's `metadata` if it takes it); an exception or a non-finite or
+    non-numeric value gives 0.0 and an error string.
 
     Catches `Exception` only: KeyboardInterrupt and SystemExit still stop the program.
     """
     try:
-        value = fn(prompt, completion, answer)
+        value = call_reward(fn, prompt, completion, answer, metadata)
     except Exception as e:
         return RewardResult(0.0, f"{type(e).__name__}: {e}")
     if not isinstance(value, numbers.Real) or not math.isfinite(value):

@@ -26,7 +26,10 @@ import queue
 import signal
 import threading
 import time
+from functools import partial
 from typing import Any
+
+from cadence.rewards.calls import takes_metadata
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +78,7 @@ class TimedReward:
 
     `name` is how messages name the function (its spec, 'module:function'). Safe to call from
     several threads at once: each calling thread other than the main one has its own helper.
+    A row's `metadata` reaches `fn` when `fn` takes it (rewards/calls.py).
     """
 
     def __init__(self, fn, timeout_s: float, name: str) -> None:
@@ -85,14 +89,20 @@ class TimedReward:
         self._lock = threading.Lock()
         self.num_timeouts = 0
         self._abandoned: list[threading.Thread] = []
+        self._takes_metadata = takes_metadata(fn)
 
-    def __call__(self, prompt: str, completion: str, answer: str) -> float:
+    def __call__(
+        self, prompt: str, completion: str, answer: str, metadata: dict[str, Any] | None = None
+    ) -> float:
         args = (prompt, completion, answer)
+        fn = self.fn
+        if metadata is not None and self._takes_metadata:
+            fn = partial(fn, metadata=metadata)
         if threading.current_thread() is threading.main_thread():
-            return self._under_alarm(args)
-        return self._in_helper(args)
+            return self._under_alarm(fn, args)
+        return self._in_helper(fn, args)
 
-    def _under_alarm(self, args: tuple) -> float:
+    def _under_alarm(self, fn, args: tuple) -> float:
         inside = True
 
         def on_alarm(signum, frame) -> None:
@@ -104,7 +114,7 @@ class TimedReward:
         t0 = time.monotonic()
         try:
             try:
-                return self.fn(*args)
+                return fn(*args)
             finally:
                 inside = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
@@ -116,11 +126,11 @@ class TimedReward:
                 left = max(delay - (time.monotonic() - t0), 1e-3)
                 signal.setitimer(signal.ITIMER_REAL, left, interval)
 
-    def _in_helper(self, args: tuple) -> float:
+    def _in_helper(self, fn, args: tuple) -> float:
         helper = getattr(self._local, "helper", None)  # None: this thread's first call
         if helper is None:
             helper = self._local.helper = _Helper()
-        call = _Call(self.fn, args)
+        call = _Call(fn, args)
         helper.calls.put(call)
         if not call.done.wait(self.timeout_s):
             helper.calls.put(None)  # it ends once (if ever) the stuck call returns

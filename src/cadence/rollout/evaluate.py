@@ -3,16 +3,18 @@
 With an environment (`env.kind = "tool"`) each held-out problem is a greedy episode, tools and
 all, run by the same rollout worker code that training uses; without one, a single response.
 Either way a prompt is fed as training feeds it (`prompt_ids`: truncated where it was cut to fit).
+Prompts labelled with a task (a mix) also give the accuracy of each task.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cadence.engine import Engine, Request, SamplingParams
 from cadence.envs import Environment
+from cadence.metrics.tasks import task_accuracy
 from cadence.rewards import RewardFn, safe_reward
 from cadence.rollout.worker import RolloutWorker, prompt_ids
 from cadence.types import Completion, Prompt
@@ -26,18 +28,23 @@ def evaluate(
     sampling: SamplingParams,
     env: Environment | None = None,
 ) -> dict[str, float]:
-    """Fraction of held-out prompts whose greedy answer scores >= 1, and mean response length."""
+    """Fraction of held-out prompts whose greedy answer scores >= 1, and mean response length;
+    with task labels, each task's fraction too (`accuracy/<task>`)."""
     greedy = replace(sampling, temperature=0.0)
     if env is not None:
         completions = _episodes(engine, tokenizer, reward, prompts, greedy, env)
     else:
         completions = _responses(engine, tokenizer, prompts, greedy)
-    correct, tokens = 0, 0
-    for p, c in zip(prompts, completions, strict=True):
-        correct += safe_reward(reward, p.text, c.text, p.answer).value >= 1.0
-        tokens += len(c.token_ids)
+    scores = [
+        safe_reward(reward, p.text, c.text, p.answer, p.metadata).value
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+    correct = sum(s >= 1.0 for s in scores)
+    tokens = sum(len(c.token_ids) for c in completions)
     n = max(len(prompts), 1)
-    return {"accuracy": correct / n, "response_tokens_mean": tokens / n}
+    return {"accuracy": correct / n, "response_tokens_mean": tokens / n} | task_accuracy(
+        prompts, scores
+    )
 
 
 def _responses(engine, tokenizer, prompts, greedy) -> list[Completion]:
@@ -62,6 +69,7 @@ class Evaluator:
     sampling: SamplingParams
     env: Environment | None = None
     sync: Callable[..., None] | None = None  # brings an engine with its own copy to the policy
+    by_task: dict[str, float] = field(default_factory=dict)  # of the last call, per task label
 
     def results(self) -> dict[str, float]:
         """`evaluate`'s figures for the policy as it is now."""
@@ -73,4 +81,12 @@ class Evaluator:
         )
 
     def __call__(self) -> float:
-        return self.results()["accuracy"]
+        result = self.results()
+        self.by_task = {
+            f"heldout_{key}": value for key, value in result.items() if key.startswith("accuracy/")
+        }
+        return result["accuracy"]
+
+    def tasks(self) -> dict[str, float]:
+        """`heldout_accuracy/<task>` of the last call ({} before the first, or without labels)."""
+        return dict(self.by_task)

@@ -160,7 +160,8 @@ class RolloutWorker:
             if env_rewards is not None and env_rewards[i] is not None:
                 c.reward = env_rewards[i]
             elif self.reward is not None:
-                result = safe_reward(self.reward, job.prompt.text, c.text, job.prompt.answer)
+                p = job.prompt
+                result = safe_reward(self.reward, p.text, c.text, p.answer, p.metadata)
                 c.reward, c.reward_error = result.value, result.error
         group = Group(job.prompt, job.prompt_ids, completions, job.version, job.iteration)
         group.gen_s = time.perf_counter() - job.submitted
