@@ -13,7 +13,7 @@
    device's and each process's peak memory sampled from nvidia-smi while it runs.
 4. The engine/learner log-prob difference on fresh rows: `behaviour_logprob_abs_diff*` from
    metrics.jsonl where the learner records it, and always the probe of gpu_logprobs.py (one vLLM
-   engine loaded with the starting model, then each run's trained model).
+   engine loaded with the starting model, a perturbed copy of it, then each run's trained one).
 
 Everything is printed as a table and written to OUT/gpu_check.json; each subprocess's output is
 in OUT/*.log. Nothing here asserts a bf16 tolerance: the figures are for docs/benchmarks.md.
@@ -35,11 +35,12 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from pathlib import Path
+
+from gpu_smi import GpuMemory, gpu_names, nvidia_smi
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 480.0  # the check's promise on one H100, installs and model conversion not counted
@@ -54,7 +55,15 @@ VARIANTS: dict[str, tuple[str, ...]] = {
         "pipeline.num_workers=1",
     ),
 }
-# vLLM's own start-up figures, read from its log (VLLM_LOGGING_LEVEL=INFO in the runs)
+# Every step's environment: vLLM's start-up log (read below), output as it comes, and nothing that
+# reaches for the network (a GPU machine may have none: no hub look-ups, no usage statistics)
+RUN_ENV = {
+    "VLLM_LOGGING_LEVEL": "INFO",
+    "PYTHONUNBUFFERED": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+# vLLM's own start-up figures, read from its log
 VLLM_LOG = {
     "vllm_weights_gib": r"Model loading took ([\d.]+) GiB",
     "vllm_kv_cache_gib": r"Available KV cache memory: ([\d.]+) GiB",
@@ -62,18 +71,6 @@ VLLM_LOG = {
     "vllm_start_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
     "vllm_compile_s": r"warmup model\) took [\d.]+ s \(compilation: ([\d.]+) s",
 }
-
-
-def nvidia_smi(*args: str) -> str | None:
-    """nvidia-smi's output, or None where it is missing or fails."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        done = subprocess.run([exe, *args], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
 
 
 def gpu_refusal(env: Mapping[str, str], smi: Callable[..., str | None]) -> str | None:
@@ -108,68 +105,19 @@ def environment_refusal() -> str | None:
     return None
 
 
-def smi_rows(text: str | None) -> list[list[int]]:
-    """The rows of nvidia-smi's `--format=csv,noheader,nounits` output that are all integers."""
-    rows = []
-    for line in (text or "").splitlines():
-        cells = [c.strip() for c in line.split(",")]
-        if cells and all(c.isdigit() for c in cells):
-            rows.append([int(c) for c in cells])
-    return rows
-
-
-class GpuMemory:
-    """Peak GPU memory (MiB) while the `with` block runs, from nvidia-smi every `period_s`: the
-    device's used memory (`device_peak_mb`, with `device_idle_mb` at the start) and each
-    process's (`process_peak_mb`, by pid; empty where the machine does not show processes)."""
-
-    def __init__(self, smi: Callable[..., str | None] = nvidia_smi, period_s: float = 0.5):
-        self.smi, self.period_s = smi, period_s
-        self.idle: int | None = None
-        self.device_peak: int | None = None
-        self.by_pid: dict[int, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, name="gpu-memory", daemon=True)
-
-    def __enter__(self) -> GpuMemory:
-        self.idle = self._device_used()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _device_used(self) -> int | None:
-        rows = smi_rows(self.smi("--query-gpu=memory.used", "--format=csv,noheader,nounits"))
-        return sum(r[0] for r in rows) if rows else None
-
-    def _poll(self) -> None:
-        while True:
-            used = self._device_used()
-            if used is not None:
-                self.device_peak = max(used, self.device_peak or 0)
-            apps = self.smi("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits")
-            for pid, mb in (r for r in smi_rows(apps) if len(r) == 2):
-                self.by_pid[pid] = max(mb, self.by_pid.get(pid, 0))
-            if self._stop.wait(self.period_s):
-                return
-
-    def figures(self) -> dict:
-        return {
-            "device_idle_mb": self.idle,
-            "device_peak_mb": self.device_peak,
-            "process_peak_mb": {str(pid): mb for pid, mb in sorted(self.by_pid.items())},
-        }
-
-
-def run_logged(cmd: list[str], log: Path, timeout_s: float, env=None) -> tuple[int, float, int]:
-    """Run `cmd` in its own process group, output to `log`; (exit code, seconds, pid). Past
-    `timeout_s` (or on Ctrl-C) the whole group is stopped: worker processes too."""
+def run_logged(cmd: list, log: Path, timeout_s: float) -> tuple[int, float, int]:
+    """Run `cmd` from the repository's root in its own process group, with RUN_ENV, output to
+    `log`; (exit code, seconds, pid). Past `timeout_s` (or on Ctrl-C) the whole group is
+    stopped: worker processes too."""
     start = time.perf_counter()
     with log.open("w") as f:
         proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=os.environ | RUN_ENV,
+            start_new_session=True,
         )
         try:
             rc = proc.wait(timeout=timeout_s)
@@ -255,15 +203,20 @@ def train_variant(name: str, args: argparse.Namespace, out: Path) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)  # `cadence train` refuses a used directory
     sets = [s for o in (*VARIANTS[name], *args.set) for s in ("--set", o)]
     cmd = [sys.executable, "-m", "cadence.cli", "train", args.config, "--out", str(run_dir), *sets]
-    env = os.environ | {"VLLM_LOGGING_LEVEL": "INFO", "PYTHONUNBUFFERED": "1"}
     log = out / f"{name}.log"
     with GpuMemory() as memory:
-        rc, seconds, pid = run_logged(cmd, log, args.run_timeout_s, env)
-    result = {"rc": rc, "seconds": round(seconds, 1), "learner_pid": pid, **memory.figures()}
+        rc, seconds, pid = run_logged(cmd, log, args.run_timeout_s)
+    result = {"rc": rc, "seconds": round(seconds, 1), **memory.figures()}
+    by_pid = dict(result["process_peak_mb"])
+    if by_pid:  # where the machine shows processes (and in this pid namespace)
+        result["learner_process_peak_mb"] = by_pid.pop(str(pid), None)
+        result["other_processes_peak_mb"] = sum(by_pid.values())  # the worker's vLLM, if separate
     result |= vllm_log_figures(log.read_text(errors="replace"))
     if rc != 0:
-        return result | {"log_tail": tail(log)}
-    return result | summarize_run(run_dir)
+        result["log_tail"] = tail(log)
+    if (run_dir / "summary.json").is_file():  # also a run that finished, then hung or failed
+        result |= summarize_run(run_dir)
+    return result
 
 
 def run_probe(args: argparse.Namespace, out: Path, model_dirs: list[str]) -> dict:
@@ -279,21 +232,17 @@ def run_probe(args: argparse.Namespace, out: Path, model_dirs: list[str]) -> dic
 
 
 def machine() -> dict:
-    gpus = [
-        line.strip()
-        for line in (
-            nvidia_smi("--query-gpu=name,memory.total,driver_version", "--format=csv,noheader")
-            or ""
-        ).splitlines()
-        if line.strip()
-    ]
     versions = {}
     for name in ("torch", "vllm", "transformers"):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
-    return {"gpus": gpus, "cpus": os.cpu_count(), "python": sys.version.split()[0], **versions}
+    return {
+        "gpus": gpu_names(),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+    } | versions
 
 
 def check(args: argparse.Namespace) -> dict:
@@ -305,7 +254,7 @@ def check(args: argparse.Namespace) -> dict:
     if not args.skip_tests:
         result["gpu_tests"] = run_gpu_tests(out, args.test_timeout_s)
     result["runs"] = {name: train_variant(name, args, out) for name in args.placements}
-    finals = {str(out / n / "final"): n for n, r in result["runs"].items() if r["rc"] == 0}
+    finals = {str(out / n / "final"): n for n in result["runs"] if (out / n / "final").is_dir()}
     probe = run_probe(args, out, list(finals))
     if probe["rc"] == 0:  # 'start', 'perturbed', then each run's trained model by its placement
         probe["models"] = {finals.get(k, k): v for k, v in probe["models"].items()}
@@ -327,10 +276,6 @@ def passed(result: dict) -> bool:
     return all(r["rc"] == 0 for r in ran) and not (tests.get("failed") or tests.get("errors"))
 
 
-def _fmt(value, spec: str = ",.0f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
 ROWS = (  # (label, key of a run's figures, format)
     ("run wall (s), start-up included", "seconds", ",.1f"),
     ("TPSPD (tokens/s/device)", "tpspd_overall", ",.0f"),
@@ -340,6 +285,8 @@ ROWS = (  # (label, key of a run's figures, format)
     ("pipeline efficiency", "pipeline_efficiency", ".2f"),
     ("learner peak CUDA allocated (MiB)", "learner_peak_cuda_mb", ",.0f"),
     ("device peak used (MiB, nvidia-smi)", "device_peak_mb", ",.0f"),
+    ("learner process peak (MiB, nvidia-smi)", "learner_process_peak_mb", ",.0f"),
+    ("other processes peak (MiB, nvidia-smi)", "other_processes_peak_mb", ",.0f"),
     ("vLLM weights (GiB)", "vllm_weights_gib", ".2f"),
     ("vLLM KV cache (GiB)", "vllm_kv_cache_gib", ".2f"),
     ("vLLM CUDA graphs (GiB)", "vllm_cuda_graphs_gib", ".2f"),
@@ -370,10 +317,10 @@ def report(result: dict) -> str:
     }
     metric_keys = sorted({k for r in runs.values() for k in r if k.startswith("behaviour_logprob")})
     rows = [*ROWS, *((f"metrics.jsonl {k}", k, ".2e") for k in metric_keys)]
-    lines.append(" " * 38 + "".join(f"{name:>14}" for name in runs))
+    lines.append(" " * 42 + "".join(f"{name:>14}" for name in runs))
     for label, key, spec in rows:
         lines.append(
-            f"{label:38}" + "".join(f"{_fmt(c.get(key), spec):>14}" for c in columns.values())
+            f"{label:42}" + "".join(f"{_fmt(c.get(key), spec):>14}" for c in columns.values())
         )
     for label, f in probe.items():
         lines.append(

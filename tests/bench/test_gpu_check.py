@@ -1,8 +1,8 @@
 """`make gpu-check` where there is no GPU: the one-line refusal, from make and from the script;
-and the pieces of benchmarks/gpu_check.py and gpu_logprobs.py that run on a CPU: finding the
-GPU, reading nvidia-smi, sampling its memory, counting test results, reading vLLM's log, the
-log-prob difference, and the whole check (a run, the probe, the table and the JSON) on the tiny
-model with cadence's own engine."""
+and the pieces of benchmarks/gpu_check.py, gpu_smi.py and gpu_logprobs.py that run on a CPU:
+finding the GPU, reading nvidia-smi, sampling its memory, counting test results, reading vLLM's
+log, the log-prob difference, and the whole check (a run, the probe, the table and the JSON) on
+the tiny model with cadence's own engine."""
 
 import json
 import os
@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 import gpu_check
 import gpu_logprobs
+import gpu_smi
 
 ROOT = Path(__file__).parents[2]
 
@@ -88,8 +89,8 @@ def test_gpu_refusal(env, listing, reason):
 
 def test_smi_rows_keep_whole_rows_of_integers_only():
     text = "1234, 81559\n[N/A], 5\n77, 12\n\n4242\n"
-    assert gpu_check.smi_rows(text) == [[1234, 81559], [77, 12], [4242]]
-    assert gpu_check.smi_rows(None) == []
+    assert gpu_smi.smi_rows(text) == [[1234, 81559], [77, 12], [4242]]
+    assert gpu_smi.smi_rows(None) == []
 
 
 def test_gpu_memory_keeps_the_peaks_of_the_device_and_of_each_process():
@@ -106,7 +107,7 @@ def test_gpu_memory_keeps_the_peaks_of_the_device_and_of_each_process():
             return ""
         return value
 
-    with gpu_check.GpuMemory(smi, period_s=0.001) as memory:
+    with gpu_smi.GpuMemory(smi, period_s=0.001) as memory:
         assert done.wait(10)
     assert memory.figures() == {
         "device_idle_mb": 500,
