@@ -32,7 +32,9 @@ def test_make_gpu_check_refuses_in_one_line_before_installing_anything(tmp_path)
     no_tools = tmp_path / "bin"  # PATH without nvidia-smi, on any machine
     no_tools.mkdir()
     venv = tmp_path / "venv-gpu"
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    # not a sub-make of the `make test` that runs the suite: its own output, no jobserver
+    outer = ("CUDA_VISIBLE_DEVICES", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")
+    env = {k: v for k, v in os.environ.items() if k not in outer}
     command = [make, "-C", str(ROOT), "--no-print-directory", "gpu-check"]
     done = subprocess.run(
         [*command, f"PYTHON={sys.executable}", f"GPU_VENV={venv}"],
