@@ -39,6 +39,11 @@ class SharedWeights:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         for name, p in model.named_parameters():
             self.tensors[name].copy_(p)
+        # On a GPU the copies are only queued, and the workers read these tensors through CUDA
+        # IPC, outside this process's stream order: they must be done before a worker is told.
+        devices = {t.device for t in self.tensors.values() if t.is_cuda}
+        for device in devices:
+            torch.cuda.synchronize(device)
         self.version = version
 
 
