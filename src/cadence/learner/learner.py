@@ -18,8 +18,9 @@ come from `algo.registry`; the learner never branches on algorithm names.
 Before the loss (learner/batch.py) each group's rewards are shaped (DAPO's overlong penalty) and
 its advantages computed: group by group as groups arrive, or, for an estimator that normalises
 over the whole batch (REINFORCE++), once over every group of the iteration, which the learner
-then waits for before its first micro-batch. `mask_truncated` drops responses cut at
-`max_new_tokens` from the loss (not from their group's statistics).
+then waits for before its first micro-batch. `mask_truncated` drops responses that were cut
+(finish_reason "length") from the loss (not from their group's statistics). Lengths there are
+the tokens the policy wrote, and caps the episode's (learner/batch.py).
 
 Stale data: a group whose `policy_version` is older than the learner's `version` was sampled by
 older weights, so the policy at the iteration's start is not its behaviour policy. For such a row
@@ -79,7 +80,7 @@ class LearnerParams:
     loss_agg: str = "token-mean"
     micro_batch_groups: int = 4
     mini_batches: int = 1
-    max_new_tokens: int = 64  # normaliser of "seq-sum-norm"
+    max_new_tokens: int = 64  # the episode's cap on policy tokens: seq-sum-norm's, the penalty's
     temperature: float = 1.0  # log-probs are of softmax(logits / temperature), as sampled
     shared_prompt: bool = True  # compute each group's prompt once for its G responses
     shared_prompt_impl: str = "prefix"  # "prefix" (prompt K/V reused) or "dense" (4-D mask)
@@ -87,7 +88,7 @@ class LearnerParams:
     max_bad_steps: int = 3  # steps in a row with a non-finite loss or gradient before giving up
     overlong_buffer: int = 0  # DAPO's overlong penalty ramps over these last tokens; 0: off
     overlong_penalty: float = 1.0  # the penalty at max_new_tokens
-    mask_truncated: bool = False  # drop responses cut at max_new_tokens from the loss
+    mask_truncated: bool = False  # drop cut responses (finish_reason "length") from the loss
 
 
 class BadStepsError(RuntimeError):

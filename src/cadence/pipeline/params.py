@@ -144,7 +144,7 @@ def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
         loss_agg=a.loss_agg,
         micro_batch_groups=t.micro_batch_groups,
         mini_batches=t.mini_batches,
-        max_new_tokens=cfg.rollout.max_new_tokens,
+        max_new_tokens=cfg.max_policy_tokens,  # the episode's cap, not a turn's
         temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
         shared_prompt=cfg.learner.shared_prompt,
         shared_prompt_impl=cfg.learner.shared_prompt_impl,
