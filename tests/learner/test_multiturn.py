@@ -5,15 +5,16 @@ import copy
 
 import pytest
 import torch
+from rollouts import train
 
-from cadence.algo import LossParams, reinforce_pp_advantages
+from cadence.algo import AlgoParams, reinforce_pp_advantages
 from cadence.backend import RolloutWorker
 from cadence.config import ConfigError, load_config
 from cadence.engine import ContinuousEngine, SamplingParams
 from cadence.envs import Budget, ScriptedEnv, replies
-from cadence.learner import Learner, LearnerParams, score_groups
+from cadence.learner import Learner, LearnerParams, Scorer
 from cadence.models import load_model, load_tokenizer
-from cadence.pipeline.params import learner_params
+from cadence.pipeline.params import algo_params
 from cadence.types import Completion, Group, Prompt
 
 
@@ -59,13 +60,12 @@ def _learner(model, tokenizer, layout, **loss):
     ref = copy.deepcopy(model).requires_grad_(False)
     params = LearnerParams(
         lr=1e-3,
-        max_new_tokens=6,
         micro_batch_groups=1,
         shared_prompt=layout != "unpacked",
         shared_prompt_impl=layout if layout != "unpacked" else "prefix",
     )
-    loss_params = LossParams(kl_coef=0.05, **loss)
-    learner = Learner(model, params, loss_params, tokenizer.pad_token_id, ref)
+    algo = AlgoParams(max_policy_tokens=6, kl_coef=0.05, **loss)
+    learner = Learner(model, params, algo, tokenizer.pad_token_id, ref)
     return learner, _Recorder(learner)
 
 
@@ -73,7 +73,7 @@ def _learner(model, tokenizer, layout, **loss):
 def test_policy_token_logprobs_from_the_learner_equal_the_engines(episodes, layout):
     model, tokenizer, groups = episodes
     learner, rec = _learner(copy.deepcopy(model), tokenizer, layout)
-    learner.train_iteration(iter(groups), len(groups))
+    train(learner, groups)
     for batch, group in zip(rec.batches, groups, strict=True):
         mask = batch.loss_mask.bool()
         want = [c.loss_mask + [0] * (mask.shape[1] - len(c.loss_mask)) for c in group.completions]
@@ -102,7 +102,7 @@ def _grads(model, tokenizer, groups, stale):
             grads[n] = p.grad.detach().clone()
 
     learner.optimizer.register_step_pre_hook(keep)
-    learner.train_iteration(iter(groups), len(groups))
+    train(learner, groups)
     return grads
 
 
@@ -158,17 +158,17 @@ def test_a_tool_reply_does_not_count_against_the_policy_in_the_overlong_penalty(
             "reward.overlong_buffer=16",
         ],
     )
-    params, _ = learner_params(cfg)
-    (scored,) = score_groups([_correct_episodes()], params, 0.0)
+    algo = algo_params(cfg)
+    (scored,) = Scorer(algo).score([_correct_episodes()])
     torch.testing.assert_close(scored.advantages, torch.zeros(2), atol=0, rtol=0)
     torch.testing.assert_close(scored.rewards, torch.tensor([1.0, 1.0]), atol=0, rtol=0)
-    assert params.max_new_tokens == 4 * 32  # the episode's cap: 4 turns of 32 within 256
+    assert algo.max_policy_tokens == 4 * 32  # the episode's cap: 4 turns of 32 within 256
 
 
 def test_reinforce_pp_weighs_each_response_by_the_tokens_the_policy_wrote():
-    params = LearnerParams(max_new_tokens=128, advantage="reinforce_pp")
+    scorer = Scorer(AlgoParams(max_policy_tokens=128, advantage="reinforce_pp"))
     groups = [_correct_episodes(reward_b=0.0), _correct_episodes(reward_b=1.0)]
-    got = torch.stack([s.advantages for s in score_groups(groups, params, 0.0)])  # (2, 2)
+    got = torch.stack([s.advantages for s in scorer.score(groups)])  # (2, 2)
     rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     want = reinforce_pp_advantages(rewards, torch.full((2, 2), 30))  # 30 policy tokens each
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
@@ -178,10 +178,10 @@ def test_reinforce_pp_weighs_each_response_by_the_tokens_the_policy_wrote():
 
 def test_the_episode_cap_is_the_turns_budget_or_the_token_budget_whichever_is_smaller():
     single = load_config(None, ["rollout.max_new_tokens=24"])
-    assert single.max_policy_tokens == 24 == learner_params(single)[0].max_new_tokens
+    assert single.max_policy_tokens == 24 == algo_params(single).max_policy_tokens
     tool = ["env.kind='tool'", "rollout.max_new_tokens=32", "env.max_turns=3"]
     assert load_config(None, tool).max_policy_tokens == 96
     capped = load_config(None, [*tool, "env.max_total_tokens=64"])
-    assert capped.max_policy_tokens == 64 == learner_params(capped)[0].max_new_tokens
+    assert capped.max_policy_tokens == 64 == algo_params(capped).max_policy_tokens
     with pytest.raises(ConfigError, match=r"set reward.overlong_buffer <= 64"):
         load_config(None, [*tool, "env.max_total_tokens=64", "reward.overlong_buffer=65"])

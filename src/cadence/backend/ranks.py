@@ -1,6 +1,6 @@
 """Rank processes: N copies of one object, each in a process of its own, driven by calls.
 
-The learner's ranks (pipeline/ranks.py) are started and driven through this seam, which knows
+The learner's ranks (learner/driver.py) are started and driven through this seam, which knows
 nothing of what they compute. A rank's object is built in its process by `factory(rank, *args)`
 on the first call, `build`; every later call `(method, args)` runs in order, one at a time, and
 is answered by exactly one reply (the method's return value). A call that raises answers with
@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from cadence.backend.procs import Processes, Sender, WorkerDied, WorkerError
 
 Factory = Callable[..., Any]  # (rank, *build args) -> the rank's object
+BUILD = "build"  # the first call of every rank: build its object with the factory
 
 
 class Ranks(Protocol):
@@ -117,7 +118,7 @@ def serve(rank: int, factory: Factory, spawn_args: tuple, inbox, results) -> Non
             if kind == "stop":
                 break
             method, args = payload
-            if method == "build":
+            if method == BUILD:
                 obj = factory(rank, *spawn_args, *args)
                 out.put(("reply", rank, None))
             else:
@@ -210,7 +211,7 @@ class InlineRanks:
 
     def call(self, rank: int, method: str, *args: Any) -> None:
         self.calls.sent(rank, method)
-        if method == "build":
+        if method == BUILD:
             self.objects[rank] = self.factory(rank, *args)
             reply = None
         else:

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from cadence.backend.procs import WorkerDied, WorkerError
-from cadence.backend.ranks import Calls, Factory
+from cadence.backend.ranks import BUILD, Calls, Factory
 from cadence.backend.ray_pool import start_ray
 
 
@@ -49,7 +49,7 @@ class RankActor:
             return s.getsockname()[1]
 
     def call(self, method: str, args: tuple) -> Any:
-        if method == "build":
+        if method == BUILD:
             self.obj = self.factory(self.rank, *self.spawn_args, *args)
             return None
         return getattr(self.obj, method)(*args)

@@ -216,26 +216,32 @@ def _computed_tokens(groups, shared: bool) -> int:
 
 
 def _measure_train(cfg: Config, model_dir: str, pad_id: int, groups, quick: bool) -> _Train:
-    from cadence.learner import Learner
+    from cadence.learner import Learner, Scorer
     from cadence.metrics import Tracer
     from cadence.models import load_model
-    from cadence.pipeline.params import learner_params
+    from cadence.pipeline.params import algo_params, learner_params
 
-    params, loss = learner_params(cfg)
+    algo = algo_params(cfg)
     big = min(cfg.train.micro_batch_groups, len(groups))
     small = max(1, big // 4)
-    params = replace(params, micro_batch_groups=big, mini_batches=1)
+    params = replace(learner_params(cfg), micro_batch_groups=big, mini_batches=1)
     model = load_model(model_dir)
     ref = load_model(model_dir).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
     tracer = Tracer()
-    learner = Learner(model, params, loss, pad_id, ref, tracer)
-    learner.train_iteration(iter(groups[:small]), small)  # warm-up
+    learner = Learner(model, params, algo, pad_id, ref, tracer)
+    scorer = Scorer(algo)
+
+    def train(n: int) -> None:
+        learner.train_iteration(scorer.score(groups[:n]), n)
+        scorer.end_iteration()
+
+    train(small)  # warm-up
     times: dict[int, list[float]] = {small: [], big: []}
     steps: list[float] = []
     for _ in range(1 if quick else 3):
         for size in sorted(times):
             tracer.spans.clear()
-            learner.train_iteration(iter(groups[:size]), size)
+            train(size)
             times[size].append(
                 sum(s.duration for s in tracer.spans if s.name == "forward_backward")
             )
