@@ -4,7 +4,7 @@ Protocol, and each one's state carries what every trainer's must."""
 import torch
 
 from cadence.algo import AlgoParams
-from cadence.backend.ranks import InlineRanks
+from cadence.backend.ranks import BUILD, InlineRanks
 from cadence.learner import TRAINER_KEYS, FakeTrainer, Learner, LearnerParams, Trainer, score
 from cadence.learner.driver import RankedLearner
 from cadence.types import Completion, Group, Prompt
@@ -15,11 +15,19 @@ def _scored(version: int = 0):
     return score([Group(Prompt("p", "", ""), [3], completions, version, 0)], AlgoParams())
 
 
+class _Described:
+    """A rank that only says what it holds (the driver asks when it is made)."""
+
+    def describe(self):
+        return {"pid": 0, "frozen_bytes": 0}
+
+
 def test_every_trainer_satisfies_the_seam(model, tmp_path):
     learner = Learner(model, LearnerParams(), AlgoParams(), 0)
-    ranked = RankedLearner(
-        InlineRanks(lambda rank: None, 2), torch.nn.Linear(1, 1), LearnerParams()
-    )
+    transport = InlineRanks(lambda rank: _Described(), 2)
+    for r in range(2):
+        transport.call(r, BUILD)
+    ranked = RankedLearner(transport, torch.nn.Linear(1, 1), LearnerParams())
     fake = FakeTrainer(torch.nn.Linear(1, 1))
     for trainer in (learner, ranked, fake):
         assert isinstance(trainer, Trainer), type(trainer).__name__

@@ -111,12 +111,13 @@ class RankClient:
         self.transport.poll()
 
     def gather_weights(self) -> dict[str, np.ndarray] | None:
+        """Rank 0's answer (each rank's last reply is the one to the call just sent)."""
         self._send_all(Rank.gather_weights)
-        return self.transport.wait()[0][0]
+        return self.transport.wait()[0][-1]
 
     def save(self, path: str) -> dict[str, Any]:
         self._send_all(Rank.save, path)
-        return self.transport.wait()[0][0]
+        return self.transport.wait()[0][-1]
 
     def load(self, path: str, state: dict[str, Any]) -> None:
         self._send_all(Rank.load, path, state)
@@ -124,7 +125,7 @@ class RankClient:
 
     def describe(self) -> list[dict[str, Any]]:
         self._send_all(Rank.describe)
-        return [replies[0] for replies in self.transport.wait()]
+        return [replies[-1] for replies in self.transport.wait()]
 
     def close(self) -> None:
         self.transport.close()
@@ -140,17 +141,21 @@ class RankedLearner:
         params: LearnerParams,
         tracer: Tracer | None = None,
         clock_offsets: list[float] | None = None,
+        strategy: str = "fsdp",
+        on_close: Callable[[], None] | None = None,
     ) -> None:
+        """Drive the ranks behind `transport`, built already; `model` is the driver's whole
+        copy of the policy, `strategy` what the ranks run (recorded in checkpoints), `on_close`
+        what to clean up once the ranks are stopped."""
         self.ranks, self.model, self.params = RankClient(transport), model, params
         self.num_ranks = transport.num_ranks
         self.tracer = tracer or Tracer()
         self.clock_offsets = clock_offsets or [0.0] * self.num_ranks  # rank clock -> ours
+        self.strategy, self.on_close = strategy, on_close
         self.version = 0  # policy version: number of iterations trained
         self.bad_steps_in_a_row = 0
-        self.strategy = "fsdp"  # what the ranks run: set by `start_ranks`
-        self.frozen_copies_bytes = 0  # per rank
-        self.described: list[dict[str, Any]] = []  # per rank: what it holds, its pid
-        self.on_close: list = []  # what to clean up once the ranks are stopped
+        self.described = self.ranks.describe()  # per rank: what it holds, its pid
+        self.frozen_copies_bytes = self.described[0]["frozen_bytes"]  # per rank
         self._figures: list[list[dict[str, Any]]] = [[] for _ in range(self.num_ranks)]
 
     # --- training ---------------------------------------------------------------------------
@@ -255,8 +260,8 @@ class RankedLearner:
         try:
             self.ranks.close()
         finally:
-            for fn in self.on_close:
-                fn()
+            if self.on_close is not None:
+                self.on_close()
 
 
 SHARDS = "learner"  # the checkpoint's subdirectory holding the ranks' shards
@@ -291,23 +296,18 @@ def start_local_ranks(
         for r in range(spec.world_size):
             ranks.call(r, BUILD, rendezvous, f"cuda:{r}" if device.startswith("cuda") else "cpu")
         ranks.wait()
-        learner = _started(ranks, model, spec, tracer)
+        return RankedLearner(
+            ranks,
+            model,
+            spec.params,
+            tracer,
+            strategy=spec.strategy,
+            on_close=lambda: shutil.rmtree(folder, ignore_errors=True),
+        )
     except BaseException:
         ranks.close()
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    learner.on_close.append(lambda: shutil.rmtree(folder, ignore_errors=True))
-    return learner
-
-
-def _started(
-    ranks: Ranks, model: torch.nn.Module, spec: RankSpec, tracer: Tracer, offsets=None
-) -> RankedLearner:
-    learner = RankedLearner(ranks, model, spec.params, tracer, offsets)
-    learner.strategy = spec.strategy
-    learner.described = learner.ranks.describe()
-    learner.frozen_copies_bytes = learner.described[0]["frozen_bytes"]
-    return learner
 
 
 def start_ray_ranks(
@@ -340,7 +340,8 @@ def start_ray_ranks(
         for r in range(spec.world_size):
             ranks.call(r, BUILD, rendezvous, device)
         ranks.wait()
-        return _started(ranks, model, spec, tracer, ranks.clock_offsets())
+        offsets = ranks.clock_offsets()
+        return RankedLearner(ranks, model, spec.params, tracer, offsets, strategy=spec.strategy)
     except BaseException:
         ranks.close()
         raise

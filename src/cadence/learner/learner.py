@@ -107,9 +107,11 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def model_bytes(model: torch.nn.Module | None) -> int:
+    """Bytes of `model`'s parameters and buffers this process holds (a sharded tensor: its
+    local shard)."""
     if model is None:
         return 0
-    tensors = [*model.parameters(), *model.buffers()]
+    tensors = [local_tensor(t) for t in (*model.parameters(), *model.buffers())]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -125,11 +127,12 @@ class Learner:
         ref_model: torch.nn.Module | None = None,
         tracer: Tracer | None = None,
         collective: Collective | None = None,
+        track: str = "learner",
     ) -> None:
         self.model = model
         self.collective = collective
         self.forward_model = (collective and collective.forward_model) or model
-        self.track = "learner"  # the timeline's track of this learner's spans
+        self.track = track  # the timeline's track of this learner's spans (a rank's own)
         self.ref_model = ref_model
         self.params = params
         self.algo = algo
@@ -234,8 +237,12 @@ class Learner:
         memory = {f"learner_{k}": v for k, v in peak_memory(device).items()}
         return iteration_stats(steps, self.frozen_copies_bytes) | {"learner_ranks": 1} | memory
 
-    def begin_iteration(self) -> None:
-        """Training mode; the old copy (if any) becomes the policy at the iteration's start."""
+    def begin_iteration(self, version: int | None = None) -> None:
+        """Training mode; the old copy (if any) becomes the policy at the iteration's start.
+        `version`: the policy version the iteration trains at, when another keeps count (a
+        rank's driver); by default the learner's own."""
+        if version is not None:
+            self.version = version
         self.forward_model.train()
         if self.old_model is not None:
             self.old_model.load_state_dict(self.model.state_dict())
@@ -402,10 +409,17 @@ class Learner:
 
 
 def _scalar(norm: torch.Tensor) -> float:
-    """A gradient norm as a float; a sharded model's is a DTensor, replicated on every rank.
-    (torch.distributed.tensor is looked up, not imported: it costs a second to import, and a
-    DTensor cannot exist before something else has imported it.)"""
+    """A gradient norm as a float; a sharded model's is a DTensor, replicated on every rank."""
+    return float(norm.full_tensor() if is_dtensor(norm) else norm)
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a sharded DTensor. (torch.distributed.tensor is looked up, not imported: it
+    costs a second to import, and a DTensor cannot exist before something else imported it.)"""
     dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(norm, dtensor.DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this process holds: a DTensor's local shard, else `t` itself."""
+    return t.to_local() if is_dtensor(t) else t

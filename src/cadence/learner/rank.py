@@ -38,7 +38,14 @@ import numpy as np
 import torch
 
 from cadence.algo import AlgoParams, needs_reference
-from cadence.learner.learner import Collective, Learner, LearnerParams
+from cadence.learner.learner import (
+    Collective,
+    Learner,
+    LearnerParams,
+    is_dtensor,
+    local_tensor,
+    model_bytes,
+)
 from cadence.learner.scorer import Scored
 from cadence.learner.sharded_state import load_sharded, save_sharded
 from cadence.learner.sums import StepSums, peak_memory
@@ -158,11 +165,10 @@ class RankLearner:
             collective=Collective(
                 reduce_sums=self._reduce_sums, forward_model=self.ddp, old_copy=self._frozen
             ),
+            track=f"learner-{rank}",
         )
-        self.learner.track = f"learner-{rank}"
         if spec.strategy == "fsdp":  # the layout check's forward left the root unsharded
             self.model.reshard()
-        self.learner.frozen_copies_bytes = _local_bytes(ref) + _local_bytes(self.learner.old_model)
         self.sums = StepSums()
 
     def _load(self) -> torch.nn.Module:
@@ -197,8 +203,7 @@ class RankLearner:
 
     def begin(self, version: int) -> None:
         """Start an iteration at policy `version`."""
-        self.learner.version = version
-        self.learner.begin_iteration()
+        self.learner.begin_iteration(version)
 
     def train_round(self, groups: list[Scored], step: bool) -> RoundReply:
         """This rank's micro-batch of one round (maybe none), and the optimizer step if the round
@@ -248,7 +253,7 @@ class RankLearner:
         out: dict[str, np.ndarray] = {}
         with self.tracer.span("gather_weights", self.learner.track):
             for name, p in self.model.named_parameters():
-                full = p.full_tensor() if _is_dtensor(p) else p.detach()
+                full = p.full_tensor() if is_dtensor(p) else p.detach()
                 if self.rank != 0:
                     continue
                 if self.shared is not None:
@@ -300,12 +305,12 @@ def state_bytes(learner: Learner) -> dict[str, int]:
     for state in learner.optimizer.state.values():
         for t in state.values():
             if isinstance(t, torch.Tensor):
-                local = t.to_local() if _is_dtensor(t) else t
+                local = local_tensor(t)
                 optimizer += local.numel() * local.element_size()
     return {
-        "param_bytes": _local_bytes(learner.model),
+        "param_bytes": model_bytes(learner.model),
         "optimizer_bytes": optimizer,
-        "frozen_bytes": _local_bytes(learner.ref_model) + _local_bytes(learner.old_model),
+        "frozen_bytes": learner.frozen_copies_bytes,
     }
 
 
@@ -351,21 +356,6 @@ def _sum_gradients(state, bucket):  # unannotated: DDP checks annotations by ide
 
     work = dist.all_reduce(bucket.buffer(), async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def _local_bytes(model: torch.nn.Module | None) -> int:
-    """Bytes of `model`'s parameters and buffers held by this rank (a DTensor's local shard)."""
-    if model is None:
-        return 0
-    tensors = [*model.parameters(), *model.buffers()]
-    local = [t.to_local() if _is_dtensor(t) else t for t in tensors]
-    return sum(t.numel() * t.element_size() for t in local)
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
