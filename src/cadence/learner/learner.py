@@ -16,8 +16,9 @@ iteration's start, which before the iteration's first optimizer step *is* the po
 its log-probs detached and cost no pass (a frozen old copy, refreshed each iteration, is evaluated
 only after a step, i.e. with `mini_batches` > 1, or when `reuse_old_logprobs` is off); and
 `ref_logprobs` from the frozen reference, under no_grad. The loss comes from `algo.registry`; the
-learner never branches on algorithm names, and reads of the algorithm's settings (`AlgoParams`)
-only the loss's, the aggregation and the cap (seq-sum-norm's constant).
+learner never branches on algorithm names, and of the algorithm's settings (`AlgoParams`) it
+reads only what the loss takes, the aggregation and the cap (seq-sum-norm's constant). Rewards
+and advantages are the Scorer's: the learner never computes them.
 
 Stale data: a group whose `policy_version` is older than the learner's `version` was sampled by
 older weights, so the policy at the iteration's start is not its behaviour policy. For such a row
