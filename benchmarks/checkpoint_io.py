@@ -1,5 +1,5 @@
 """Checkpoint write and restore time for the default ('tiny', 3.3M-parameter) model with AdamW
-state: `save_checkpoint`, and `find_checkpoint` + `restore_learner` (which, since checkpoint
+state: `save_checkpoint`, and `find_checkpoint` + `restore_trainer` (which, since checkpoint
 format 2, check every file's sha256 and load the state with `torch.load(weights_only=True)`).
 
 Runs against whichever cadence is importable, so two versions can be compared side by side:
@@ -18,18 +18,18 @@ from pathlib import Path
 
 import torch
 
-from cadence.algo import LossParams
+from cadence.algo import AlgoParams
 from cadence.data import ArithmeticTask
-from cadence.learner import Learner, LearnerParams
+from cadence.learner import Learner, LearnerParams, Scorer
 from cadence.models import init_model, load_model, load_tokenizer
-from cadence.pipeline.checkpoint import find_checkpoint, restore_learner, save_checkpoint
+from cadence.pipeline.checkpoint import find_checkpoint, restore_trainer, save_checkpoint
 
 
 def learner_with_state(model_dir: Path) -> Learner:
     """A learner whose AdamW holds moments for every parameter (one step on random gradients)."""
     torch.manual_seed(0)
     model = load_model(model_dir)
-    learner = Learner(model, LearnerParams(), LossParams(), pad_id=0)
+    learner = Learner(model, LearnerParams(), AlgoParams(), pad_id=0)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     learner.optimizer.step()
@@ -46,6 +46,7 @@ def main() -> None:
         root = Path(tmp)
         init_model("tiny", root / "model", ArithmeticTask(seed=0).corpus(2000), seed=0)
         learner, tokenizer = learner_with_state(root / "model"), load_tokenizer(root / "model")
+        scorer = Scorer(AlgoParams())
         extra = {
             "cursor": 0,
             "metrics_bytes": 0,
@@ -57,10 +58,10 @@ def main() -> None:
         save_s, restore_s = [], []
         for i in range(args.repeats):
             t0 = time.perf_counter()
-            path = save_checkpoint(root / "run", i + 1, learner, tokenizer, extra, keep=2)
+            path = save_checkpoint(root / "run", i + 1, learner, scorer, tokenizer, extra, keep=2)
             save_s.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            restore_learner(learner, find_checkpoint(root / "run"), None)
+            restore_trainer(learner, find_checkpoint(root / "run"), None)
             restore_s.append(time.perf_counter() - t0)
         size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     print(f"checkpoint size: {size / 1e6:.1f} MB")

@@ -113,7 +113,7 @@ def probe(cfg, model_dirs: list[str], num_prompts: int, scale: float = 0.05) -> 
     if not prompts:
         raise ValueError("the task gave no held-out prompt that fits the model")
     worker = rollout_worker(cfg, engine, tokenizer, None)
-    params, _ = learner_params(cfg)
+    params = learner_params(cfg)
     dtype, device, pad = DTYPES[cfg.model.dtype], cfg.model.device, tokenizer.pad_token_id
     start = {n: p.detach().cpu() for n, p in load_model(cfg.model.path, dtype).named_parameters()}
     models = [

@@ -30,9 +30,9 @@ MB = 2**20
 
 
 def measure(variant: str, iterations: int) -> dict[str, float]:
-    from cadence.algo import LossParams
+    from cadence.algo import AlgoParams
     from cadence.bench.shared_prompt import synthetic_groups
-    from cadence.learner import Learner, LearnerParams, frozen_copy
+    from cadence.learner import Learner, LearnerParams, frozen_copy, score
     from cadence.models.lora import AdapterOff, LoraSpec, apply_lora
     from cadence.models.presets import build_model
 
@@ -50,12 +50,12 @@ def measure(variant: str, iterations: int) -> dict[str, float]:
         ref = AdapterOff(model)
     else:
         ref = frozen_copy(model)
-    learner = Learner(
-        model, LearnerParams(lr=1e-5), LossParams(kl_coef=0.01), pad_id=1, ref_model=ref
-    )
+    algo = AlgoParams(kl_coef=0.01)
+    learner = Learner(model, LearnerParams(lr=1e-5), algo, pad_id=1, ref_model=ref)
     start = time.perf_counter()
     for _ in range(iterations):
-        stats = learner.train_iteration(iter(synthetic_groups(512, 4, 32, 64, 8)), 4)
+        scored = score(synthetic_groups(512, 4, 32, 64, 8), algo)
+        stats = learner.train_iteration(iter(scored), 4)
     seconds = (time.perf_counter() - start) / iterations
     trainable = [p for p in model.parameters() if p.requires_grad]
     state = learner.optimizer.state.values()

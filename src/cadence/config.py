@@ -430,12 +430,15 @@ class RewardConfig(_Section):
         0,
         ge=0,
         description="DAPO's soft overlong penalty: over the last overlong_buffer tokens before "
-        "rollout.max_new_tokens a response's reward falls linearly by up to overlong_penalty. "
-        "Applied by the learner before advantages, from response lengths, whatever the reward "
-        "stage; reward_mean stays the raw reward, reward_shaped_mean is the shaped one. 0: off.",
+        "the episode's cap on policy tokens (rollout.max_new_tokens single-turn; with tools the "
+        "smaller of env.max_turns x rollout.max_new_tokens and env.max_total_tokens) a "
+        "response's reward falls linearly by up to overlong_penalty. Counts the tokens the "
+        "policy wrote, never tool replies. Applied by the learner before advantages, whatever "
+        "the reward stage; reward_mean stays the raw reward, reward_shaped_mean is the shaped "
+        "one. 0: off.",
     )
     overlong_penalty: float = Field(
-        1.0, ge=0.0, description="The overlong penalty at rollout.max_new_tokens (DAPO: 1)."
+        1.0, ge=0.0, description="The overlong penalty at the episode's cap (DAPO: 1)."
     )
 
     @model_validator(mode="before")
@@ -499,7 +502,7 @@ class AlgoConfig(_Section):
     )
     mask_truncated: bool = Field(
         False,
-        description="Drop responses cut at rollout.max_new_tokens (finish_reason 'length') from "
+        description="Drop responses cut at their length cap (finish_reason 'length') from "
         "the loss (TRL's mask_truncated_completions): they train no token but still count in "
         "their group's advantages and, like empty responses, in seq-mean's number of sequences.",
     )
@@ -513,7 +516,9 @@ class AlgoConfig(_Section):
     )
     loss_agg: Literal["token-mean", "seq-mean", "seq-sum-norm"] = Field(
         "token-mean",
-        description="Loss aggregation over the global batch (online_dpo: the mean over pairs).",
+        description="Loss aggregation over the global batch (online_dpo: the mean over pairs); "
+        "seq-sum-norm divides by the number of sequences times the episode's cap on policy "
+        "tokens (see reward.overlong_buffer).",
     )
     tis_cap: float = Field(
         0.0,
@@ -954,13 +959,28 @@ class Config(_Section):
             )
         return self
 
+    @property
+    def max_policy_tokens(self) -> int:
+        """The most tokens the policy writes in one episode: the cap of the overlong penalty and
+        of seq-sum-norm's constant. Single-turn, rollout.max_new_tokens; with tools, each of at
+        most env.max_turns turns writes at most rollout.max_new_tokens, and everything after the
+        prompt (tool replies too) fits env.max_total_tokens, so the smaller of the two."""
+        r, e = self.rollout, self.env
+        if e.kind == "single_turn":
+            return r.max_new_tokens
+        return min(e.max_turns * r.max_new_tokens, e.max_total_tokens)
+
     @model_validator(mode="after")
     def _overlong_buffer_fits(self) -> Config:
-        buffer, longest = self.reward.overlong_buffer, self.rollout.max_new_tokens
+        buffer, longest = self.reward.overlong_buffer, self.max_policy_tokens
         if buffer > longest:
+            what = "rollout.max_new_tokens"
+            if self.env.kind != "single_turn":
+                what = "the episode's cap (env.max_turns x rollout.max_new_tokens, at most "
+                what += "env.max_total_tokens)"
             raise ValueError(
-                f"reward.overlong_buffer = {buffer} is longer than rollout.max_new_tokens = "
-                f"{longest}: the penalty ramps over the last tokens before max_new_tokens; set "
+                f"reward.overlong_buffer = {buffer} is longer than {what} = {longest}: the "
+                "penalty ramps over the last policy tokens before that cap; set "
                 f"reward.overlong_buffer <= {longest}"
             )
         return self

@@ -5,8 +5,9 @@ import torch
 from batches import LN3, make_batch
 from torch.testing import assert_close
 
+from cadence.algo import AlgoParams
 from cadence.algo.dpo import online_dpo_loss, preference_pairs
-from cadence.algo.losses import LossParams, PolicyBatch
+from cadence.algo.losses import PolicyBatch
 
 # --- online DPO -------------------------------------------------------------------------------
 
@@ -43,7 +44,7 @@ def _dpo_batch() -> PolicyBatch:
 
 def test_online_dpo_sigmoid_loss_on_hand_example():
     batch = _dpo_batch()
-    loss, metrics = online_dpo_loss(batch, LossParams(dpo_beta=0.5, dpo_loss="sigmoid"))
+    loss, metrics = online_dpo_loss(batch, AlgoParams(dpo_beta=0.5, dpo_loss="sigmoid"))
     loss.backward()
     # h = s(chosen) - s(rejected): A: 2 ln 3 - 0; C: 0 - 0. beta * h = ln 3 and 0.
     # -log sigmoid(x) = log(1 + e^-x): A: log(1 + 1/3) = 0.287682; C: log 2 = 0.693147
@@ -63,7 +64,7 @@ def test_online_dpo_sigmoid_loss_on_hand_example():
 
 def test_online_dpo_ipo_loss_on_hand_example():
     batch = _dpo_batch()
-    loss, _ = online_dpo_loss(batch, LossParams(dpo_beta=0.5, dpo_loss="ipo"))
+    loss, _ = online_dpo_loss(batch, AlgoParams(dpo_beta=0.5, dpo_loss="ipo"))
     loss.backward()
     # 1 / (2 beta) = 1. A: (2 ln 3 - 1)^2 = 1.197225^2 = 1.433347; C: (0 - 1)^2 = 1; sum 2.433347
     assert_close(loss, torch.tensor(2.433347), atol=1e-5, rtol=0)
@@ -74,7 +75,7 @@ def test_online_dpo_ipo_loss_on_hand_example():
 
 def test_online_dpo_ipo_token_mean_averages_log_ratios_per_token():
     batch = _dpo_batch()
-    loss, metrics = online_dpo_loss(batch, LossParams(dpo_beta=0.5, dpo_loss="ipo_token_mean"))
+    loss, metrics = online_dpo_loss(batch, AlgoParams(dpo_beta=0.5, dpo_loss="ipo_token_mean"))
     loss.backward()
     # s(y) = mean of the response's log-ratios. A: chosen row 1 mean(ln 3, ln 3) = ln 3,
     # rejected row 0: 0 -> h = 1.098612 (the summed form "ipo" had 2 ln 3). C: row 5 mean(1, -1)
@@ -93,7 +94,7 @@ def test_online_dpo_ipo_token_mean_averages_log_ratios_per_token():
 
 def test_online_dpo_with_only_ties_has_zero_loss_and_gradient():
     batch = replace(_dpo_batch(), rewards=torch.ones(7))
-    loss, metrics = online_dpo_loss(batch, LossParams())
+    loss, metrics = online_dpo_loss(batch, AlgoParams())
     loss.backward()
     assert loss.item() == 0.0 and metrics["num_pairs"].item() == 0
     assert metrics["dpo_ties"].item() == 3
@@ -102,7 +103,7 @@ def test_online_dpo_with_only_ties_has_zero_loss_and_gradient():
 
 def test_online_dpo_kl_metric_is_per_token_over_each_pairs_responses():
     batch = _dpo_batch()
-    _, metrics = online_dpo_loss(batch, LossParams(kl_estimator="k1"))
+    _, metrics = online_dpo_loss(batch, AlgoParams(kl_estimator="k1"))
     # k1 = logprobs - ref. A: rows 1 and 0: (2 ln 3 + 0) / 4 tokens = 0.549306
     # C: rows 5 and 6: (1 - 1 + 0) / 3 tokens = 0; summed over pairs: 0.549306
     assert_close(metrics["kl"], torch.tensor(2 * LN3 / 4), atol=1e-6, rtol=0)
@@ -111,6 +112,6 @@ def test_online_dpo_kl_metric_is_per_token_over_each_pairs_responses():
 def test_online_dpo_needs_reference_and_refuses_kl_coef():
     batch = _dpo_batch()
     with pytest.raises(ValueError, match="takes no kl_coef or tis_cap"):
-        online_dpo_loss(batch, LossParams(kl_coef=0.1))
+        online_dpo_loss(batch, AlgoParams(kl_coef=0.1))
     with pytest.raises(ValueError, match="needs ref_logprobs"):
-        online_dpo_loss(replace(batch, ref_logprobs=None), LossParams())
+        online_dpo_loss(replace(batch, ref_logprobs=None), AlgoParams())

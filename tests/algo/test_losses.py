@@ -6,10 +6,10 @@ import torch
 from batches import LN2, make_batch
 from torch.testing import assert_close
 
+from cadence.algo import AlgoParams
 from cadence.algo.aggregation import AGG_MODES, normaliser, token_weights
 from cadence.algo.losses import (
     TOKEN_METRICS,
-    LossParams,
     PolicyBatch,
     cispo_loss,
     gspo_loss,
@@ -26,7 +26,7 @@ from cadence.algo.losses import (
 def test_ppo_clip_uses_clip_low_below_and_clip_high_above():
     ratios = torch.tensor([[1.0, 1.5, 0.8], [1.0, 1.5, 0.8]])
     batch = make_batch(ratios.log(), torch.tensor([2.0, -1.0]), old_logprobs=torch.zeros(2, 3))
-    loss, metrics = ppo_clip_loss(batch, LossParams(clip_low=0.1, clip_high=0.3))
+    loss, metrics = ppo_clip_loss(batch, AlgoParams(clip_low=0.1, clip_high=0.3))
     # clip range [1 - 0.1, 1 + 0.3] = [0.9, 1.3]; loss_t = -min(r*A, clip(r)*A)
     # A = +2: r=1.0: min(2, 2) = 2 -> -2 (inside, not clipped)
     #         r=1.5: min(3, 1.3*2=2.6) = 2.6 -> -2.6 (clipped at 1 + clip_high; a symmetric
@@ -54,7 +54,7 @@ def test_gradient_on_policy_is_minus_advantage_times_weight(loss_fn):
         loss_mask=mask,
         mode="seq-mean",
     )
-    loss, _ = loss_fn(batch, LossParams())
+    loss, _ = loss_fn(batch, AlgoParams())
     loss.backward()
     # ratio = 1, so d/dlogprob of -min(r*A, clip(r)*A) = -A * r = -A; times the seq-mean weights
     # [[1/3, 1/3, 1/3], [1/2, 1/2, 0]]:
@@ -65,7 +65,7 @@ def test_gradient_on_policy_is_minus_advantage_times_weight(loss_fn):
 
 def test_pg_loss_is_minus_advantage_times_logprob():
     batch = make_batch(torch.tensor([[-1.0, -2.0], [-0.5, -4.0]]), torch.tensor([1.0, -0.5]))
-    loss, metrics = pg_loss(batch, LossParams())
+    loss, metrics = pg_loss(batch, AlgoParams())
     # row 0: -1 * (-1 - 2) = 3; row 1: 0.5 * (-0.5 - 4) = -2.25; sum 0.75
     assert_close(loss, torch.tensor(0.75), atol=1e-6, rtol=0)
     # on-policy: 4 tokens of ratio 1, nothing clipped
@@ -108,7 +108,7 @@ def test_unknown_kl_estimator_names_allowed_ones():
 def test_kl_coef_adds_weighted_kl_to_loss(loss_fn):
     logprobs = torch.tensor([[LN2, LN2]])
     batch = make_batch(logprobs, torch.tensor([0.0]), ref_logprobs=torch.zeros(1, 2))
-    loss, metrics = loss_fn(batch, LossParams(kl_coef=0.5, kl_estimator="k3"))
+    loss, metrics = loss_fn(batch, AlgoParams(kl_coef=0.5, kl_estimator="k3"))
     # A = 0 -> pg term 0; k3 at log_ratio ln2 = 0.5 - 1 + ln2 = 0.193147 per token, 2 tokens
     # -> kl 0.386294; loss = 0.5 * 0.386294 = 0.193147
     assert_close(metrics["pg_loss"], torch.tensor(0.0), atol=1e-6, rtol=0)
@@ -120,7 +120,7 @@ def test_kl_is_reported_but_not_added_when_kl_coef_is_zero():
     batch = make_batch(
         torch.tensor([[LN2, LN2]]), torch.tensor([0.0]), ref_logprobs=torch.zeros(1, 2)
     )
-    loss, metrics = ppo_clip_loss(batch, LossParams(kl_coef=0.0))
+    loss, metrics = ppo_clip_loss(batch, AlgoParams(kl_coef=0.0))
     # same k3 as above, 2 * 0.193147 = 0.386294, but the loss is the pg term alone: 0
     assert_close(metrics["kl"], torch.tensor(0.386294), atol=1e-6, rtol=0)
     assert_close(loss, torch.tensor(0.0), atol=1e-6, rtol=0)
@@ -129,7 +129,7 @@ def test_kl_is_reported_but_not_added_when_kl_coef_is_zero():
 def test_kl_coef_without_ref_logprobs_raises():
     batch = make_batch(torch.zeros(1, 2), torch.tensor([1.0]))
     with pytest.raises(ValueError, match="needs ref_logprobs"):
-        ppo_clip_loss(batch, LossParams(kl_coef=0.1))
+        ppo_clip_loss(batch, AlgoParams(kl_coef=0.1))
 
 
 # --- aggregation ------------------------------------------------------------------------------
@@ -155,7 +155,7 @@ def test_micro_batch_sums_over_global_normaliser_match_full_batch(mode: str, exp
     total = torch.zeros(())
     for rows in (slice(0, 1), slice(1, 3)):  # two micro-batches: sequence 0, sequences 1-2
         batch = make_batch(VALUES[rows], -torch.ones(VALUES[rows].shape[0]), MASK[rows], mode=mode)
-        loss, _ = pg_loss(batch, LossParams())
+        loss, _ = pg_loss(batch, AlgoParams())
         total = total + loss
     norm = normaliser(mode, num_tokens=6, num_seqs=3, max_new_tokens=3)
     assert_close(total / norm, torch.tensor(expected), atol=1e-6, rtol=0)
@@ -164,7 +164,7 @@ def test_micro_batch_sums_over_global_normaliser_match_full_batch(mode: str, exp
 @pytest.mark.parametrize("loss_fn", [ppo_clip_loss, pg_loss])
 def test_padding_contributes_nothing_even_with_huge_logprobs(loss_fn):
     clean = make_batch(VALUES, -torch.ones(3), MASK, ref_logprobs=torch.zeros(3, 3))
-    clean_loss, clean_metrics = loss_fn(clean, LossParams(kl_coef=0.1))
+    clean_loss, clean_metrics = loss_fn(clean, AlgoParams(kl_coef=0.1))
     padding = MASK == 0
     # exp(1e4 - (-1e4)) overflows to inf, and inf * 0 would be NaN if padding were multiplied out
     huge = make_batch(
@@ -174,7 +174,7 @@ def test_padding_contributes_nothing_even_with_huge_logprobs(loss_fn):
         old_logprobs=VALUES.masked_fill(padding, -1e4),
         ref_logprobs=torch.zeros(3, 3).masked_fill(padding, -1e4),
     )
-    huge_loss, huge_metrics = loss_fn(huge, LossParams(kl_coef=0.1))
+    huge_loss, huge_metrics = loss_fn(huge, AlgoParams(kl_coef=0.1))
     huge_loss.backward()
     assert_close(huge_loss, clean_loss.detach(), atol=1e-6, rtol=0)
     for name, value in clean_metrics.items():
@@ -231,11 +231,15 @@ def test_zero_normaliser_is_rejected():
         ({"tis_cap": 0.5}, "tis_cap must be 0"),
         ({"dpo_beta": 0.0}, "dpo_beta must be > 0"),
         ({"dpo_loss": "hinge"}, "allowed: sigmoid, ipo, ipo_token_mean"),
+        ({"std": "sample"}, "allowed: unbiased, population"),
+        ({"loss_agg": "sum"}, "allowed: token-mean, seq-mean, seq-sum-norm"),
+        ({"max_policy_tokens": 0}, "max_policy_tokens must be >= 1"),
+        ({"overlong_buffer": 65}, r"overlong_buffer must be in \[0, max_policy_tokens = 64\]"),
     ],
 )
-def test_loss_params_reject_bad_values(kwargs: dict, message: str):
+def test_algo_params_reject_bad_values(kwargs: dict, message: str):
     with pytest.raises(ValueError, match=message):
-        LossParams(**kwargs)
+        AlgoParams(**kwargs)
 
 
 def test_policy_batch_rejects_mismatched_shapes():
@@ -266,7 +270,7 @@ def test_tis_weights_truncate_the_ratio_of_old_to_behaviour_at_the_cap():
 def test_ppo_clip_with_tis_weighs_each_token_and_reports_weights():
     on_policy = make_batch(TIS_OLD, torch.tensor([1.0]))  # logprobs == old: ratio 1
     batch = replace(on_policy, behaviour_logprobs=TIS_BEHAVIOUR)
-    loss, metrics = ppo_clip_loss(batch, LossParams(tis_cap=3.0))
+    loss, metrics = ppo_clip_loss(batch, AlgoParams(tis_cap=3.0))
     loss.backward()
     # A = 1, ratio 1: loss_t = -w_t * min(1, 1) = -w_t -> -(1 + 2 + 3) = -6
     assert_close(loss, torch.tensor(-6.0), atol=1e-5, rtol=0)
@@ -279,7 +283,7 @@ def test_ppo_clip_with_tis_weighs_each_token_and_reports_weights():
 
 def test_pg_with_tis_weighs_each_token():
     batch = replace(make_batch(TIS_OLD, torch.tensor([1.0])), behaviour_logprobs=TIS_BEHAVIOUR)
-    loss, _ = pg_loss(batch, LossParams(tis_cap=3.0))
+    loss, _ = pg_loss(batch, AlgoParams(tis_cap=3.0))
     # loss_t = -w_t * A * logprob_t: -(1 * ln 0.5 + 2 * ln 0.5 + 3 * ln 0.8)
     #        = -(-0.693147 - 1.386294 - 0.669431) = 2.748872
     assert_close(loss, torch.tensor(2.748872), atol=1e-5, rtol=0)
@@ -287,14 +291,14 @@ def test_pg_with_tis_weighs_each_token():
 
 def test_tis_off_leaves_the_loss_alone_and_reports_nothing():
     batch = replace(make_batch(TIS_OLD, torch.tensor([1.0])), behaviour_logprobs=TIS_BEHAVIOUR)
-    loss, metrics = ppo_clip_loss(batch, LossParams(tis_cap=0.0))
+    loss, metrics = ppo_clip_loss(batch, AlgoParams(tis_cap=0.0))
     assert_close(loss, torch.tensor(-3.0), atol=1e-6, rtol=0)  # -A * ratio on 3 tokens
     assert "tis_weight" not in metrics and "tis_trunc_frac" not in metrics
 
 
 def test_tis_without_behaviour_logprobs_raises():
     with pytest.raises(ValueError, match="needs behaviour_logprobs"):
-        ppo_clip_loss(make_batch(TIS_OLD, torch.tensor([1.0])), LossParams(tis_cap=2.0))
+        ppo_clip_loss(make_batch(TIS_OLD, torch.tensor([1.0])), AlgoParams(tis_cap=2.0))
 
 
 # --- RLOO -------------------------------------------------------------------------------------
@@ -310,7 +314,7 @@ def test_rloo_loss_uses_leave_one_out_advantages_from_rewards():
         rewards=torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 0.0]),
         group_ids=torch.tensor([0, 0, 0, 1, 1, 1]),
     )
-    loss, metrics = rloo_loss(batch, LossParams())
+    loss, metrics = rloo_loss(batch, AlgoParams())
     loss.backward()
     # A_i = r_i - mean of the other two: 1 - (0 + 0.5)/2 = 0.75, 0 - (1 + 0.5)/2 = -0.75,
     # 0.5 - (1 + 0)/2 = 0; group 1: all 0.
@@ -329,7 +333,7 @@ def test_rloo_loss_refuses_groups_that_are_not_consecutive_blocks():
         group_ids=torch.tensor([0, 1, 0, 1]),
     )
     with pytest.raises(ValueError, match="consecutive rows"):
-        rloo_loss(batch, LossParams())
+        rloo_loss(batch, AlgoParams())
 
 
 # --- extreme log-ratios: clamped before exp() ---------------------------------------------------
@@ -348,7 +352,7 @@ def _stale_token_batch(advantage: float) -> PolicyBatch:
 
 def test_ppo_clip_on_an_extreme_log_ratio_is_finite_with_zero_gradient_for_that_token():
     batch = _stale_token_batch(1.0)
-    loss, metrics = ppo_clip_loss(batch, LossParams())
+    loss, metrics = ppo_clip_loss(batch, AlgoParams())
     loss.backward()
     # token 0: log-ratio 99 clamped to 20, ratio e^20; A = +1: min(e^20, 1.2) = 1.2 -> -1.2,
     #   and its gradient is 0 (the clip's and the clamp's); unclamped this gradient was NaN
@@ -360,7 +364,7 @@ def test_ppo_clip_on_an_extreme_log_ratio_is_finite_with_zero_gradient_for_that_
 
 def test_ppo_clip_negative_advantage_twin_is_finite_and_dual_clip_bounds_it():
     batch = _stale_token_batch(-1.0)
-    loss, _ = ppo_clip_loss(batch, LossParams())
+    loss, _ = ppo_clip_loss(batch, AlgoParams())
     loss.backward()
     # token 0: A = -1: -min(-e^20, -1.2) = e^20 = 485165195.4, finite (unclamped: inf); the
     #   clamp cuts its gradient to 0. token 1: ratio 1 -> 1, gradient -A * 1 = +1.
@@ -369,7 +373,7 @@ def test_ppo_clip_negative_advantage_twin_is_finite_and_dual_clip_bounds_it():
     assert_close(batch.logprobs.grad, torch.tensor([[0.0, 1.0]]), atol=0, rtol=0)
     # with dual clip c = 3: token 0's loss is min(e^20, -c * A = 3) = 3; total 4
     batch = _stale_token_batch(-1.0)
-    loss, metrics = ppo_clip_loss(batch, LossParams(clip_ratio_c=3.0))
+    loss, metrics = ppo_clip_loss(batch, AlgoParams(clip_ratio_c=3.0))
     loss.backward()
     assert_close(loss, torch.tensor(4.0), atol=1e-6, rtol=0)
     assert_close(batch.logprobs.grad, torch.tensor([[0.0, 1.0]]), atol=0, rtol=0)
@@ -388,7 +392,7 @@ def test_every_policy_loss_is_finite_on_extreme_log_ratios(
         ref_logprobs=torch.tensor([[90.0, -2.0]]),  # k3's log-ratio -91: exp(91) overflows fp32
         behaviour_logprobs=torch.tensor([[-200.0, -2.0]]),  # TIS log-ratio 100
     )
-    loss, metrics = loss_fn[name](batch, LossParams(kl_coef=0.1, tis_cap=2.0, kl_clamp=kl_clamp))
+    loss, metrics = loss_fn[name](batch, AlgoParams(kl_coef=0.1, tis_cap=2.0, kl_clamp=kl_clamp))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(batch.logprobs.grad).all()
     assert all(torch.isfinite(v) for v in metrics.values())
@@ -436,7 +440,7 @@ def test_tis_weight_of_an_extreme_log_ratio_is_the_cap():
 def test_dual_clip_caps_the_loss_of_negative_advantages_beyond_c():
     ratios = torch.tensor([[0.5, 1.0, 2.0, 3.0, 4.0], [0.5, 1.0, 2.0, 3.0, 4.0]])
     batch = make_batch(ratios.log(), torch.tensor([-1.0, 1.0]), old_logprobs=torch.zeros(2, 5))
-    loss, metrics = ppo_clip_loss(batch, LossParams(clip_ratio_c=3.0))
+    loss, metrics = ppo_clip_loss(batch, AlgoParams(clip_ratio_c=3.0))
     loss.backward()
     # clip range [0.8, 1.2]. A = -1: PPO loss_t = -min(-r, -clip(r)) = max(r, clip(r)):
     #   r = 0.5 -> 0.8 (clipped, gradient 0); 1 -> 1; 2 -> 2; 3 -> 3 (= c * |A|: at the bound);
@@ -453,7 +457,7 @@ def test_dual_clip_caps_the_loss_of_negative_advantages_beyond_c():
 def test_dual_clip_off_leaves_ppo_clip_unchanged():
     ratios = torch.tensor([[0.5, 1.0, 4.0]])
     batch = make_batch(ratios.log(), torch.tensor([-1.0]), old_logprobs=torch.zeros(1, 3))
-    loss, metrics = ppo_clip_loss(batch, LossParams())
+    loss, metrics = ppo_clip_loss(batch, AlgoParams())
     # A = -1: max(r, clip(r)) = 0.8 + 1 + 4 = 5.8; no dual clip metric
     assert_close(loss, torch.tensor(5.8), atol=1e-5, rtol=0)
     assert "dual_clip_frac" not in metrics
@@ -471,7 +475,7 @@ GSPO_ADVANTAGES = torch.tensor([2.0, -1.0, -1.0])
 
 def test_gspo_clips_whole_sequences_by_their_geometric_mean_ratio():
     batch = make_batch(GSPO_LOGPROBS, GSPO_ADVANTAGES, MASK, torch.zeros(3, 3), mode="seq-mean")
-    loss, metrics = gspo_loss(batch, LossParams())
+    loss, metrics = gspo_loss(batch, AlgoParams())
     loss.backward()
     # clip range [0.8, 1.2]; loss_i = -min(s A, clip(s) A):
     #   seq 0: s = 1 -> -2, inside; seq 1: -min(-1.414214, -1.2) = 1.414214 (above the ceiling,
@@ -490,7 +494,7 @@ def test_gspo_clips_whole_sequences_by_their_geometric_mean_ratio():
 
 def test_gspo_under_token_mean_weighs_each_sequence_by_its_length():
     batch = make_batch(GSPO_LOGPROBS, GSPO_ADVANTAGES, MASK, torch.zeros(3, 3), mode="token-mean")
-    loss, _ = gspo_loss(batch, LossParams())
+    loss, _ = gspo_loss(batch, AlgoParams())
     loss.backward()
     # every token weighs 1: 3 * -2 + 2 * 1.414214 + 1 * 0.8 = -2.371573
     assert_close(loss, torch.tensor(-2.371573), atol=1e-5, rtol=0)
@@ -504,12 +508,12 @@ def test_gspo_clips_a_sequence_that_one_token_pushes_out_of_range():
     # s = 4^(1/4) = 1.414214 > 1.2 clips the whole sequence for A > 0: every gradient is 0
     logprobs = torch.tensor([[math.log(4.0), 0.0, 0.0, 0.0]])
     batch = make_batch(logprobs, torch.tensor([1.0]), old_logprobs=torch.zeros(1, 4))
-    loss, metrics = gspo_loss(batch, LossParams())
+    loss, metrics = gspo_loss(batch, AlgoParams())
     loss.backward()
     assert_close(loss, torch.tensor(-4 * 1.2), atol=1e-5, rtol=0)  # -1.2 on each of 4 tokens
     assert (batch.logprobs.grad == 0).all() and metrics["clip_frac"].item() == 4.0
     ppo = make_batch(logprobs, torch.tensor([1.0]), old_logprobs=torch.zeros(1, 4))
-    ppo_clip_loss(ppo, LossParams())[0].backward()
+    ppo_clip_loss(ppo, AlgoParams())[0].backward()
     assert_close(ppo.logprobs.grad, torch.tensor([[0.0, -1.0, -1.0, -1.0]]), atol=1e-6, rtol=0)
 
 
@@ -518,8 +522,8 @@ def test_gspo_on_policy_has_ppos_gradient_under_seq_mean():
     kwargs = {"loss_mask": mask, "mode": "seq-mean"}
     gspo = make_batch(-VALUES, torch.tensor([1.0, -2.0, 0.5]), **kwargs)  # old = logprobs
     ppo = make_batch(-VALUES, torch.tensor([1.0, -2.0, 0.5]), **kwargs)
-    gspo_loss(gspo, LossParams())[0].backward()
-    ppo_clip_loss(ppo, LossParams())[0].backward()
+    gspo_loss(gspo, AlgoParams())[0].backward()
+    ppo_clip_loss(ppo, AlgoParams())[0].backward()
     # s_i = 1: -A_i / len_i on every token, as PPO's -A_i * w_t with w_t = 1 / len_i
     assert_close(gspo.logprobs.grad, ppo.logprobs.grad, atol=1e-6, rtol=0)
 
@@ -533,7 +537,7 @@ CISPO_OLD = CISPO_LOGPROBS - torch.tensor([0.5, 1.0, 1.5]).log()
 
 def test_cispo_weighs_logprobs_by_the_clipped_detached_ratio():
     batch = make_batch(CISPO_LOGPROBS, torch.tensor([1.0, -2.0]), old_logprobs=CISPO_OLD)
-    loss, metrics = cispo_loss(batch, LossParams(clip_low=0.2, clip_high=0.3))
+    loss, metrics = cispo_loss(batch, AlgoParams(clip_low=0.2, clip_high=0.3))
     loss.backward()
     # weights w = clip(r, 0.8, 1.3) = [0.8, 1.0, 1.3]; loss_t = -w_t * A * logprob_t
     #   A = +1: -(0.8 * -1 + 1 * -2 + 1.3 * -0.5) = 3.45
@@ -547,7 +551,7 @@ def test_cispo_weighs_logprobs_by_the_clipped_detached_ratio():
 
 def test_cispo_without_a_floor_keeps_small_ratios():
     batch = make_batch(CISPO_LOGPROBS[:1], torch.tensor([1.0]), old_logprobs=CISPO_OLD[:1])
-    loss, metrics = cispo_loss(batch, LossParams(clip_low=1.0, clip_high=0.3))
+    loss, metrics = cispo_loss(batch, AlgoParams(clip_low=1.0, clip_high=0.3))
     # clip_low = 1: floor 0, so w = [0.5, 1.0, 1.3]: -(0.5 * -1 + 1 * -2 + 1.3 * -0.5) = 3.15
     assert_close(loss, torch.tensor(3.15), atol=1e-5, rtol=0)
     assert metrics["clip_frac"].item() == 1.0  # only r = 1.5
@@ -556,8 +560,8 @@ def test_cispo_without_a_floor_keeps_small_ratios():
 def test_cispo_on_policy_is_pg():
     cispo = make_batch(-VALUES, torch.tensor([1.0, -2.0, 0.5]), MASK)
     pg = make_batch(-VALUES, torch.tensor([1.0, -2.0, 0.5]), MASK)
-    cispo_loss_value, _ = cispo_loss(cispo, LossParams())
-    pg_loss_value, _ = pg_loss(pg, LossParams())
+    cispo_loss_value, _ = cispo_loss(cispo, AlgoParams())
+    pg_loss_value, _ = pg_loss(pg, AlgoParams())
     (cispo_loss_value + pg_loss_value).backward()  # both graphs at once
     # ratio 1 -> w = 1: -A * logprob, exactly pg's loss and gradient
     assert_close(cispo_loss_value, pg_loss_value, atol=1e-6, rtol=0)
@@ -573,7 +577,7 @@ def test_clip_frac_counts_tokens_in_every_aggregation_mode(mode: str):
     batch = make_batch(
         ratios.log(), torch.tensor([2.0, -1.0]), old_logprobs=torch.zeros(2, 3), mode=mode
     )
-    _, metrics = ppo_clip_loss(batch, LossParams(clip_low=0.1, clip_high=0.3))
+    _, metrics = ppo_clip_loss(batch, AlgoParams(clip_low=0.1, clip_high=0.3))
     # 2 clipped tokens (see the first PPO test) whatever the weights: under seq-mean a weighted
     # count would be 2 / 3; the learner divides this count by the response tokens (6)
     assert metrics["clip_frac"].item() == 2.0
@@ -584,7 +588,7 @@ def test_seq_mean_counts_an_empty_response_in_the_number_of_sequences():
     values = torch.tensor([[1.0, 2.0], [5.0, 7.0]])
     mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])  # response 1 is empty
     batch = make_batch(values, -torch.ones(2), mask, mode="seq-mean")
-    loss, _ = pg_loss(batch, LossParams())
+    loss, _ = pg_loss(batch, AlgoParams())
     # row 0: mean(1, 2) = 1.5; the empty row weighs 0 on every token and adds 0;
     # num_seqs counts it: 1.5 / 2 = 0.75 (verl, which leaves it out, would give 1.5)
     norm = normaliser("seq-mean", num_tokens=2, num_seqs=2, max_new_tokens=2)
@@ -597,6 +601,6 @@ def test_a_group_with_equal_rewards_gives_no_loss_and_no_gradient(name: str):
     # equal rewards -> every advantage 0 (GRPO, RLOO, REINFORCE++ alike), here with every ratio
     # exp(-0.4) = 0.670320, below the clip floor 0.8
     batch = make_batch(-VALUES, torch.zeros(3), MASK, old_logprobs=-VALUES + 0.4)
-    loss, _ = loss_fn(batch, LossParams(clip_ratio_c=3.0 if name == "ppo_clip" else 0.0))
+    loss, _ = loss_fn(batch, AlgoParams(clip_ratio_c=3.0 if name == "ppo_clip" else 0.0))
     loss.backward()
     assert loss.item() == 0.0 and (batch.logprobs.grad == 0).all()

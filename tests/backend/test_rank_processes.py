@@ -88,3 +88,28 @@ def test_a_wait_that_outlasts_its_timeout_names_the_ranks_and_calls(shared_ranks
     ):
         ranks.wait(timeout_s=1.0)
     assert ranks.wait() == [[None], []]  # the late reply is still taken in order
+
+
+def test_a_wait_measures_silence_not_the_work_queued(shared_ranks):
+    # Before: one deadline for every reply due from the start of the wait, so four queued 1-s
+    # calls under a 2.5-s limit timed out after two replies though nothing hung.
+    ranks = shared_ranks
+    for _ in range(4):
+        ranks.call(0, "sleep", 1.0)
+    start = time.monotonic()
+    assert ranks.wait(timeout_s=2.5) == [[None] * 4, []]
+    assert time.monotonic() - start >= 4.0  # longer than the limit: it is not a total
+
+
+def test_a_hung_rank_is_named_while_a_busy_one_is_not(shared_ranks):
+    ranks = shared_ranks
+    for _ in range(4):
+        ranks.call(0, "sleep", 1.0)  # busy for 4 s, never silent for 2.5
+    ranks.call(1, "sleep", 5.0)  # silent past the limit: hung, as far as 2.5 s can tell
+    start = time.monotonic()
+    with pytest.raises(
+        TimeoutError, match=r"learner ranks did not answer within 2.5s: \{1: \['sleep'\]\}$"
+    ):
+        ranks.wait(timeout_s=2.5)
+    assert 2.5 <= time.monotonic() - start < 4.0  # named at the limit, not after rank 0's work
+    assert ranks.wait() == [[None] * 4, [None]]  # the late replies are still taken in order

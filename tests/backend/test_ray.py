@@ -24,7 +24,7 @@ def test_importing_cadence_does_not_import_ray():
     code = (
         "import sys, cadence, cadence.cli, cadence.pipeline, cadence.pipeline.build, "
         "cadence.backend, cadence.backend.ray_pool, cadence.backend.ray_store, "
-        "cadence.backend.ray_weights, cadence.backend.ray_ranks, cadence.pipeline.ranks; "
+        "cadence.backend.ray_weights, cadence.backend.ray_ranks, cadence.learner.driver; "
         "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -366,6 +366,30 @@ def test_nccl_broadcast_run_between_gpus(ray_cluster, model_dir, tmp_path):
     )
     _, records = _train(cfg, tmp_path)
     assert [r["policy_version"] for r in records] == [0, 1, 2]
+
+
+def test_rank_actors_wait_on_silence_not_on_the_work_queued(ray_cluster):
+    # Before: RayRanks.wait gave every reply of a wait one deadline: four queued 1-s calls
+    # under a 2.5-s limit timed out though nothing hung. A hung rank is still named.
+    import fixtures_ranks
+    from cadence.backend.ray_ranks import RayRanks
+
+    # the actors unpickle the factory before they can see the tests' folder: ship it by value
+    ray_cluster.cloudpickle.register_pickle_by_value(fixtures_ranks)
+    ranks = RayRanks(fixtures_ranks.EchoRank, 2, ("hello",), timeout_s=60)
+    try:
+        for r in range(2):
+            ranks.call(r, "build")
+        ranks.wait()
+        for _ in range(4):
+            ranks.call(0, "sleep", 1.0)
+        assert ranks.wait(timeout_s=2.5) == [[None] * 4, []]
+        ranks.call(0, "sleep", 1.0)
+        ranks.call(1, "sleep", 30.0)
+        with pytest.raises(TimeoutError, match=r"within 2.5s: \{1: \['sleep'\]\}$"):
+            ranks.wait(timeout_s=2.5)
+    finally:
+        ranks.close()
 
 
 def test_the_store_lives_in_an_actor_with_the_same_behaviour(ray_cluster):

@@ -86,8 +86,8 @@ def _train(cfg, out, grads=None):
     trained = []
     train_iteration = run.learner.train_iteration
 
-    def capture(groups, num_groups):
-        return train_iteration((trained.append(g) or g for g in groups), num_groups)
+    def capture(scored, num_groups):
+        return train_iteration((trained.append(s.group) or s for s in scored), num_groups)
 
     run.learner.train_iteration = capture
     pids = _pids(run)

@@ -1,10 +1,31 @@
-"""Groups sampled from the tiny test model, and a recorder of what the learner's loss sees."""
+"""Groups sampled from the tiny test model, a recorder of what the learner's loss sees, and the
+run loop's two steps around a learner (Scorer, then Trainer)."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+
+from cadence.algo import AlgoParams
 from cadence.engine import HFEngine, SamplingParams
+from cadence.learner import LearnerParams, Scorer
 from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
+
+LEARNER_KEYS = {f.name for f in fields(LearnerParams)}
+
+
+def split_params(**kw) -> tuple[LearnerParams, AlgoParams]:
+    """Learner and algorithm settings from one set of keywords, each to the record it belongs in."""
+    learner = {k: v for k, v in kw.items() if k in LEARNER_KEYS}
+    algo = {k: v for k, v in kw.items() if k not in LEARNER_KEYS}
+    return LearnerParams(**learner), AlgoParams(**algo)
+
+
+def train(learner, groups, scorer: Scorer | None = None) -> dict:
+    """One iteration as the run loop runs it: `groups` through the scorer (a fresh one for the
+    learner's algorithm unless given), then the learner; the learner's and the scorer's figures."""
+    scorer = scorer or Scorer(learner.algo)
+    return learner.train_iteration(scorer.score(iter(groups)), len(groups)) | scorer.end_iteration()
 
 
 class LengthReward:

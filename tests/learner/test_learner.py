@@ -3,9 +3,9 @@ import math
 
 import pytest
 import torch
-from rollouts import Recorder, older_behaviour, sample_groups
+from rollouts import Recorder, older_behaviour, sample_groups, split_params, train
 
-from cadence.algo import LossParams
+from cadence.algo import AlgoParams
 from cadence.learner import Learner, LearnerParams, frozen_copy
 from cadence.rewards import TableReward
 from updates import assert_same_update, capture_grads, max_relative_diff
@@ -13,13 +13,13 @@ from updates import assert_same_update, capture_grads, max_relative_diff
 
 def _learner(model, tokenizer, kl_coef=0.1, **kw):
     ref = copy.deepcopy(model).requires_grad_(False) if kl_coef > 0 else None
-    params = LearnerParams(lr=1e-2, max_new_tokens=10, **kw)
-    return ref, Learner(model, params, LossParams(kl_coef=kl_coef), tokenizer.pad_token_id, ref)
+    params, algo = split_params(lr=1e-2, max_policy_tokens=10, kl_coef=kl_coef, **kw)
+    return ref, Learner(model, params, algo, tokenizer.pad_token_id, ref)
 
 
 def _train(model, tokenizer, groups, **kw):
     _, learner = _learner(model, tokenizer, **kw)
-    return learner.train_iteration(iter(groups), len(groups)), learner
+    return train(learner, groups), learner
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "seq-sum-norm"])
@@ -30,8 +30,8 @@ def test_update_does_not_depend_on_micro_batch_size(model, tokenizer, agg):
     _, la = _learner(a, tokenizer, micro_batch_groups=1, loss_agg=agg)
     _, lb = _learner(b, tokenizer, micro_batch_groups=4, loss_agg=agg)
     ga, gb = capture_grads(la), capture_grads(lb)
-    la.train_iteration(iter(list(reversed(groups))), len(groups))
-    lb.train_iteration(iter(groups), len(groups))
+    train(la, list(reversed(groups)))
+    train(lb, groups)
     assert_same_update(a, b, ga[0], gb[0])
     changed = max(
         (pa - p0).abs().max().item()
@@ -62,7 +62,7 @@ def test_reference_is_a_frozen_copy_whose_checksum_never_changes(model, tokenize
     before = _checksum(ref)
     optimized = {id(p) for g in learner.optimizer.param_groups for p in g["params"]}
     for _ in range(3):
-        learner.train_iteration(iter(groups), len(groups))
+        train(learner, groups)
         assert _checksum(ref) == before
         assert all(p.grad is None and not p.requires_grad for p in ref.parameters())
         assert not optimized & {id(p) for p in ref.parameters()}
@@ -75,7 +75,7 @@ def test_ratio_is_one_on_the_first_micro_batch(model, tokenizer, reuse):
     groups = sample_groups(model, tokenizer)
     _, learner = _learner(model, tokenizer, micro_batch_groups=2, reuse_old_logprobs=reuse)
     rec = Recorder(learner)
-    stats = learner.train_iteration(iter(groups), len(groups))
+    stats = train(learner, groups)
     first = rec.batches[0]
     mask = first.loss_mask.bool()
     ratio = torch.exp(first.logprobs.detach() - first.old_logprobs)[mask]
@@ -90,14 +90,14 @@ def test_mini_batches_take_old_logprobs_from_the_iteration_start_policy(model, t
     start = copy.deepcopy(model)
     _, learner = _learner(model, tokenizer, kl_coef=0.0, micro_batch_groups=2, mini_batches=2)
     rec = Recorder(learner)
-    stats = learner.train_iteration(iter(groups), len(groups))
+    stats = train(learner, groups)
     assert stats["optimizer_steps"] == 2 and len(rec.batches) == 2
     # micro-batch 0 precedes any step (old = policy, no pass); micro-batch 1 follows one step
     assert stats["forward_passes_per_microbatch"] == 1.5
     second = rec.batches[1]
     _, check = _learner(start, tokenizer, kl_coef=0.0, micro_batch_groups=2)
     want = Recorder(check)
-    check.train_iteration(iter(groups), len(groups))  # computes the start policy's log-probs
+    train(check, groups)  # computes the start policy's log-probs
     mask = second.loss_mask.bool()
     old, at_start = second.old_logprobs[mask], want.batches[1].logprobs.detach()[mask]
     assert (old - at_start).abs().max().item() <= 1e-5
@@ -117,7 +117,7 @@ def test_frozen_copies_memory_is_reported(model, tokenizer):
 
 def test_kl_coef_without_reference_is_refused(model, tokenizer):
     with pytest.raises(ValueError, match="reference"):
-        Learner(model, LearnerParams(), LossParams(kl_coef=0.1), tokenizer.pad_token_id)
+        Learner(model, LearnerParams(), AlgoParams(kl_coef=0.1), tokenizer.pad_token_id)
 
 
 def test_table_reward_drives_constant_groups_to_zero_advantage(model, tokenizer):
@@ -148,7 +148,7 @@ def test_stale_rows_take_behaviour_logprobs_fresh_rows_the_policy(model, tokeniz
     _, learner = _learner(model, tokenizer, kl_coef=0.0, micro_batch_groups=4)
     learner.version = 1
     rec = Recorder(learner)
-    stats = learner.train_iteration(iter(groups), len(groups))
+    stats = train(learner, groups)
     (batch,) = rec.batches  # one micro-batch, fresh and stale groups interleaved
     mask = batch.loss_mask.bool()
     stale = torch.tensor([g.policy_version == 0 for g in groups for _ in g.completions])  # (B,)
@@ -176,11 +176,12 @@ def test_tis_keeps_the_policy_as_old_and_weighs_by_old_over_behaviour(model, tok
     groups = sample_groups(model, tokenizer)  # version 0; the learner below is at version 1
     older_behaviour(groups[:2], 0.5)  # weight exp(0.5) = 1.648721 < cap 2: kept
     older_behaviour(groups[2:], 1.0)  # weight exp(1) = 2.718282 > cap 2: truncated to 2
-    params = LearnerParams(lr=1e-2, max_new_tokens=10, micro_batch_groups=4)
-    learner = Learner(model, params, LossParams(tis_cap=2.0), tokenizer.pad_token_id)
+    params = LearnerParams(lr=1e-2, micro_batch_groups=4)
+    algo = AlgoParams(max_policy_tokens=10, tis_cap=2.0)
+    learner = Learner(model, params, algo, tokenizer.pad_token_id)
     learner.version = 1
     rec = Recorder(learner)
-    stats = learner.train_iteration(iter(groups), len(groups))
+    stats = train(learner, groups)
     (batch,) = rec.batches
     mask = batch.loss_mask.bool()
     ratio = torch.exp(batch.logprobs.detach() - batch.old_logprobs)[mask]
@@ -199,7 +200,7 @@ def test_a_micro_batch_of_stale_groups_costs_no_old_policy_pass(model, tokenizer
     groups = sample_groups(model, tokenizer)
     _, learner = _learner(model, tokenizer, kl_coef=0.0, micro_batch_groups=2, mini_batches=2)
     learner.version = 1  # every group is stale: old_logprobs are the behaviour log-probs
-    stats = learner.train_iteration(iter(groups), len(groups))
+    stats = train(learner, groups)
     assert stats["forward_passes_per_microbatch"] == 1.0  # the policy's pass alone
 
 
@@ -208,7 +209,7 @@ def test_group_from_a_newer_policy_than_the_learner_is_refused(model, tokenizer)
     groups[1].policy_version = 1
     _, learner = _learner(model, tokenizer, kl_coef=0.0)
     with pytest.raises(ValueError, match="newer than the learner's version 0"):
-        learner.train_iteration(iter(groups), len(groups))
+        train(learner, groups)
 
 
 def test_rloo_loss_updates_like_pg_with_rloo_advantages(model, tokenizer):
@@ -217,8 +218,8 @@ def test_rloo_loss_updates_like_pg_with_rloo_advantages(model, tokenizer):
     _, la = _learner(a, tokenizer, kl_coef=0.0, loss="rloo", advantage="grpo")
     _, lb = _learner(b, tokenizer, kl_coef=0.0, loss="pg", advantage="rloo")
     ga, gb = capture_grads(la), capture_grads(lb)
-    la.train_iteration(iter(groups), len(groups))
-    lb.train_iteration(iter(groups), len(groups))
+    train(la, groups)
+    train(lb, groups)
     assert max_relative_diff(ga[0], gb[0]) <= 1e-6
 
 
@@ -232,22 +233,23 @@ def _dpo_groups(model, tokenizer):
 
 
 def _dpo_learner(model, tokenizer, **kw):
-    params = LearnerParams(lr=1e-2, max_new_tokens=10, loss="online_dpo", **kw)
-    ref = frozen_copy(model)
-    return Learner(model, params, LossParams(dpo_beta=0.1), tokenizer.pad_token_id, ref)
+    params, algo = split_params(
+        lr=1e-2, max_policy_tokens=10, loss="online_dpo", dpo_beta=0.1, **kw
+    )
+    return Learner(model, params, algo, tokenizer.pad_token_id, frozen_copy(model))
 
 
 def test_online_dpo_trains_the_tiny_model(model, tokenizer):
     groups = _dpo_groups(model, tokenizer)
     start = copy.deepcopy(model)
     learner = _dpo_learner(model, tokenizer, micro_batch_groups=2)
-    stats = learner.train_iteration(iter(groups), len(groups))
+    stats = train(learner, groups)
     # before the step the policy is the reference: h = 0 for every pair, each pair's loss is
     # -log sigmoid(0) = ln 2, and the sum over 3 pairs divided by 3 pairs is ln 2 = 0.693147
     assert stats["loss"] == pytest.approx(math.log(2.0), abs=1e-6)
     assert stats["dpo_margin"] == pytest.approx(0.0, abs=1e-6)
     for _ in range(2):  # these groups are stale now: DPO takes them as they are
-        stats = learner.train_iteration(iter(groups), len(groups))
+        stats = train(learner, groups)
         assert math.isfinite(stats["loss"]) and math.isfinite(stats["kl"])
         assert stats["num_pairs"] == 3 and stats["dpo_ties"] == 1
         assert stats["forward_passes_per_microbatch"] == 2.0  # policy + reference, no old pass
@@ -262,15 +264,15 @@ def test_online_dpo_update_does_not_depend_on_micro_batch_size(model, tokenizer)
     a, b = copy.deepcopy(model), copy.deepcopy(model)
     la, lb = _dpo_learner(a, tokenizer, micro_batch_groups=1), _dpo_learner(b, tokenizer)
     ga, gb = capture_grads(la), capture_grads(lb)
-    la.train_iteration(iter(list(reversed(groups))), len(groups))
-    lb.train_iteration(iter(groups), len(groups))
+    train(la, list(reversed(groups)))
+    train(lb, groups)
     assert_same_update(a, b, ga[0], gb[0])
 
 
 def test_online_dpo_without_reference_is_refused(model, tokenizer):
-    params = LearnerParams(loss="online_dpo")
+    algo = AlgoParams(loss="online_dpo")
     with pytest.raises(ValueError, match="'online_dpo' needs a reference model"):
-        Learner(model, params, LossParams(), tokenizer.pad_token_id)
+        Learner(model, LearnerParams(), algo, tokenizer.pad_token_id)
 
 
 def test_a_non_finite_step_is_skipped_and_too_many_in_a_row_stop_training(model, tokenizer):
@@ -285,7 +287,7 @@ def test_a_non_finite_step_is_skipped_and_too_many_in_a_row_stop_training(model,
 
     learner.model.lm_head.register_forward_hook(nan_logits)
     before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
-    stats = learner.train_iteration(iter(groups), len(groups))
+    stats = train(learner, groups)
     assert stats["skipped_steps"] == 1 and math.isnan(stats["loss"])
     assert learner.optimizer.state == {}  # Adam's moments untouched, not NaN
     for n, p in learner.model.named_parameters():
@@ -293,15 +295,15 @@ def test_a_non_finite_step_is_skipped_and_too_many_in_a_row_stop_training(model,
     assert all(p.grad is None for p in learner.model.parameters())
 
     poison["on"] = False  # a good step resets the count
-    stats = learner.train_iteration(iter(groups), len(groups))
+    stats = train(learner, groups)
     assert stats["skipped_steps"] == 0 and learner.bad_steps_in_a_row == 0
     good = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
     assert any(not torch.equal(good[n], before[n]) for n in good)
 
     poison["on"] = True
-    learner.train_iteration(iter(groups), len(groups))  # one in a row: allowed
+    train(learner, groups)  # one in a row: allowed
     with pytest.raises(BadStepsError, match=r"2 optimizer steps in a row .*max_bad_steps = 1"):
-        learner.train_iteration(iter(groups), len(groups))
+        train(learner, groups)
     for n, p in learner.model.named_parameters():
         assert torch.equal(p, good[n]), n
 
@@ -311,10 +313,10 @@ def test_an_idle_pass_records_every_name_of_a_real_one_as_zero_and_leaves_no_gra
 ):
     # a rank without groups in a round runs an idle pass; the ranks add their step sums up by
     # name, so a rank that was idle for a whole step must have the names a training rank has
-    from cadence.learner import StepSums, score_groups
+    from cadence.learner import StepSums, score
 
     _, learner = _learner(model, tokenizer)
-    groups = list(score_groups(sample_groups(model, tokenizer)[:1], learner.params, 0.0))
+    groups = score(sample_groups(model, tokenizer)[:1], learner.algo)
     real, idle = StepSums(), StepSums()
     learner.forward_backward(groups, real)
     learner.optimizer.zero_grad(set_to_none=False)

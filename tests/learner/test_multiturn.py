@@ -5,14 +5,17 @@ import copy
 
 import pytest
 import torch
+from rollouts import train
 
-from cadence.algo import LossParams
+from cadence.algo import AlgoParams, reinforce_pp_advantages
+from cadence.config import ConfigError, load_config
 from cadence.engine import ContinuousEngine, SamplingParams
 from cadence.envs import Budget, ScriptedEnv, replies
-from cadence.learner import Learner, LearnerParams
+from cadence.learner import Learner, LearnerParams, Scorer
 from cadence.models import load_model, load_tokenizer
+from cadence.pipeline.params import algo_params
 from cadence.rollout import RolloutWorker
-from cadence.types import Prompt
+from cadence.types import Completion, Group, Prompt
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +60,12 @@ def _learner(model, tokenizer, layout, **loss):
     ref = copy.deepcopy(model).requires_grad_(False)
     params = LearnerParams(
         lr=1e-3,
-        max_new_tokens=6,
         micro_batch_groups=1,
         shared_prompt=layout != "unpacked",
         shared_prompt_impl=layout if layout != "unpacked" else "prefix",
     )
-    loss_params = LossParams(kl_coef=0.05, **loss)
-    learner = Learner(model, params, loss_params, tokenizer.pad_token_id, ref)
+    algo = AlgoParams(max_policy_tokens=6, kl_coef=0.05, **loss)
+    learner = Learner(model, params, algo, tokenizer.pad_token_id, ref)
     return learner, _Recorder(learner)
 
 
@@ -71,7 +73,7 @@ def _learner(model, tokenizer, layout, **loss):
 def test_policy_token_logprobs_from_the_learner_equal_the_engines(episodes, layout):
     model, tokenizer, groups = episodes
     learner, rec = _learner(copy.deepcopy(model), tokenizer, layout)
-    learner.train_iteration(iter(groups), len(groups))
+    train(learner, groups)
     for batch, group in zip(rec.batches, groups, strict=True):
         mask = batch.loss_mask.bool()
         want = [c.loss_mask + [0] * (mask.shape[1] - len(c.loss_mask)) for c in group.completions]
@@ -100,7 +102,7 @@ def _grads(model, tokenizer, groups, stale):
             grads[n] = p.grad.detach().clone()
 
     learner.optimizer.register_step_pre_hook(keep)
-    learner.train_iteration(iter(groups), len(groups))
+    train(learner, groups)
     return grads
 
 
@@ -130,3 +132,56 @@ def test_environment_tokens_get_zero_gradient(episodes):
     assert all(torch.equal(base[n], same[n]) for n in base)
     moved = _grads(model, tokenizer, _perturbed(groups, untrained_too=True), stale=True)
     assert max((base[n] - moved[n]).abs().max().item() for n in base) > 1e-6
+
+
+# --- shaping measures the tokens the policy wrote, against the episode's cap -------------------
+
+
+def _correct_episodes(reward_b=1.0):
+    """Two correct answers of 30 policy tokens: one written straight, one split around a
+    40-token tool reply (15 policy tokens, the reply, 15 more)."""
+    plain = Completion([5] * 30, [-1.0] * 30, reward=1.0, finish_reason="eos", loss_mask=[1] * 30)
+    mask = [1] * 15 + [0] * 40 + [1] * 15
+    tool = Completion([5] * 70, [-1.0] * 70, reward=reward_b, finish_reason="eos", loss_mask=mask)
+    return Group(Prompt("p", "", "", 0), [1, 2, 3], [plain, tool], 0, 0)
+
+
+def test_a_tool_reply_does_not_count_against_the_policy_in_the_overlong_penalty():
+    # Before: the penalty measured the whole trajectory (70 tokens) against the per-turn
+    # rollout.max_new_tokens (32 here): the tool user got -1, advantages -0.707 / +0.707.
+    cfg = load_config(
+        None,
+        [
+            "env.kind='tool'",
+            "env.max_turns=4",
+            "rollout.max_new_tokens=32",
+            "reward.overlong_buffer=16",
+        ],
+    )
+    algo = algo_params(cfg)
+    (scored,) = Scorer(algo).score([_correct_episodes()])
+    torch.testing.assert_close(scored.advantages, torch.zeros(2), atol=0, rtol=0)
+    torch.testing.assert_close(scored.rewards, torch.tensor([1.0, 1.0]), atol=0, rtol=0)
+    assert algo.max_policy_tokens == 4 * 32  # the episode's cap: 4 turns of 32 within 256
+
+
+def test_reinforce_pp_weighs_each_response_by_the_tokens_the_policy_wrote():
+    scorer = Scorer(AlgoParams(max_policy_tokens=128, advantage="reinforce_pp"))
+    groups = [_correct_episodes(reward_b=0.0), _correct_episodes(reward_b=1.0)]
+    got = torch.stack([s.advantages for s in scorer.score(groups)])  # (2, 2)
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    want = reinforce_pp_advantages(rewards, torch.full((2, 2), 30))  # 30 policy tokens each
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    trajectory = reinforce_pp_advantages(rewards, torch.tensor([[30, 70], [30, 70]]))
+    assert (got - trajectory).abs().max() > 1e-2  # counting tool tokens would differ
+
+
+def test_the_episode_cap_is_the_turns_budget_or_the_token_budget_whichever_is_smaller():
+    single = load_config(None, ["rollout.max_new_tokens=24"])
+    assert single.max_policy_tokens == 24 == algo_params(single).max_policy_tokens
+    tool = ["env.kind='tool'", "rollout.max_new_tokens=32", "env.max_turns=3"]
+    assert load_config(None, tool).max_policy_tokens == 96
+    capped = load_config(None, [*tool, "env.max_total_tokens=64"])
+    assert capped.max_policy_tokens == 64 == algo_params(capped).max_policy_tokens
+    with pytest.raises(ConfigError, match=r"set reward.overlong_buffer <= 64"):
+        load_config(None, [*tool, "env.max_total_tokens=64", "reward.overlong_buffer=65"])

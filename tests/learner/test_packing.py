@@ -5,8 +5,9 @@ import warnings
 
 import pytest
 import torch
+from rollouts import train
 
-from cadence.algo import LossParams
+from cadence.algo import AlgoParams
 from cadence.learner import Learner, LearnerParams
 from cadence.learner.packing import (
     LAYOUTS,
@@ -142,10 +143,10 @@ def test_training_update_equals_unpacked(layout):
         params = LearnerParams(
             lr=1e-3, micro_batch_groups=2, shared_prompt=shared, shared_prompt_impl=layout
         )
-        learner = Learner(model, params, LossParams(kl_coef=0.1), 0, ref_model=ref)
+        learner = Learner(model, params, AlgoParams(kl_coef=0.1), 0, ref_model=ref)
         assert learner.layout == (layout if shared else "unpacked")
         seen = capture_grads(learner)
-        stats = learner.train_iteration(iter(groups), len(groups))
+        stats = train(learner, groups)
         models.append(model)
         grads.append(seen[0])
         tokens = stats["tokens_computed"]
@@ -189,18 +190,18 @@ def test_model_that_cannot_take_the_layout_falls_back_with_one_warning(wrapper, 
     model = wrapper(_tiny("llama"))
     params = LearnerParams(micro_batch_groups=3, shared_prompt_impl=layout)
     with pytest.warns(UserWarning, match="shared-prompt packing") as caught:
-        learner = Learner(model, params, LossParams(), 0)
+        learner = Learner(model, params, AlgoParams(), 0)
     assert len([w for w in caught if "shared-prompt" in str(w.message)]) == 1
     assert learner.layout == "unpacked"
     groups = _groups_of(_ragged_groups())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # training itself warns no more
-        stats = learner.train_iteration(iter(groups), len(groups))
+        stats = train(learner, groups)
     assert torch.isfinite(torch.tensor(stats["loss"]))
 
 
 def test_supported_model_gives_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        learner = Learner(_tiny("qwen2"), LearnerParams(), LossParams(), 0)
+        learner = Learner(_tiny("qwen2"), LearnerParams(), AlgoParams(), 0)
     assert learner.layout == "prefix"

@@ -1,19 +1,19 @@
 """Learner ranks without the pipeline: two FSDP2 ranks (spawned processes, gloo) driven by
-`RankedLearner` on fixed groups make the single-process `Learner`'s update, with online DPO's
-pair normaliser and a rank that has no group for a whole optimizer step."""
+`RankedLearner` on fixed scored groups make the single-process `Learner`'s update, with online
+DPO's pair normaliser and a rank that has no group for a whole optimizer step."""
 
 import copy
 from dataclasses import replace
 
 import pytest
 
-from cadence.algo import LossParams
+from cadence.algo import AlgoParams
 from cadence.engine import HFEngine, SamplingParams
-from cadence.learner import Learner, LearnerParams
-from cadence.learner.ranks import RankSpec
+from cadence.learner import Learner, LearnerParams, score
+from cadence.learner.driver import start_local_ranks
+from cadence.learner.rank import RankSpec
 from cadence.metrics import Tracer
 from cadence.models import load_model
-from cadence.pipeline.ranks import start_local_ranks
 from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
 from updates import assert_same_params, capture_grads
@@ -27,17 +27,15 @@ def test_two_ranks_make_the_one_process_update_with_a_rank_idle_for_a_whole_step
     model = load_model(model_dir)
     groups = _groups(model, tokenizer, n=5)  # five groups in three steps: 2, 2 and 1
     assert any(len(set(g.rewards)) > 1 for g in groups)  # preference pairs to learn from
-    params = LearnerParams(
-        lr=1e-3, max_new_tokens=10, loss="online_dpo", micro_batch_groups=1, mini_batches=3
-    )
-    loss = LossParams(kl_coef=0.0)
-    one = Learner(copy.deepcopy(model), params, loss, tokenizer.pad_token_id, frozen(model))
+    params = LearnerParams(lr=1e-3, micro_batch_groups=1, mini_batches=3)
+    algo = AlgoParams(max_policy_tokens=10, loss="online_dpo", kl_coef=0.0)
+    one = Learner(copy.deepcopy(model), params, algo, tokenizer.pad_token_id, frozen(model))
     grads = capture_grads(one)
-    spec = RankSpec(str(model_dir), params, loss, tokenizer.pad_token_id, 2, needs_reference=True)
+    spec = RankSpec(str(model_dir), params, algo, tokenizer.pad_token_id, 2)
     ranked = start_local_ranks(spec, copy.deepcopy(model), "cpu", Tracer())
     try:
         for _ in range(2):
-            fresh = [replace(g, policy_version=one.version) for g in groups]
+            fresh = score([replace(g, policy_version=one.version) for g in groups], algo)
             want = one.train_iteration(iter(fresh), len(fresh))
             got = ranked.train_iteration(iter(fresh), len(fresh))
             # the pairs of every rank are counted, and the loss is their mean over all of them
@@ -55,17 +53,15 @@ def test_two_ranks_make_the_one_process_update_with_a_rank_idle_for_a_whole_step
 
 
 def test_two_ranks_make_the_one_process_update_with_a_batch_wide_advantage(model_dir, tokenizer):
-    # REINFORCE++ normalises over the whole batch: the driver scores every group before the
+    # REINFORCE++ normalises over the whole batch: the scorer scores every group before the
     # ranks get their shares, so each rank trains the advantages a single process would
     model = load_model(model_dir)
-    groups = _groups(model, tokenizer, n=4)
-    params = LearnerParams(
-        lr=1e-3, max_new_tokens=10, advantage="reinforce_pp", micro_batch_groups=1
-    )
-    loss = LossParams(kl_coef=0.0)
-    one = Learner(copy.deepcopy(model), params, loss, tokenizer.pad_token_id)
+    algo = AlgoParams(max_policy_tokens=10, advantage="reinforce_pp", kl_coef=0.0)
+    groups = score(_groups(model, tokenizer, n=4), algo)
+    params = LearnerParams(lr=1e-3, micro_batch_groups=1)
+    one = Learner(copy.deepcopy(model), params, algo, tokenizer.pad_token_id)
     grads = capture_grads(one)
-    spec = RankSpec(str(model_dir), params, loss, tokenizer.pad_token_id, 2, needs_reference=False)
+    spec = RankSpec(str(model_dir), params, algo, tokenizer.pad_token_id, 2)
     ranked = start_local_ranks(spec, copy.deepcopy(model), "cpu", Tracer())
     try:
         want = one.train_iteration(iter(groups), len(groups))

@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
-from cadence.algo import LossParams
+from cadence.algo import AlgoParams
 from cadence.backend.weights import InMemoryWeights, learner_sync
 from cadence.engine import EngineWeights, ScriptedEngine, load_into
-from cadence.learner import Learner, LearnerParams
+from cadence.learner import Learner, LearnerParams, score
 from cadence.models import load_model, load_tokenizer, save_pretrained
 from cadence.models.lora import (
     AdapterOff,
@@ -107,7 +107,7 @@ def test_only_the_adapter_trains_and_no_frozen_copy_is_counted() -> None:
     learner = Learner(
         policy,
         LearnerParams(lr=1e-2, shared_prompt=False),
-        LossParams(kl_coef=0.1),
+        AlgoParams(kl_coef=0.1),
         pad_id=0,
         ref_model=AdapterOff(policy),
     )
@@ -115,7 +115,7 @@ def test_only_the_adapter_trains_and_no_frozen_copy_is_counted() -> None:
     adapter = [p for n, p in policy.named_parameters() if "lora_" in n]
     assert len(in_optimizer) == len(adapter) and all(p.requires_grad for p in in_optimizer)
     groups = [_group([1, 2, 3], [[4, 5], [6], [7, 8, 9], [10]], [1.0, 0.0, 1.0, 0.0])]
-    stats = learner.train_iteration(iter(groups), 1)
+    stats = learner.train_iteration(iter(score(groups, learner.algo)), 1)
     assert stats["frozen_copies_mb"] == 0.0
     assert stats["kl"] > 0.0  # the reference (adapter off) differs from the policy
     for n, p in policy.named_parameters():

@@ -1,18 +1,25 @@
 import math
 
-from cadence.algo import LossParams
+from cadence.algo import AlgoParams
 from cadence.config import load_config
 from cadence.pipeline import build_run, train
-from cadence.pipeline.params import learner_params
+from cadence.pipeline.params import algo_params
+
+CAP = {"max_policy_tokens": 48}  # the default rollout.max_new_tokens, single-turn
 
 
-def test_learner_params_carry_the_loss_keys():
+def test_algo_params_carry_the_loss_and_shaping_keys():
     cfg = load_config(None, ["algo.loss='online_dpo'", "algo.dpo_beta=0.3", "algo.dpo_loss='ipo'"])
-    params, loss = learner_params(cfg)
-    assert params.loss == "online_dpo"
-    assert loss == LossParams(dpo_beta=0.3, dpo_loss="ipo")
-    _, loss = learner_params(load_config(None, ["algo.tis_cap=2.5", "algo.clip_high=0.28"]))
-    assert loss == LossParams(clip_high=0.28, tis_cap=2.5)
+    assert algo_params(cfg) == AlgoParams(loss="online_dpo", dpo_beta=0.3, dpo_loss="ipo", **CAP)
+    algo = algo_params(load_config(None, ["algo.tis_cap=2.5", "algo.clip_high=0.28"]))
+    assert algo == AlgoParams(clip_high=0.28, tis_cap=2.5, **CAP)
+    shaping = [
+        "reward.overlong_buffer=8",
+        "reward.overlong_penalty=0.5",
+        "algo.mask_truncated=true",
+    ]
+    algo = algo_params(load_config(None, shaping))
+    assert algo == AlgoParams(overlong_buffer=8, overlong_penalty=0.5, mask_truncated=True, **CAP)
 
 
 def test_online_dpo_run_builds_a_reference_without_kl_and_trains(model_dir, tmp_path):

@@ -1,25 +1,29 @@
 """The sharded learner's driver: how groups are split among ranks, in rounds, whatever order they
-arrive in. The ranks here are recording fakes run in this process (`backend.ranks.InlineRanks`);
-the groups come through the real producer and sample store from worker threads with random
-delays (`backend.fake.ThreadPool`), so they arrive in a different order every iteration."""
+arrive in. The ranks here are recording fakes of `learner.rank.Rank` run in this process
+(`backend.ranks.InlineRanks`); the groups come through the real producer and sample store from
+worker threads with random delays (`backend.fake.ThreadPool`), and through the Scorer, so they
+arrive in a different order every iteration."""
 
 import random
 import time
+from dataclasses import replace
 from typing import ClassVar
 
 import pytest
 import torch
 
+from cadence.algo import AlgoParams
 from cadence.backend import SharedWeights
 from cadence.backend.fake import ThreadPool
 from cadence.backend.ranks import InlineRanks
 from cadence.engine import SamplingParams, ScriptedEngine, load_into
-from cadence.learner import LearnerParams
+from cadence.learner import LearnerParams, Scorer
+from cadence.learner.driver import RankedLearner, split_round
+from cadence.learner.rank import RoundReply
 from cadence.metrics import Tracer
 from cadence.pipeline import WorkerSource
 from cadence.pipeline.build import check_sharded
 from cadence.pipeline.checkpoint import Checkpoint, CheckpointError
-from cadence.pipeline.ranks import RankedLearner, split_round
 from cadence.rollout import RolloutWorker
 from cadence.types import Completion, Group, Prompt
 
@@ -55,26 +59,38 @@ def test_split_round_fills_each_rank_up_to_its_share_balanced_by_tokens():
 
 
 class RecordingRank:
-    """A rank that trains nothing: it records every call into `log` and answers as a rank does."""
+    """A `Rank` that trains nothing: it records every call into `log` and answers as a rank
+    does."""
 
     log: ClassVar[list] = []
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
 
-    def begin(self, version, baseline):
-        self.log.append(("begin", self.rank, version, baseline))
+    def begin(self, version):
+        self.log.append(("begin", self.rank, version))
 
     def train_round(self, groups, step):
         self.log.append(("round", self.rank, [s.group.prompt.uid for s in groups], step))
+        self.log.append(("advantages", self.rank, [s.advantages.tolist() for s in groups]))
         figures = None
         if step:
             figures = dict.fromkeys(("loss", "skipped_steps", "tokens_computed"), 0.0)
             figures |= {"num_tokens": 1.0, "forward_passes": 1.0, "micro_batches": 1.0}
-        return {"step": figures, "spans": [], "memory": {"peak_rss_mb": 10.0 + self.rank}}
+        return RoundReply(figures, [], {"peak_rss_mb": 10.0 + self.rank})
 
     def gather_weights(self):
         self.log.append(("gather", self.rank))
+
+    def save(self, path):
+        self.log.append(("save", self.rank, path))
+        return {"scheduler": {"last_epoch": 3}, "bad_steps_in_a_row": 0}
+
+    def load(self, path, state):
+        self.log.append(("load", self.rank, path, state))
+
+    def describe(self):
+        return {"pid": self.rank, "frozen_bytes": 0}
 
     def close(self):
         pass
@@ -136,12 +152,14 @@ def test_every_group_goes_to_exactly_one_rank_whatever_the_arrival_order(
         ranks.call(r, "build")
     params = LearnerParams(micro_batch_groups=micro_batch_groups, mini_batches=mini_batches)
     learner = RankedLearner(ranks, policy, params)
+    scorer = Scorer(AlgoParams())
     arrivals = []
     try:
         for k in range(iterations):
             source.start_iteration(k, learner.version)
             seen = []
-            stats = learner.train_iteration(_recorded(source.groups(), seen), per_iteration)
+            scored = scorer.score(_recorded(source.groups(), seen))
+            stats = learner.train_iteration(scored, per_iteration)
             arrivals.append([g.prompt.uid for g in seen])
             assert stats["optimizer_steps"] == mini_batches
             assert stats["learner_ranks"] == num_ranks
@@ -169,27 +187,54 @@ def _recorded(groups, seen):
         yield g
 
 
-def test_the_baseline_is_the_previous_iterations_mean_reward_over_all_ranks():
-    RecordingRank.log = log = []
-    ranks = InlineRanks(lambda rank: RecordingRank(rank), 2)
-    for r in range(2):
+def _recording_learner(num_ranks: int) -> RankedLearner:
+    ranks = InlineRanks(lambda rank: RecordingRank(rank), num_ranks)
+    for r in range(num_ranks):
         ranks.call(r, "build")
-    learner = RankedLearner(ranks, torch.nn.Linear(1, 1), LearnerParams(micro_batch_groups=1))
+    return RankedLearner(ranks, torch.nn.Linear(1, 1), LearnerParams(micro_batch_groups=1))
+
+
+def test_every_rank_trains_advantages_against_the_baseline_over_all_ranks_groups():
+    RecordingRank.log = log = []
+    learner = _recording_learner(2)
+    scorer = Scorer(AlgoParams(advantage="reinforce"))
     groups = [_group(f"g{i}", 3) for i in range(3)]
     for g, reward in zip(groups, [1.0, 0.0, 0.5], strict=True):
         g.completions[0].reward = reward
-    learner.train_iteration(iter(groups), 3)
-    learner.train_iteration(iter(groups), 3)
-    begins = [e for e in log if e[0] == "begin"]
-    assert [e[3] for e in begins] == [0.0, 0.0, 0.5, 0.5]  # (1 + 0 + 0.5) / 3, sent to both
+    for _ in range(2):
+        fresh = [replace(g, policy_version=learner.version) for g in groups]
+        learner.train_iteration(scorer.score(fresh), 3)
+        scorer.end_iteration()
+    trained = [a for e in log if e[0] == "advantages" for group in e[2] for a in group]
+    # iteration 0 against 0; iteration 1 against (1 + 0 + 0.5) / 3 = 0.5, whichever rank
+    assert trained == pytest.approx([1.0, 0.0, 0.5, 0.5, -0.5, 0.0])
+    assert [e[2] for e in log if e[0] == "begin"] == [0, 0, 1, 1]  # every rank, each version
+
+
+def test_the_drivers_state_is_its_ranks_shards_and_comes_back_through_them(tmp_path):
+    RecordingRank.log = log = []
+    learner = _recording_learner(2)
+    learner.version, learner.bad_steps_in_a_row = 4, 1
+    state = learner.state(tmp_path)
+    shards = str(tmp_path / "learner")
+    assert [e for e in log if e[0] == "save"] == [("save", 0, shards), ("save", 1, shards)]
+    assert state["ranks"] == 2 and state["version"] == 4 and state["bad_steps_in_a_row"] == 1
+    other = _recording_learner(3)  # any number of ranks reads it
+    other.load_state(tmp_path, state)
+    loads = [e for e in log if e[0] == "load"]
+    assert [e[1] for e in loads] == [0, 1, 2] and {e[2] for e in loads} == {shards}
+    assert all(e[3] == state["rank"] for e in loads)
+    assert (other.version, other.bad_steps_in_a_row) == (4, 1)
+    with pytest.raises(ValueError, match="single-process learner cannot be read"):
+        other.load_state(tmp_path, state | {"ranks": 1})
 
 
 def test_a_checkpoint_is_refused_by_a_learner_that_cannot_read_its_optimizer_state(tmp_path):
-    sharded = Checkpoint(tmp_path, {"learner_shards": {"ranks": 2, "strategy": "fsdp"}})
+    sharded = Checkpoint(tmp_path, {"trainer": {"ranks": 2, "strategy": "fsdp"}})
     with pytest.raises(CheckpointError, match=r"written by 2 learner ranks .* learner.ranks=N"):
         check_sharded(sharded, ranks=1)
     check_sharded(sharded, ranks=3)  # DCP reshards: any number of ranks reads it
-    single = Checkpoint(tmp_path, {"optimizer": {}, "scheduler": {}})
+    single = Checkpoint(tmp_path, {"trainer": {"ranks": 1, "optimizer": {}, "scheduler": {}}})
     with pytest.raises(CheckpointError, match="single-process learner: resume it with"):
         check_sharded(single, ranks=2)
     check_sharded(single, ranks=1)

@@ -88,3 +88,25 @@ def test_calibrate_on_the_tiny_model_then_plan(model_dir, tmp_path, capsys):
     (cluster,) = result["clusters"]
     assert cluster["devices"] == 2  # one worker core + one learner core
     assert cluster["best"]["sync"]["shape"]["num_inference"] == 1
+
+
+@pytest.mark.slow
+def test_calibrate_builds_a_reference_for_a_loss_that_needs_one_without_kl(
+    model_dir, tmp_path, capsys
+):
+    # Before: calibration built its learner with a reference only for algo.kl_coef > 0, so
+    # online_dpo (kl_coef = 0, a pair loss against the reference) raised "algo.loss =
+    # 'online_dpo' needs a reference model", and the plan's workload had no reference pass.
+    config = tmp_path / "dpo.toml"
+    config.write_text(
+        f"[model]\npath = '{model_dir}'\n[rollout]\ngroup_size = 2\nmax_new_tokens = 6\n"
+        "[algo]\nloss = 'online_dpo'\nkl_coef = 0.0\n"
+        "[train]\nprompts_per_iteration = 4\nmicro_batch_groups = 2\nthreads = 1\n"
+        "[pipeline]\nnum_workers = 1\nthreads_per_worker = 1\nlearner_threads = 1\n"
+    )
+    out = tmp_path / "plan"
+    args = ["plan", "--calibrate", "--config", str(config), "--out", str(out)]
+    assert main([*args, "--set", "plan.iterations=2"]) == 0, capsys.readouterr().err
+    profile = json.loads((out / "profile.json").read_text())
+    assert profile["separate"]["train_per_token_s"] > 0
+    assert json.loads((out / "plan.json").read_text())["spec"]["workload"]["reference_model"]

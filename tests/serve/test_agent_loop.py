@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from cadence.algo import LossParams
-from cadence.learner import Learner, LearnerParams
+from cadence.algo import AlgoParams
+from cadence.learner import Learner, LearnerParams, score
 from cadence.types import Prompt
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
@@ -34,11 +34,11 @@ def test_an_external_agent_loop_makes_token_exact_trainable_episodes(served):
         assert c.episode.turns >= 2 and c.loss_mask.count(0) == len(reply) * (c.episode.turns - 1)
     # what the learner computes for every policy token is what the server sampled it with
     seen = []
-    params = LearnerParams(max_new_tokens=24, shared_prompt_impl="prefix")
-    learner = Learner(copy.deepcopy(model), params, LossParams(), tokenizer.pad_token_id)
+    params, algo = LearnerParams(shared_prompt_impl="prefix"), AlgoParams(max_policy_tokens=24)
+    learner = Learner(copy.deepcopy(model), params, algo, tokenizer.pad_token_id)
     inner = learner.loss_fn
     learner.loss_fn = lambda batch, p: (seen.append(batch), inner(batch, p))[1]
-    learner.train_iteration(iter([group]), 1)
+    learner.train_iteration(iter(score([group], algo)), 1)
     (batch,) = seen
     mask = batch.loss_mask.bool()
     assert mask.sum() < sum(len(c.token_ids) for c in group.completions)  # tool tokens left out

@@ -15,11 +15,8 @@ from cadence.algo.aggregation import AGG_MODES, normaliser, token_weights
 from cadence.algo.dpo import online_dpo_loss, preference_pairs
 from cadence.algo.losses import (
     COUNT_METRICS,
-    DPO_LOSSES,
-    KL_ESTIMATORS,
     LOG_RATIO_CLAMP,
     TOKEN_METRICS,
-    LossParams,
     PolicyBatch,
     cispo_loss,
     gspo_loss,
@@ -29,6 +26,7 @@ from cadence.algo.losses import (
     rloo_loss,
     tis_weights,
 )
+from cadence.algo.params import DPO_LOSSES, KL_ESTIMATORS, AlgoParams
 from cadence.algo.registry import (
     ADVANTAGES,
     BATCH_ADVANTAGES,
@@ -60,8 +58,8 @@ __all__ = [
     "TOKEN_METRICS",
     "AdvantageContext",
     "AdvantageFn",
+    "AlgoParams",
     "LossFn",
-    "LossParams",
     "PolicyBatch",
     "cispo_loss",
     "get_advantage",

@@ -39,9 +39,10 @@ def normaliser(mode: str, num_tokens: int, num_seqs: int, max_new_tokens: int) -
 
     token-mean: valid tokens in the global batch; seq-mean: sequences in it; seq-sum-norm:
     num_seqs * max_new_tokens, a constant that does not depend on response lengths (Dr. GRPO,
-    Liu et al. 2025, arXiv 2503.20783). Under seq-mean (and seq-sum-norm) an empty response, one
-    with no valid token, still counts in num_seqs: it adds 0 to the sum and 1 to the divisor
-    (TRL's convention; verl leaves it out of the count).
+    Liu et al. 2025, arXiv 2503.20783); `max_new_tokens` is the cap on the tokens the policy
+    writes in one response (a multi-turn episode's cap, not one turn's). Under seq-mean (and
+    seq-sum-norm) an empty response, one with no valid token, still counts in num_seqs: it adds
+    0 to the sum and 1 to the divisor (TRL's convention; verl leaves it out of the count).
     """
     _check_mode(mode)
     if mode == "token-mean":

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cadence.algo.losses import LossParams, PolicyBatch, kl_penalty
+from cadence.algo.losses import PolicyBatch, kl_penalty
+from cadence.algo.params import AlgoParams
 
 
 def preference_pairs(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, int]:
@@ -39,7 +40,7 @@ def preference_pairs(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor
     return chosen_rows, rejected_rows, ties
 
 
-def online_dpo_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
+def online_dpo_loss(batch: PolicyBatch, params: AlgoParams) -> tuple[Tensor, dict[str, Tensor]]:
     """Online DPO over each group's best and worst response, as a sum over pairs.
 
     Pairs come from the policy's own samples (online DPO, Guo et al. 2024, arXiv 2402.04792), one

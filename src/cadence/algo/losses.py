@@ -36,9 +36,8 @@ import torch
 from torch import Tensor
 
 from cadence.algo.advantages import rloo_advantages
+from cadence.algo.params import KL_ESTIMATORS, AlgoParams, check_choice
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-DPO_LOSSES = ("sigmoid", "ipo", "ipo_token_mean")
 # Metrics that are counts, summed over a step (online DPO's).
 COUNT_METRICS = ("num_pairs", "dpo_ties")
 # Metrics that are numbers of tokens, divided by the step's response tokens whatever the
@@ -51,45 +50,6 @@ TOKEN_METRICS = (
     "kl_clamped_frac",
 )
 LOG_RATIO_CLAMP = 20.0  # |log-ratio| bound before exp(): exp(20) = 4.85e8
-
-
-@dataclass(frozen=True)
-class LossParams:
-    """Hyper-parameters of the losses; each loss reads the ones it uses."""
-
-    clip_low: float = 0.2  # ratio floor is 1 - clip_low (1: no floor, CISPO's usual setting)
-    clip_high: float = 0.2  # ratio ceiling is 1 + clip_high (DAPO's clip-higher raises it alone)
-    clip_ratio_c: float = 0.0  # dual-clip PPO: loss of an A < 0 token at most -A * c; 0: off
-    kl_coef: float = 0.0  # weight of the per-token KL(pi || ref) penalty; 0 turns it off
-    kl_estimator: str = "k3"  # one of KL_ESTIMATORS
-    kl_clamp: float = 0.0  # cap on each token's k3 estimate (verl's: 10); 0: no cap
-    tis_cap: float = 0.0  # truncated importance sampling cap (>= 1); 0 turns it off
-    dpo_beta: float = 0.1  # DPO's beta (IPO's tau): strength of the pull towards the reference
-    dpo_loss: str = "sigmoid"  # one of DPO_LOSSES
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.clip_low <= 1.0:
-            raise ValueError(f"clip_low must be in [0, 1]; got {self.clip_low}")
-        if self.clip_high < 0.0:
-            raise ValueError(f"clip_high must be >= 0; got {self.clip_high}")
-        if self.clip_ratio_c != 0.0 and not self.clip_ratio_c > 1.0:
-            raise ValueError(
-                f"clip_ratio_c must be 0 (off) or > 1 (dual-clip bounds the loss of a negative "
-                f"advantage at -A * clip_ratio_c); got {self.clip_ratio_c}"
-            )
-        if self.kl_coef < 0.0:
-            raise ValueError(f"kl_coef must be >= 0; got {self.kl_coef}")
-        if self.kl_clamp < 0.0:
-            raise ValueError(f"kl_clamp must be >= 0 (0: no cap); got {self.kl_clamp}")
-        _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        if self.tis_cap != 0.0 and not self.tis_cap >= 1.0:
-            raise ValueError(
-                f"tis_cap must be 0 (off) or >= 1 (a cap below 1 would shrink the weight of "
-                f"on-policy tokens); got {self.tis_cap}"
-            )
-        if not self.dpo_beta > 0.0:
-            raise ValueError(f"dpo_beta must be > 0; got {self.dpo_beta}")
-        _check_choice("dpo_loss", self.dpo_loss, DPO_LOSSES)
 
 
 @dataclass
@@ -124,11 +84,6 @@ class PolicyBatch:
                 )
 
 
-def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(allowed)}")
-
-
 def _clamped_exp(log_ratio: Tensor) -> tuple[Tensor, Tensor]:
     """exp(log_ratio) with log_ratio clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP], and where
     the clamp cut (True). The gradient is zero where it cut."""
@@ -151,7 +106,7 @@ def kl_penalty(
     finite, with zero gradient beyond the clamp. `clamp` > 0 also caps k3 at that value (verl
     caps it at 10, which k3 reaches at log_ratio = -2.6 or 11), with zero gradient beyond.
     """
-    _check_choice("kl_estimator", estimator, KL_ESTIMATORS)
+    check_choice("kl_estimator", estimator, KL_ESTIMATORS)
     return _kl_from_log_ratio(logprobs - ref_logprobs, estimator, clamp)[0]  # (B, T)
 
 
@@ -204,7 +159,7 @@ def tis_weights(
 
 
 def _truncated_is(
-    pg_per_token: Tensor, batch: PolicyBatch, params: LossParams
+    pg_per_token: Tensor, batch: PolicyBatch, params: AlgoParams
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Multiplies the policy-gradient term by the TIS weights when `tis_cap` > 0."""
     if params.tis_cap == 0:
@@ -229,7 +184,7 @@ class _Terms:
 
 
 def _kl_term(
-    batch: PolicyBatch, params: LossParams
+    batch: PolicyBatch, params: AlgoParams
 ) -> tuple[Tensor | None, Tensor, dict[str, Tensor]]:
     """The per-token KL to the reference (with grad; None without ref_logprobs), where its
     log-ratio was clamped, and its metrics."""
@@ -249,7 +204,7 @@ def _kl_term(
 
 
 def _finish(
-    terms: _Terms, batch: PolicyBatch, params: LossParams, extra: dict[str, Tensor] | None = None
+    terms: _Terms, batch: PolicyBatch, params: AlgoParams, extra: dict[str, Tensor] | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Applies TIS, adds the optional KL term, reduces to weighted sums and builds the metrics."""
     mask = batch.loss_mask != 0  # (B, T)
@@ -276,7 +231,7 @@ def _policy_ratio(batch: PolicyBatch) -> tuple[Tensor, Tensor]:
     return ratio, clamped  # (B, T), (B, T)
 
 
-def ppo_clip_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
+def ppo_clip_loss(batch: PolicyBatch, params: AlgoParams) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate policy loss, per token, as a weighted sum.
 
     PPO (Schulman et al. 2017, arXiv 1707.06347, eq. 7), negated to be minimised:
@@ -315,7 +270,7 @@ def ppo_clip_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[
     return _finish(terms, batch, params, extra)
 
 
-def pg_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
+def pg_loss(batch: PolicyBatch, params: AlgoParams) -> tuple[Tensor, dict[str, Tensor]]:
     """Vanilla policy-gradient loss, per token, as a weighted sum.
 
     REINFORCE (Williams 1992): loss_t = -A * logprobs_t, whose gradient is -A * grad log pi_t;
@@ -331,7 +286,7 @@ def pg_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str, T
     return _finish(_Terms(pg_per_token, ratio, torch.zeros_like(clamped), clamped), batch, params)
 
 
-def gspo_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
+def gspo_loss(batch: PolicyBatch, params: AlgoParams) -> tuple[Tensor, dict[str, Tensor]]:
     """Group Sequence Policy Optimisation: one clipped importance ratio per sequence.
 
     GSPO (Zheng et al. 2025, arXiv 2507.18071, eqs. 5-7): the sequence ratio is the geometric
@@ -361,7 +316,7 @@ def gspo_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str,
     return _finish(terms, batch, params)
 
 
-def cispo_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
+def cispo_loss(batch: PolicyBatch, params: AlgoParams) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped IS-weight policy optimisation: REINFORCE weighted by a clipped, detached ratio.
 
     CISPO (MiniMax-M1, arXiv 2506.13585, eqs. 4-5): loss_t = -sg(w_t) * A * logprobs_t with
@@ -380,7 +335,7 @@ def cispo_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str
     return _finish(_Terms(pg_per_token, ratio, clipped, clamped), batch, params)
 
 
-def rloo_loss(batch: PolicyBatch, params: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
+def rloo_loss(batch: PolicyBatch, params: AlgoParams) -> tuple[Tensor, dict[str, Tensor]]:
     """REINFORCE with the leave-one-out baseline, per token, as a weighted sum.
 
     RLOO (Ahmadian et al. 2024, "Back to Basics", arXiv 2402.14740, the RLOO estimator):

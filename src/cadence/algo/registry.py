@@ -23,7 +23,6 @@ from cadence.algo.advantages import (
 )
 from cadence.algo.dpo import online_dpo_loss
 from cadence.algo.losses import (
-    LossParams,
     PolicyBatch,
     cispo_loss,
     gspo_loss,
@@ -31,9 +30,10 @@ from cadence.algo.losses import (
     ppo_clip_loss,
     rloo_loss,
 )
+from cadence.algo.params import AlgoParams
 
 AdvantageFn = Callable[[Tensor, "AdvantageContext"], Tensor]  # rewards (N, G) -> (N, G)
-LossFn = Callable[[PolicyBatch, LossParams], tuple[Tensor, dict[str, Tensor]]]
+LossFn = Callable[[PolicyBatch, AlgoParams], tuple[Tensor, dict[str, Tensor]]]
 F = TypeVar("F")
 
 

@@ -20,8 +20,9 @@ def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, penalty:
                   = ((L_max - L_cache) - |y|) / L_cache   if L_max - L_cache < |y| <= L_max
                   = -1                                    if |y| > L_max
     times `penalty`. A response cut at `max_new_tokens` gets -penalty, one `buffer / 2` tokens into
-    the buffer -penalty / 2. `lengths` are response tokens (EOS included when emitted), any shape;
-    `buffer` = 0 turns the penalty off (all zeros).
+    the buffer -penalty / 2. `lengths` are the tokens the policy wrote (EOS included when emitted;
+    a multi-turn episode's tool replies excluded), any shape; `max_new_tokens` is the cap on them
+    (a multi-turn episode's, not one turn's); `buffer` = 0 turns the penalty off (all zeros).
     """
     if buffer < 0 or buffer > max_new_tokens:
         raise ValueError(

@@ -1,12 +1,18 @@
 """Rank processes: N copies of one object, each in a process of its own, driven by calls.
 
-The learner's ranks (pipeline/ranks.py) are started and driven through this seam, which knows
+The learner's ranks (learner/driver.py) are started and driven through this seam, which knows
 nothing of what they compute. A rank's object is built in its process by `factory(rank, *args)`
 on the first call, `build`; every later call `(method, args)` runs in order, one at a time, and
 is answered by exactly one reply (the method's return value). A call that raises answers with
 its traceback and ends the process; a rank asked to stop calls its object's `close()` first.
 `call` does not wait; `wait` returns every reply due, per rank in call order; `poll` raises
 what went wrong meanwhile without waiting.
+
+A wait's limit measures a rank's silence, not the work queued for it: a rank with calls due is
+late once it has been quiet (no reply) for longer than the limit since its last reply, or since
+its oldest unanswered call was sent if that came later. A driver may queue many calls at once
+(every round of a step), each well within the limit, and still wait far longer than it for them
+all; a rank that really hangs is named with the calls it owes.
 
 - `LocalRanks`: spawned processes on the shared process machinery (`procs.Processes`), so a rank
   has its own result pipe, and one killed mid-write cannot wedge the others. A rank notices a
@@ -32,6 +38,7 @@ from typing import Any, Protocol
 from cadence.backend.procs import Processes, Sender, WorkerDied, WorkerError
 
 Factory = Callable[..., Any]  # (rank, *build args) -> the rank's object
+BUILD = "build"  # the first call of every rank: build its object with the factory
 
 
 class Ranks(Protocol):
@@ -51,19 +58,25 @@ class Ranks(Protocol):
 
 
 class Calls:
-    """Bookkeeping shared by the transports: calls awaiting replies and replies not yet taken."""
+    """Bookkeeping shared by the transports: calls awaiting replies (with when each was sent),
+    replies not yet taken, and when each rank last replied (its silence, see the module
+    docstring)."""
 
     def __init__(self, num_ranks: int, name: str) -> None:
         self.name = name
-        self.pending: list[collections.deque[str]] = [collections.deque() for _ in range(num_ranks)]
+        self.pending: list[collections.deque[tuple[str, float]]] = [
+            collections.deque() for _ in range(num_ranks)
+        ]
         self.replies: list[list[Any]] = [[] for _ in range(num_ranks)]
+        self.last_reply = [time.monotonic()] * num_ranks
 
     def sent(self, rank: int, method: str) -> None:
-        self.pending[rank].append(method)
+        self.pending[rank].append((method, time.monotonic()))
 
     def answered(self, rank: int, reply: Any) -> None:
         self.pending[rank].popleft()
         self.replies[rank].append(reply)
+        self.last_reply[rank] = time.monotonic()
 
     def done(self) -> bool:
         return not any(self.pending)
@@ -72,9 +85,21 @@ class Calls:
         out, self.replies = self.replies, [[] for _ in self.replies]
         return out
 
+    def quiet(self) -> dict[int, float]:
+        """Per rank with calls due: seconds since it last showed progress (its last reply, or
+        the sending of its oldest unanswered call, whichever came later)."""
+        now = time.monotonic()
+        return {r: now - max(self.last_reply[r], p[0][1]) for r, p in enumerate(self.pending) if p}
+
+    def time_left(self, timeout_s: float) -> float:
+        """Seconds until the quietest rank with calls due has been silent for `timeout_s`."""
+        return min((timeout_s - q for q in self.quiet().values()), default=float("inf"))
+
     def timeout(self, timeout_s: float) -> TimeoutError:
-        late = {r: list(p) for r, p in enumerate(self.pending) if p}
-        return TimeoutError(f"{self.name}s did not answer within {timeout_s:.0f}s: {late}")
+        late = {
+            r: [m for m, _ in self.pending[r]] for r, q in self.quiet().items() if q >= timeout_s
+        }
+        return TimeoutError(f"{self.name}s did not answer within {timeout_s:g}s: {late}")
 
 
 def serve(rank: int, factory: Factory, spawn_args: tuple, inbox, results) -> None:
@@ -93,7 +118,7 @@ def serve(rank: int, factory: Factory, spawn_args: tuple, inbox, results) -> Non
             if kind == "stop":
                 break
             method, args = payload
-            if method == "build":
+            if method == BUILD:
                 obj = factory(rank, *spawn_args, *args)
                 out.put(("reply", rank, None))
             else:
@@ -136,12 +161,13 @@ class LocalRanks:
         self._take(self.procs.receive(0.0))
 
     def wait(self, timeout_s: float | None = None) -> list[list[Any]]:
+        """Every reply due; a rank silent for `timeout_s` (default: the transport's) is late."""
         limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
         while not self.calls.done():
-            self._take(self.procs.receive(0.5))
-            if time.monotonic() > deadline and not self.calls.done():
+            left = self.calls.time_left(limit)
+            if left <= 0:
                 raise self.calls.timeout(limit)
+            self._take(self.procs.receive(min(left, 0.5)))
         return self.calls.take()
 
     def _take(self, messages: list) -> None:
@@ -185,7 +211,7 @@ class InlineRanks:
 
     def call(self, rank: int, method: str, *args: Any) -> None:
         self.calls.sent(rank, method)
-        if method == "build":
+        if method == BUILD:
             self.objects[rank] = self.factory(rank, *args)
             reply = None
         else:

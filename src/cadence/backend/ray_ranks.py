@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from cadence.backend.procs import WorkerDied, WorkerError
-from cadence.backend.ranks import Calls, Factory
+from cadence.backend.ranks import BUILD, Calls, Factory
 from cadence.backend.ray_pool import start_ray
 
 
@@ -49,7 +49,7 @@ class RankActor:
             return s.getsockname()[1]
 
     def call(self, method: str, args: tuple) -> Any:
-        if method == "build":
+        if method == BUILD:
             self.obj = self.factory(self.rank, *self.spawn_args, *args)
             return None
         return getattr(self.obj, method)(*args)
@@ -130,27 +130,32 @@ class RayRanks:
         self._fetch(0.0)
 
     def wait(self, timeout_s: float | None = None) -> list[list[Any]]:
+        """Every reply due; a rank silent for `timeout_s` (default: the transport's) is late
+        (`backend.ranks`)."""
         limit = self.timeout_s if timeout_s is None else timeout_s
-        self._fetch(limit)
-        if not self.calls.done():
-            raise self.calls.timeout(limit)
+        while not self.calls.done():
+            left = self.calls.time_left(limit)
+            if left <= 0:
+                raise self.calls.timeout(limit)
+            self._fetch(min(left, 1.0))
         return self.calls.take()
 
     def _fetch(self, timeout_s: float) -> None:
-        """Take in finished calls, in each rank's order, waiting up to `timeout_s` for all."""
+        """Take in every finished call, in each rank's order, waiting up to `timeout_s` for the
+        first one when none has finished."""
         import ray
 
-        deadline = time.monotonic() + timeout_s
+        wait_s = timeout_s
         while not self.calls.done():
             heads = {refs[0]: rank for rank, refs in enumerate(self.refs) if refs}
-            left = max(deadline - time.monotonic(), 0.0)
-            ready, _ = ray.wait(list(heads), num_returns=1, timeout=left)
+            ready, _ = ray.wait(list(heads), num_returns=1, timeout=wait_s)
             if not ready:
                 return
             for ref in ready:
                 rank = heads[ref]
                 self.refs[rank].pop(0)
                 self.calls.answered(rank, self._get(rank, ref))
+            wait_s = 0.0
 
     def _get(self, rank: int, ref) -> Any:
         import ray

@@ -32,26 +32,23 @@ TIMEOUT_S = 3600.0  # an iteration of a large model on a few CPU cores takes min
 
 
 class OneLearner:
-    """The single-process learner, built in a process of its own (a rank transport spawns it)."""
+    """The single-process learner as a run builds it, in a process of its own (a rank transport
+    spawns it)."""
 
-    def __init__(self, rank: int, spec, threads: int) -> None:
-        from cadence.learner import Learner
+    def __init__(self, rank: int, cfg, pad_id: int, threads: int) -> None:
         from cadence.models import DTYPES, load_model
+        from cadence.pipeline.build import build_learner, build_scorer
 
         torch.set_num_threads(threads)
-        dtype = DTYPES[spec.dtype]
-        model = load_model(spec.model_path, dtype=dtype)
-        ref = None
-        if spec.needs_reference:
-            ref = load_model(spec.model_path, dtype=dtype).requires_grad_(False)
-        self.learner = Learner(model, spec.params, spec.loss, spec.pad_id, ref_model=ref)
+        model = load_model(cfg.model.path, dtype=DTYPES[cfg.model.dtype], device=cfg.model.device)
+        self.learner = build_learner(cfg, model, pad_id)
+        self.scorer = build_scorer(cfg)
 
     def train(self, groups) -> dict[str, Any]:
-        from cadence.learner.ranks import state_bytes
+        from cadence.learner.rank import state_bytes
 
-        fresh = [replace(g, policy_version=self.learner.version) for g in groups]
         start = time.perf_counter()
-        stats = self.learner.train_iteration(iter(fresh), len(fresh))
+        stats = _train(self.learner, self.scorer, groups)
         return {"time_s": time.perf_counter() - start, "stats": stats} | {
             "state": state_bytes(self.learner)
         }
@@ -60,16 +57,27 @@ class OneLearner:
         pass
 
 
-def _one_process(spec, threads: int, groups, iterations: int) -> dict[str, Any]:
-    from cadence.backend.ranks import LocalRanks
+def _train(learner, scorer, groups) -> dict[str, Any]:
+    """One iteration on `groups`, tagged with the learner's version so they count as fresh."""
+    fresh = [replace(g, policy_version=learner.version) for g in groups]
+    stats = learner.train_iteration(scorer.score(fresh), len(fresh))
+    return stats | scorer.end_iteration()
+
+
+def _one_process(cfg, pad_id: int, threads: int, groups, iterations: int) -> dict[str, Any]:
+    from cadence.backend.ranks import BUILD, LocalRanks
 
     ranks = LocalRanks(
-        OneLearner, 1, spawn_args=lambda r: (spec, threads), timeout_s=TIMEOUT_S, name="learner"
+        OneLearner,
+        1,
+        spawn_args=lambda r: (cfg, pad_id, threads),
+        timeout_s=TIMEOUT_S,
+        name="learner",
     )
     try:
-        ranks.call(0, "build")
+        ranks.call(0, BUILD)
         for _ in range(iterations):
-            ranks.call(0, "train", groups)
+            ranks.call(0, OneLearner.train.__name__, groups)
         replies = ranks.wait()[0][1:]
     finally:
         ranks.close()
@@ -83,21 +91,20 @@ def _one_process(spec, threads: int, groups, iterations: int) -> dict[str, Any]:
 
 
 def _ranks(spec, model, groups, iterations: int) -> dict[str, Any]:
+    from cadence.learner import Scorer
+    from cadence.learner.driver import start_local_ranks
     from cadence.metrics import Tracer
-    from cadence.pipeline.ranks import start_local_ranks
 
     tracer = Tracer()
     learner = start_local_ranks(spec, model, "cpu", tracer)
+    scorer = Scorer(spec.algo)
     try:
         times, stats = [], {}
         for _ in range(iterations):
-            fresh = [replace(g, policy_version=learner.version) for g in groups]
             start = time.perf_counter()
-            stats = learner.train_iteration(iter(fresh), len(fresh))
+            stats = _train(learner, scorer, groups)
             times.append(time.perf_counter() - start)
-        for rank in range(spec.world_size):
-            learner.ranks.call(rank, "describe")
-        state = [r[0] for r in learner.ranks.wait()]
+        state = learner.ranks.describe()
     finally:
         learner.close()
     gathers = [s.duration for s in tracer.spans if s.name == "gather_weights"]
@@ -137,7 +144,7 @@ def bench_ranks(
     for rep in range(repeats):
         for name, spec in cells.items():
             if spec is None:
-                result = _one_process(replace(base, world_size=1), threads, groups, iterations)
+                result = _one_process(cfg, tokenizer.pad_token_id, threads, groups, iterations)
             else:
                 result = _ranks(spec, model, groups, iterations)
             samples[name].append(result)

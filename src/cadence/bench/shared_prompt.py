@@ -69,20 +69,20 @@ def synthetic_groups(
 
 
 def _learner(cfg, model, pad_id: int, variant: str):
-    from cadence.algo import needs_reference
-    from cadence.learner import Learner, frozen_copy
+    """The run's learner on a copy of `model`, with the variant's layout."""
+    from cadence.pipeline.build import build_learner
     from cadence.pipeline.params import learner_params
 
-    params, loss = learner_params(cfg)
     shared, impl = VARIANTS[variant]
-    params = replace(params, shared_prompt=shared, shared_prompt_impl=impl)
-    policy = copy.deepcopy(model)
-    ref = frozen_copy(model) if needs_reference(params.loss, loss.kl_coef) else None
-    return Learner(policy, params, loss, pad_id, ref_model=ref)
+    params = replace(learner_params(cfg), shared_prompt=shared, shared_prompt_impl=impl)
+    return build_learner(cfg, copy.deepcopy(model), pad_id, params=params)
 
 
 def _time_workload(cfg, model, pad_id: int, groups: list[Group], repeats: int) -> dict[str, dict]:
+    from cadence.pipeline.build import build_scorer
+
     learners = {v: _learner(cfg, model, pad_id, v) for v in VARIANTS}
+    scorer = build_scorer(cfg)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     stats: dict[str, dict] = {}
     for rep in range(repeats + 1):  # repeat 0 warms up and is not timed
@@ -91,9 +91,10 @@ def _time_workload(cfg, model, pad_id: int, groups: list[Group], repeats: int) -
             # fresh: stale groups would take the behaviour log-probs and skip the old-policy pass
             fresh = [replace(g, policy_version=learner.version) for g in groups]
             start = time.perf_counter()
-            stats[variant] = learner.train_iteration(iter(fresh), len(fresh))
+            stats[variant] = learner.train_iteration(scorer.score(fresh), len(fresh))
             if rep:
                 times[variant].append(time.perf_counter() - start)
+            scorer.end_iteration()
     return {
         v: {"time_s": statistics.median(times[v]), "time_all": times[v]} | stats[v]
         for v in VARIANTS

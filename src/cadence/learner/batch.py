@@ -1,14 +1,9 @@
-"""What the learner makes of groups before the loss: shaped rewards, advantages, the loss mask.
+"""A micro-batch's response-aligned tensors: what the learner's passes and the loss read.
 
-Rewards are shaped here, in the learner, from each response's length and `max_new_tokens`
-(DAPO's overlong penalty, `algo/shaping.py`), so the shaping is the same wherever the raw reward
-was computed (in the rollout worker or in a reward stage) and the reward recorded with each sample
-stays the raw score (`reward_mean` in metrics is raw; the learner reports `reward_shaped_mean`).
-The shaped rewards are what every estimator and reward-reading loss sees (GRPO, RLOO, online DPO's
-pairs, REINFORCE's baseline). With `mask_truncated`, a response that ended at `max_new_tokens`
-(finish_reason "length") keeps its place in its group's statistics but trains no token: to the
-loss it is an empty response, which still counts in seq-mean's and seq-sum-norm's number of
-sequences (as TRL's `mask_truncated_completions`).
+The scored groups of one micro-batch (learner/scorer.py) become right-padded response tokens,
+their behaviour log-probs and the loss mask (1 on the tokens the policy wrote and trains, 0 on an
+environment's reply, on padding and on a response dropped from the loss), with each row's
+advantage, shaped reward, group and staleness. Nothing here computes a reward or an advantage.
 """
 
 from __future__ import annotations
@@ -17,32 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cadence.algo import AdvantageContext, AdvantageFn, overlong_penalty
-from cadence.types import Group
-
-
-@dataclass(frozen=True)
-class Shaping:
-    """How rewards and the loss mask are derived from the samples."""
-
-    max_new_tokens: int
-    overlong_buffer: int = 0  # tokens before max_new_tokens where the penalty ramps up; 0: off
-    overlong_penalty: float = 1.0  # penalty of a response at max_new_tokens
-    mask_truncated: bool = False  # drop responses cut at max_new_tokens from the loss
-
-
-@dataclass
-class Scored:
-    """One group with what the learner computed for it."""
-
-    group: Group
-    rewards: torch.Tensor  # (G,) raw reward + overlong penalty: what the advantages come from
-    advantages: torch.Tensor  # (G,)
-    trains: torch.Tensor  # (G,) bool: False for a response dropped from the loss
-
-    @property
-    def num_tokens(self) -> int:
-        return self.group.num_tokens
+from cadence.learner.scorer import Scored
 
 
 @dataclass
@@ -56,35 +26,6 @@ class Responses:
     rewards: torch.Tensor  # (B,) shaped
     group_ids: torch.Tensor  # (B,) index of each response's group in the micro-batch
     stale: torch.Tensor  # (B,) True where the group's policy_version is older than the learner's
-
-
-def score(
-    groups: list[Group], advantage_fn: AdvantageFn, ctx: AdvantageContext, shaping: Shaping
-) -> list[Scored]:
-    """Shaped rewards and advantages of `groups` computed together (one group, or a whole batch
-    for an estimator that normalises over the batch)."""
-    if not groups:
-        return []
-    lengths = torch.tensor([[len(c.token_ids) for c in g.completions] for g in groups])  # (N, G)
-    raw = torch.tensor([g.rewards for g in groups], dtype=torch.float32)  # (N, G)
-    rewards = raw + overlong_penalty(
-        lengths, shaping.max_new_tokens, shaping.overlong_buffer, shaping.overlong_penalty
-    )  # (N, G)
-    trains = torch.tensor(
-        [
-            [not (shaping.mask_truncated and c.finish_reason == "length") for c in g.completions]
-            for g in groups
-        ]
-    )  # (N, G)
-    ctx = AdvantageContext(
-        scale_by_std=ctx.scale_by_std,
-        std=ctx.std,
-        std_eps=ctx.std_eps,
-        baseline=ctx.baseline,
-        lengths=torch.where(trains, lengths, 0),  # tokens each response trains
-    )
-    advantages = advantage_fn(rewards, ctx)  # (N, G)
-    return [Scored(g, rewards[i], advantages[i], trains[i]) for i, g in enumerate(groups)]
 
 
 def responses(scored: list[Scored], pad_id: int, version: int, device: torch.device) -> Responses:
@@ -109,17 +50,3 @@ def responses(scored: list[Scored], pad_id: int, version: int, device: torch.dev
     rewards = torch.cat([s.rewards for s in scored])  # (B,)
     per_row = (advantages, rewards, group_ids, stale[group_ids])
     return Responses(*(t.to(device) for t in (tokens, mask, behaviour, *per_row)))
-
-
-def reward_figures(scored: list[Scored], shaping: Shaping) -> dict[str, float]:
-    """The fraction of responses cut at max_new_tokens and, with the overlong penalty on, the mean
-    shaped reward and mean penalty (the raw reward_mean is the run loop's)."""
-    completions = [c for s in scored for c in s.group.completions]
-    truncated = sum(c.finish_reason == "length" for c in completions)
-    out = {"truncated_frac": truncated / len(completions)}
-    if shaping.overlong_buffer > 0:
-        shaped = torch.cat([s.rewards for s in scored])  # (num samples,)
-        raw = torch.tensor([c.reward for c in completions])  # (num samples,)
-        out["reward_shaped_mean"] = float(shaped.mean())
-        out["overlong_penalty_mean"] = float((shaped - raw).mean())
-    return out

@@ -1,9 +1,12 @@
-"""The learner: consumes groups, computes log-probs and the loss, steps the optimizer.
+"""The one-process trainer: consumes scored groups, computes log-probs and the loss, steps the
+optimizer. It satisfies the Trainer seam (learner/trainer.py); each of a sharded learner's ranks
+runs one too (learner/rank.py).
 
-Groups arrive one at a time (streamed or all at once: the learner does not care). They are packed
-into micro-batches on group boundaries; each micro-batch's loss is an unnormalised weighted sum, and
-gradients are divided by the global-batch normaliser at step time. The update therefore does not
-depend on the micro-batch size or the order groups arrive in.
+Groups arrive one at a time, scored (learner/scorer.py: shaped rewards, advantages), streamed or
+all at once: the learner does not care. They are packed into micro-batches on group boundaries;
+each micro-batch's loss is an unnormalised weighted sum, and gradients are divided by the
+global-batch normaliser at step time. The update therefore does not depend on the micro-batch
+size or the order groups arrive in.
 
 A micro-batch's layout (learner/packing.py) is built once and shared by every model that reads it:
 by default each group's prompt is computed once for its G responses (`shared_prompt`). The loss
@@ -12,14 +15,10 @@ tri-model): `logprobs` from the policy, with grad; `old_logprobs` from the polic
 iteration's start, which before the iteration's first optimizer step *is* the policy, so they are
 its log-probs detached and cost no pass (a frozen old copy, refreshed each iteration, is evaluated
 only after a step, i.e. with `mini_batches` > 1, or when `reuse_old_logprobs` is off); and
-`ref_logprobs` from the frozen reference, under no_grad. The loss and the advantage estimator
-come from `algo.registry`; the learner never branches on algorithm names.
-
-Before the loss (learner/batch.py) each group's rewards are shaped (DAPO's overlong penalty) and
-its advantages computed: group by group as groups arrive, or, for an estimator that normalises
-over the whole batch (REINFORCE++), once over every group of the iteration, which the learner
-then waits for before its first micro-batch. `mask_truncated` drops responses cut at
-`max_new_tokens` from the loss (not from their group's statistics).
+`ref_logprobs` from the frozen reference, under no_grad. The loss comes from `algo.registry`; the
+learner never branches on algorithm names, and of the algorithm's settings (`AlgoParams`) it
+reads only what the loss takes, the aggregation and the cap (seq-sum-norm's constant). Rewards
+and advantages are the Scorer's: the learner never computes them.
 
 Stale data: a group whose `policy_version` is older than the learner's `version` was sampled by
 older weights, so the policy at the iteration's start is not its behaviour policy. For such a row
@@ -36,58 +35,48 @@ import logging
 import math
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from cadence.algo import (
     COUNT_METRICS,
-    STD_EPS,
     TOKEN_METRICS,
-    AdvantageContext,
-    LossParams,
+    AlgoParams,
     PolicyBatch,
-    get_advantage,
     get_loss,
-    is_batch_advantage,
     is_pair_loss,
     needs_reference,
     normaliser,
     token_weights,
 )
-from cadence.learner.batch import Responses, Scored, Shaping, responses, reward_figures, score
+from cadence.learner.batch import Responses, responses
 from cadence.learner.packing import LAYOUTS, Layout, check_layout
+from cadence.learner.scorer import Scored
 from cadence.learner.sums import TOTALS, StepSums, iteration_stats, peak_memory
 from cadence.metrics.trace import Tracer
-from cadence.types import Group
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class LearnerParams:
+    """How the learner steps and lays out its work; the algorithm is `AlgoParams`."""
+
     lr: float = 1e-4
     warmup_steps: int = 0  # linear learning-rate warm-up over the first optimizer steps
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    loss: str = "ppo_clip"
-    advantage: str = "grpo"
-    scale_by_std: bool = True
-    std: str = "unbiased"  # GRPO / REINFORCE++ std: "unbiased" or "population"
-    std_eps: float = STD_EPS  # added to that std
-    loss_agg: str = "token-mean"
     micro_batch_groups: int = 4
     mini_batches: int = 1
-    max_new_tokens: int = 64  # normaliser of "seq-sum-norm"
     temperature: float = 1.0  # log-probs are of softmax(logits / temperature), as sampled
     shared_prompt: bool = True  # compute each group's prompt once for its G responses
     shared_prompt_impl: str = "prefix"  # "prefix" (prompt K/V reused) or "dense" (4-D mask)
     reuse_old_logprobs: bool = True  # before the first step, old_logprobs = policy's, detached
     max_bad_steps: int = 3  # steps in a row with a non-finite loss or gradient before giving up
-    overlong_buffer: int = 0  # DAPO's overlong penalty ramps over these last tokens; 0: off
-    overlong_penalty: float = 1.0  # the penalty at max_new_tokens
-    mask_truncated: bool = False  # drop responses cut at max_new_tokens from the loss
 
 
 class BadStepsError(RuntimeError):
@@ -97,7 +86,7 @@ class BadStepsError(RuntimeError):
 @dataclass(frozen=True)
 class Collective:
     """How a learner that is one of several torch.distributed ranks differs from a lone one
-    (learner/ranks.py builds it). Each rank trains its own micro-batches; with a `Collective`:
+    (learner/rank.py builds it). Each rank trains its own micro-batches; with a `Collective`:
 
     - `reduce_sums` turns this rank's step sums into the sums over all ranks before the step
       normalises, so every rank divides by the global batch's normaliser and takes one decision
@@ -113,71 +102,47 @@ class Collective:
     old_copy: Callable[[torch.nn.Module], torch.nn.Module] | None = None
 
 
-def reward_shaping(params: LearnerParams) -> Shaping:
-    return Shaping(
-        params.max_new_tokens,
-        params.overlong_buffer,
-        params.overlong_penalty,
-        params.mask_truncated,
-    )
-
-
-def score_groups(
-    groups: Iterable[Group], params: LearnerParams, baseline: float
-) -> Iterator[Scored]:
-    """Each group with its shaped rewards and advantages: one group at a time as they come, or,
-    for an estimator over the whole batch (REINFORCE++), all of the iteration's groups at once.
-    `baseline` is the previous iteration's mean reward (the `reinforce` advantage's)."""
-    advantage_fn = get_advantage(params.advantage)
-    ctx = AdvantageContext(
-        scale_by_std=params.scale_by_std, std=params.std, std_eps=params.std_eps, baseline=baseline
-    )
-    shaping = reward_shaping(params)
-    if is_batch_advantage(params.advantage):
-        yield from score(list(groups), advantage_fn, ctx, shaping)
-        return
-    for group in groups:
-        yield from score([group], advantage_fn, ctx, shaping)
-
-
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy for no_grad passes: no gradient buffers, never in an optimizer, in eval mode."""
     return copy.deepcopy(model).requires_grad_(False).eval()
 
 
 def model_bytes(model: torch.nn.Module | None) -> int:
+    """Bytes of `model`'s parameters and buffers this process holds (a sharded tensor: its
+    local shard)."""
     if model is None:
         return 0
-    tensors = [*model.parameters(), *model.buffers()]
+    tensors = [local_tensor(t) for t in (*model.parameters(), *model.buffers())]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class Learner:
+    """The one-process trainer (see the module docstring)."""
+
     def __init__(
         self,
         model: torch.nn.Module,
         params: LearnerParams,
-        loss_params: LossParams,
+        algo: AlgoParams,
         pad_id: int,
         ref_model: torch.nn.Module | None = None,
         tracer: Tracer | None = None,
         collective: Collective | None = None,
+        track: str = "learner",
     ) -> None:
         self.model = model
         self.collective = collective
         self.forward_model = (collective and collective.forward_model) or model
-        self.track = "learner"  # the timeline's track of this learner's spans
+        self.track = track  # the timeline's track of this learner's spans (a rank's own)
         self.ref_model = ref_model
         self.params = params
-        self.loss_params = loss_params
+        self.algo = algo
         self.pad_id = pad_id
         self.tracer = tracer or Tracer()
-        self.loss_fn = get_loss(params.loss)
-        get_advantage(params.advantage)  # an unknown name fails here, not at the first group
-        self.pair_loss = is_pair_loss(params.loss)
-        self.shaping = reward_shaping(params)
-        if needs_reference(params.loss, loss_params.kl_coef) and ref_model is None:
-            why = "algo.kl_coef > 0" if loss_params.kl_coef > 0 else f"algo.loss = {params.loss!r}"
+        self.loss_fn = get_loss(algo.loss)
+        self.pair_loss = is_pair_loss(algo.loss)
+        if needs_reference(algo.loss, algo.kl_coef) and ref_model is None:
+            why = "algo.kl_coef > 0" if algo.kl_coef > 0 else f"algo.loss = {algo.loss!r}"
             raise ValueError(f"{why} needs a reference model")
         # Built before the layout check runs the model: a forward pass of an FSDP2-sharded model
         # swaps its root's parameters for unsharded ones until the next backward.
@@ -197,12 +162,34 @@ class Learner:
         self.old_model = old_copy(model) if needs_old else None
         self.frozen_copies_bytes = model_bytes(ref_model) + model_bytes(self.old_model)
         self.version = 0  # policy version: number of iterations trained
-        self.baseline = 0.0  # previous iteration's mean reward (for "reinforce")
         self._steps_this_iteration = 0
         self.bad_steps_in_a_row = 0
 
     def close(self) -> None:
-        """Nothing to release: this learner lives in the driver process (see RankedLearner)."""
+        """Nothing to release: this learner lives in the run's process (or in its rank's)."""
+
+    def state(self, directory: Path) -> dict[str, Any]:
+        """The optimizer's state, the schedule, the version and the bad-step count (the policy's
+        weights are the checkpoint's own); nothing is written to `directory`."""
+        return {
+            "ranks": 1,
+            "version": self.version,
+            "bad_steps_in_a_row": self.bad_steps_in_a_row,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_state(self, directory: Path, state: dict[str, Any]) -> None:
+        """Continue from what `state` returned (the policy's weights loaded already)."""
+        if state.get("ranks") != 1:
+            raise ValueError(
+                f"{directory}: trainer state written by {state.get('ranks')} learner ranks "
+                "cannot be read by a single-process learner"
+            )
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = state["version"]
+        self.bad_steps_in_a_row = state["bad_steps_in_a_row"]
 
     def _choose_layout(self) -> str:
         if not self.params.shared_prompt:
@@ -221,18 +208,18 @@ class Learner:
         )
         return "unpacked"
 
-    def train_iteration(self, groups: Iterable[Group], num_groups: int) -> dict[str, float]:
-        """Train on `num_groups` groups as they come; step after each mini-batch's last group.
+    def train_iteration(self, scored: Iterable[Scored], num_groups: int) -> dict[str, Any]:
+        """Train on `num_groups` scored groups as they come; step after each mini-batch's last
+        group.
 
         Fewer may come (the pipeline dropped a group staler than allowed): what did is trained
         and stepped when the iterable ends."""
         per_step = math.ceil(num_groups / self.params.mini_batches)
         self.begin_iteration()
         buffer: list[Scored] = []
-        sums, steps, scored = StepSums(), [], []
-        for i, group in enumerate(score_groups(groups, self.params, self.baseline), start=1):
+        sums, steps = StepSums(), []
+        for i, group in enumerate(scored, start=1):
             buffer.append(group)
-            scored.append(group)
             end_of_step = i % per_step == 0 or i == num_groups
             if len(buffer) == self.params.micro_batch_groups or end_of_step:
                 self.forward_backward(buffer, sums)
@@ -244,21 +231,19 @@ class Learner:
             self.forward_backward(buffer, sums)
         if sums.values:
             steps.append(self.step(sums))
-        if not steps or not scored:
+        if not steps:
             raise RuntimeError(f"learner got no groups (expected {num_groups})")
         self.version += 1
-        self.baseline = float(torch.cat([s.rewards for s in scored]).mean())
         device = next(self.model.parameters()).device
         memory = {f"learner_{k}": v for k, v in peak_memory(device).items()}
-        return (
-            iteration_stats(steps, self.frozen_copies_bytes)
-            | reward_figures(scored, self.shaping)
-            | {"learner_ranks": 1}
-            | memory
-        )
+        return iteration_stats(steps, self.frozen_copies_bytes) | {"learner_ranks": 1} | memory
 
-    def begin_iteration(self) -> None:
-        """Training mode; the old copy (if any) becomes the policy at the iteration's start."""
+    def begin_iteration(self, version: int | None = None) -> None:
+        """Training mode; the old copy (if any) becomes the policy at the iteration's start.
+        `version`: the policy version the iteration trains at, when another keeps count (a
+        rank's driver); by default the learner's own."""
+        if version is not None:
+            self.version = version
         self.forward_model.train()
         if self.old_model is not None:
             self.old_model.load_state_dict(self.model.state_dict())
@@ -266,7 +251,7 @@ class Learner:
 
     def forward_backward(self, scored: list[Scored], sums: StepSums, idle: bool = False) -> None:
         """Log-probs, loss and backward of one micro-batch (groups with their advantages, from
-        `score_groups`); its sums added to `sums`.
+        the Scorer); its sums added to `sums`.
 
         `idle`: the same passes with the loss multiplied by 0 (gradients 0), every sum recorded
         as 0: a rank without groups in a round runs one to keep in step with the others."""
@@ -288,13 +273,13 @@ class Learner:
                 old_logprobs=old_logprobs,
                 advantages=resp.advantages,
                 loss_mask=resp.loss_mask,
-                token_weights=token_weights(resp.loss_mask, self.params.loss_agg),
+                token_weights=token_weights(resp.loss_mask, self.algo.loss_agg),
                 ref_logprobs=ref_logprobs,
                 behaviour_logprobs=resp.behaviour_logprobs,
                 rewards=resp.rewards,
                 group_ids=resp.group_ids,
             )
-            loss, metrics = self.loss_fn(batch, self.loss_params)
+            loss, metrics = self.loss_fn(batch, self.algo)
             (loss * 0.0 if idle else loss).backward()
         mask = resp.loss_mask
         loss_metrics = {"loss": loss.item(), **{k: v.item() for k, v in metrics.items()}}
@@ -325,7 +310,7 @@ class Learner:
         (the policy that sampled the tokens) are passed, free.
         """
         behaviour = resp.behaviour_logprobs  # (B, T)
-        tis = self.loss_params.tis_cap > 0
+        tis = self.algo.tis_cap > 0
         use_behaviour = torch.zeros_like(resp.stale) if tis else resp.stale  # (B,)
         # ranks run the same passes whatever their rows: a pass of a sharded model is a collective
         all_behaviour = self.collective is None and bool(use_behaviour.all())
@@ -370,10 +355,10 @@ class Learner:
         if sums["num_response_tokens"] == 0:  # every response dropped or empty: grads are 0
             return 1.0
         return normaliser(
-            self.params.loss_agg,
+            self.algo.loss_agg,
             num_tokens=int(sums["num_response_tokens"]),
             num_seqs=int(sums["num_seqs"]),
-            max_new_tokens=self.params.max_new_tokens,
+            max_new_tokens=self.algo.max_policy_tokens,
         )
 
     def step(self, sums: StepSums) -> dict[str, float]:
@@ -425,10 +410,17 @@ class Learner:
 
 
 def _scalar(norm: torch.Tensor) -> float:
-    """A gradient norm as a float; a sharded model's is a DTensor, replicated on every rank.
-    (torch.distributed.tensor is looked up, not imported: it costs a second to import, and a
-    DTensor cannot exist before something else has imported it.)"""
+    """A gradient norm as a float; a sharded model's is a DTensor, replicated on every rank."""
+    return float(norm.full_tensor() if is_dtensor(norm) else norm)
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether `t` is a sharded DTensor. (torch.distributed.tensor is looked up, not imported: it
+    costs a second to import, and a DTensor cannot exist before something else imported it.)"""
     dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(norm, dtensor.DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this process holds: a DTensor's local shard, else `t` itself."""
+    return t.to_local() if is_dtensor(t) else t

@@ -4,7 +4,7 @@
 A step's sums are plain floats keyed by name: the loss's weighted sums and counts, and the
 learner's own (response tokens, sequences, passes). They are all sums, so the sums of several
 ranks add up to the sums of the whole batch: a sharded learner reduces them across ranks before
-it normalises (learner/ranks.py), and the figures below come out the same whatever N.
+it normalises (learner/rank.py), and the figures below come out the same whatever N.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """The run builder: the one place that turns a whole `Config` into wired components.
 
 Components take plain keyword arguments; only this module, `params.py` and the CLI read the
-config tree. The backend (local processes or Ray) is chosen here and nowhere else.
+config tree. The backend (local processes or Ray) is chosen here and nowhere else, and so is the
+trainer: `build_trainer` makes the one-process learner or `learner.ranks` ranks, with a frozen
+reference exactly when the algorithm needs one (`algo.needs_reference`; LoRA's is the adapter
+switched off), restored from a checkpoint when resuming; everything after it sees a `Trainer`.
+Recipes that train without a run (`plan --calibrate`, `bench`) build theirs with `build_learner`.
 """
 
 from __future__ import annotations
@@ -15,18 +19,22 @@ from cadence.algo import needs_reference
 from cadence.backend import RewardSpec, RewardStage, make_pool
 from cadence.config import Config, ConfigError, PipelineConfig, to_toml
 from cadence.dataplane import Store
-from cadence.learner import Learner
+from cadence.learner import Learner, LearnerParams, Scorer, Trainer
+from cadence.learner.driver import RankedLearner, start_local_ranks, start_ray_ranks
 from cadence.metrics import Tracer
 from cadence.models import DTYPES, load_model, load_tokenizer, max_positions
 from cadence.models.lora import AdapterOff, LoraSpec, apply_lora, is_lora, plain_weights
 from cadence.pipeline.checkpoint import (
     Checkpoint,
     CheckpointError,
-    restore_learner,
+    check_reference,
+    restore_scorer,
+    restore_trainer,
     weights_digest,
 )
 from cadence.pipeline.loop import LoopParams, Run
 from cadence.pipeline.params import (
+    algo_params,
     check_group_size,
     learner_params,
     learner_threads,
@@ -41,7 +49,6 @@ from cadence.pipeline.params import (
 )
 from cadence.pipeline.producer import ProducerParams
 from cadence.pipeline.prompts import PromptStream
-from cadence.pipeline.ranks import RankedLearner, start_local_ranks, start_ray_ranks
 from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
 from cadence.pipeline.workers import (
     Sync,
@@ -207,12 +214,6 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
         spec = LoraSpec(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules))
         model = apply_lora(model, spec, base_path=cfg.model.path)
     tracer = Tracer()
-    ranked = cfg.learner.ranks > 1
-    learner: Learner | RankedLearner | None = None
-    if ranked:  # the ranks start once the source has (it may start the Ray they run in)
-        digest = restore_driver(cfg, model, resume)
-    else:
-        learner, digest = _learner(cfg, model, tokenizer, tracer, resume)
     engine, sync = learner_engine(cfg, model, tokenizer)
     reward = run_reward(cfg)
     worker = rollout_worker(cfg, engine, tokenizer, reward)
@@ -225,17 +226,17 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     stream = PromptStream(task, render, cfg.data.task, start=cursor, fit=fit, replay=replay)
     heldout = heldout_set(cfg, tokenizer, positions, task)
     source = build_source(cfg, model, worker, tracer, stream, resume, sync=sync)
-    if learner is None:
-        try:
-            learner = start_ranks(cfg, model, tokenizer.pad_token_id, tracer, resume)
-        except BaseException:
-            source.close()
-            raise
+    try:  # after the source: it may start the Ray that learner ranks run in
+        learner, digest = build_trainer(cfg, model, tokenizer.pad_token_id, tracer, resume)
+    except BaseException:
+        source.close()
+        raise
     evaluator = heldout_evaluator(cfg, model, engine, tokenizer, reward, heldout, sync)
     return Run(
         params=loop_params(cfg),
         tokenizer=tokenizer,
         learner=learner,
+        scorer=build_scorer(cfg, resume),
         source=source,
         heldout_accuracy=evaluator,
         heldout_tasks=evaluator.tasks,
@@ -247,68 +248,96 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     )
 
 
-def _learner(
-    cfg: Config, model, tokenizer, tracer: Tracer, resume: Checkpoint | None
-) -> tuple[Learner, str | None]:
-    """The single-process learner (restored from `resume`), and the reference's digest."""
-    dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
-    ref = None
-    if is_lora(model):  # only the adapter trains; the reference is the adapter switched off
-        ref = AdapterOff(model) if needs_reference(cfg.algo.loss, cfg.algo.kl_coef) else None
-    elif needs_reference(cfg.algo.loss, cfg.algo.kl_coef):  # frozen: no grads, no optimizer state
-        ref = load_model(cfg.model.path, dtype=dtype, device=device).requires_grad_(False)
-    params, loss = learner_params(cfg)
-    learner = Learner(model, params, loss, tokenizer.pad_token_id, ref_model=ref, tracer=tracer)
-    digest = weights_digest(ref) if resume or cfg.train.checkpoint_every else None
+def build_trainer(
+    cfg: Config, model, pad_id: int, tracer: Tracer, resume: Checkpoint | None = None
+) -> tuple[Trainer, str | None]:
+    """The run's trainer, restored from `resume` if given, and the identity of the reference
+    weights (None without a reference, or when no checkpoint will need it).
+
+    One process, or `learner.ranks` ranks (local processes or Ray actors, which start here:
+    build the source first, it may start the Ray they run in). `model` is the policy as loaded
+    (LoRA applied), not yet trained or restored: the reference's digest is taken from it."""
+    digest = reference_digest(cfg, model) if resume or cfg.train.checkpoint_every else None
+    if resume is not None:  # before any rank starts
+        check_sharded(resume, cfg.learner.ranks)
+        check_reference(resume, digest)
+    trainer: Trainer
+    if cfg.learner.ranks > 1:
+        trainer = start_ranks(cfg, model, pad_id, tracer)
+    else:
+        trainer = build_learner(cfg, model, pad_id, tracer)
     if resume is not None:
-        check_sharded(resume, ranks=1)
-        restore_learner(learner, resume, digest)
-    return learner, digest
+        try:
+            restore_trainer(trainer, resume, digest)
+        except BaseException:
+            trainer.close()
+            raise
+    return trainer, digest
+
+
+def build_learner(
+    cfg: Config,
+    model,
+    pad_id: int,
+    tracer: Tracer | None = None,
+    params: LearnerParams | None = None,
+) -> Learner:
+    """The one-process learner as a run builds it, on `model`, with its reference (see
+    `reference_model`); `params` in place of the config's (a recipe's micro-batching)."""
+    ref = reference_model(cfg, model)
+    return Learner(model, params or learner_params(cfg), algo_params(cfg), pad_id, ref, tracer)
+
+
+def reference_model(cfg: Config, model) -> torch.nn.Module | None:
+    """The frozen reference exactly when the algorithm needs one (`algo.needs_reference`: the KL
+    penalty, or a pair loss): a LoRA policy's is its adapter switched off (no second copy), any
+    other the configured weights loaded again (no grads, never in an optimizer)."""
+    if not needs_reference(cfg.algo.loss, cfg.algo.kl_coef):
+        return None
+    if is_lora(model):
+        return AdapterOff(model)
+    dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
+    return load_model(cfg.model.path, dtype=dtype, device=device).requires_grad_(False)
+
+
+def reference_digest(cfg: Config, model) -> str | None:
+    """The identity of the reference weights, which checkpoints record and a resume checks:
+    `model`'s as loaded (a LoRA policy's base weights), before any training or restore."""
+    if not needs_reference(cfg.algo.loss, cfg.algo.kl_coef):
+        return None
+    return weights_digest(AdapterOff(model) if is_lora(model) else model)
+
+
+def build_scorer(cfg: Config, resume: Checkpoint | None = None) -> Scorer:
+    """The run's scorer (shaping, advantages, baseline), restored from `resume` if given."""
+    scorer = Scorer(algo_params(cfg))
+    if resume is not None:
+        restore_scorer(scorer, resume)
+    return scorer
 
 
 def check_sharded(ckpt: Checkpoint, ranks: int) -> None:
     """Refuse a checkpoint whose optimizer state the learner cannot read: sharded state (DCP)
     needs learner ranks, one process's state needs one process. Any N > 1 reads any N > 1."""
-    shards = ckpt.state.get("learner_shards")
-    if shards is not None and ranks == 1:
+    written_by = ckpt.trainer["ranks"]  # every trainer's state says (learner.TRAINER_KEYS)
+    if written_by > 1 and ranks == 1:
         raise CheckpointError(
-            f"{ckpt.path} was written by {shards['ranks']} learner ranks (sharded optimizer "
+            f"{ckpt.path} was written by {written_by} learner ranks (sharded optimizer "
             "state): resume it with --set learner.ranks=N, any N > 1"
         )
-    if shards is None and ranks > 1:
+    if written_by == 1 and ranks > 1:
         raise CheckpointError(
             f"{ckpt.path} was written by a single-process learner: resume it with "
             "learner.ranks = 1 (its optimizer state is not sharded)"
         )
 
 
-def restore_driver(cfg: Config, model, resume: Checkpoint | None) -> str | None:
-    """For learner ranks: the reference's digest (the driver's model is still the reference's
-    weights here) and, when resuming, the checkpoint's policy into the driver's model."""
-    ref = model if needs_reference(cfg.algo.loss, cfg.algo.kl_coef) else None
-    digest = weights_digest(ref) if resume or cfg.train.checkpoint_every else None
-    if resume is not None:
-        check_sharded(resume, cfg.learner.ranks)
-        if resume.state.get("reference_digest") != digest:
-            raise CheckpointError(
-                f"checkpoint {resume.path} was taken with another reference model "
-                f"({resume.state.get('reference_path')}): the digest of the reference weights "
-                "differs"
-            )
-        saved = load_model(resume.path / "policy", dtype=DTYPES[cfg.model.dtype])
-        with torch.no_grad():
-            model.load_state_dict(saved.state_dict())
-    return digest
-
-
-def start_ranks(
-    cfg: Config, model, pad_id: int, tracer: Tracer, resume: Checkpoint | None
-) -> RankedLearner:
-    """`learner.ranks` ranks as local processes or Ray actors, restored from `resume`."""
+def start_ranks(cfg: Config, model, pad_id: int, tracer: Tracer) -> RankedLearner:
+    """`learner.ranks` ranks as local processes or Ray actors."""
     spec = rank_spec(cfg, pad_id)
     device, p = cfg.model.device, cfg.pipeline
     if p.backend == "ray":
-        learner = start_ray_ranks(
+        return start_ray_ranks(
             spec,
             model,
             tracer,
@@ -316,17 +345,9 @@ def start_ranks(
             address=p.ray_address,
             num_cpus=p.ray_num_cpus,
         )
-    else:
-        if device.startswith("cuda") and torch.cuda.device_count() < spec.world_size:
-            raise ConfigError(
-                f"learner.ranks = {spec.world_size} on model.device = '{device}' puts rank r on "
-                f"cuda:r, and this machine has {torch.cuda.device_count()} GPU(s)"
-            )
-        learner = start_local_ranks(spec, model, device, tracer)
-    if resume is not None:
-        try:
-            learner.restore(resume.path, resume.state)
-        except BaseException:
-            learner.close()
-            raise
-    return learner
+    if device.startswith("cuda") and torch.cuda.device_count() < spec.world_size:
+        raise ConfigError(
+            f"learner.ranks = {spec.world_size} on model.device = '{device}' puts rank r on "
+            f"cuda:r, and this machine has {torch.cuda.device_count()} GPU(s)"
+        )
+    return start_local_ranks(spec, model, device, tracer)

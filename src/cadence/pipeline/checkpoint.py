@@ -4,11 +4,17 @@ A checkpoint is taken between iterations, after iteration k - 1 is trained and i
 written, and is named after k, the next iteration to run (`checkpoints/iter-00000k/`):
 
     policy/        the policy in the Hugging Face layout (loadable by `cadence eval` as it is)
-    state.pt       optimizer and learning-rate schedule, policy version, advantage baseline,
-                   bad-step count, RNG states (torch, random, numpy), data cursor, the metrics
-                   file's length, the records so far, held-out accuracy before RL, and the
-                   reference model's identity (its path and a digest of its weights)
+    learner/       a sharded trainer's shards (what its `state` writes; none for one process)
+    state.pt       the trainer's state (`Trainer.state`: optimizer and learning-rate schedule,
+                   policy version, bad-step count), the scorer's (the advantage baseline), RNG
+                   states (torch, random, numpy), data cursor, the metrics file's length, the
+                   records so far, held-out accuracy before RL, and the reference model's
+                   identity (its path and a digest of its weights)
     manifest.json  the checkpoint format, and the size and sha256 of every file above
+
+Checkpoints go through the Trainer seam (learner/trainer.py) and the Scorer: the policy's weights
+from and into `trainer.model`, the rest through `state()` / `load_state()`; nothing here knows
+which trainer it is.
 
 Loading a checkpoint never runs code: `state.pt` holds tensors and plain containers only (numpy's
 RNG state is kept as a tensor) and is read with `torch.load(weights_only=True)`, which refuses
@@ -38,7 +44,6 @@ import pickle
 import random
 import re
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -46,6 +51,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from cadence.learner import TRAINER_KEYS, Scorer, Trainer
 from cadence.metrics.files import is_stale_temporary, write_all, writing
 from cadence.models import ModelLoadError, load_model, save_pretrained
 from cadence.models.lora import is_lora, load_adapter_into
@@ -54,13 +60,15 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
-FORMAT = 2  # 2: state.pt of plain tensors and containers, and manifest.json
+# 2: state.pt of plain tensors and containers, and manifest.json; 3: the trainer's and the
+# scorer's state each under a key of its own
+FORMAT = 3
 _PREFIX = "iter-"
 _NAME = re.compile(r"iter-(\d+)")
 STATE_KEYS = (  # what restoring needs of state.pt: by save_checkpoint, then by the loop (extra)
-    *("format", "iteration", "version", "baseline"),
-    *("bad_steps_in_a_row", "rng", "cursor", "metrics_bytes", "records", "accuracy_before"),
-    *("reference_path", "reference_digest"),
+    *("format", "iteration", "trainer", "scorer", "rng"),
+    *("cursor", "metrics_bytes", "records", "accuracy_before", "reference_path"),
+    "reference_digest",
 )
 
 
@@ -82,6 +90,16 @@ class Checkpoint:
     def iteration(self) -> int:
         """The next iteration to run (iterations completed)."""
         return int(self.state["iteration"])
+
+    @property
+    def trainer(self) -> dict[str, Any]:
+        """What `Trainer.state` returned when this was written."""
+        return self.state["trainer"]
+
+    @property
+    def scorer(self) -> dict[str, Any]:
+        """What `Scorer.state` returned when this was written."""
+        return self.state["scorer"]
 
 
 def weights_digest(model: torch.nn.Module | None) -> str | None:
@@ -116,15 +134,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(
     out: Path,
     iteration: int,
-    learner,
+    trainer: Trainer,
+    scorer: Scorer,
     tokenizer,
     extra: dict[str, Any],
     keep: int,
-    shards: Callable[[Path], dict[str, Any]] | None = None,
 ) -> Path:
-    """Write `out/checkpoints/iter-<iteration>` atomically; keep the newest `keep`. `shards`: a
-    sharded learner's (pipeline/ranks.py), which writes its optimizer state into the directory
-    itself and returns what the state records instead of `optimizer` and `scheduler`.
+    """Write `out/checkpoints/iter-<iteration>` atomically; keep the newest `keep`. The trainer
+    may write files of its own into the directory (a sharded one's shards).
 
     A full disk raises `OSError(ENOSPC, ..., checkpoint path)` and leaves no temporary behind."""
     root = out / CHECKPOINTS
@@ -136,21 +153,12 @@ def save_checkpoint(
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
-            save_pretrained(learner.model, tokenizer, tmp / "policy")
-            if shards is None:
-                trainer = {
-                    "optimizer": learner.optimizer.state_dict(),
-                    "scheduler": learner.scheduler.state_dict(),
-                }
-            else:
-                trainer = shards(tmp)
+            save_pretrained(trainer.model, tokenizer, tmp / "policy")
             state = {
                 "format": FORMAT,
                 "iteration": iteration,
-                **trainer,
-                "version": learner.version,
-                "baseline": learner.baseline,
-                "bad_steps_in_a_row": learner.bad_steps_in_a_row,
+                "trainer": trainer.state(tmp),
+                "scorer": scorer.state(),
                 "rng": rng_state(),
                 **extra,
             }
@@ -167,7 +175,7 @@ def save_checkpoint(
 
 
 def _write_state(tmp: Path, state: dict[str, Any]) -> None:
-    """`state.pt` and the manifest of every file under `tmp` (the policy, sharded learner state
+    """`state.pt` and the manifest of every file under `tmp` (the policy, a trainer's own files
     if any, and the state), then everything synced."""
     files = {
         p.relative_to(tmp).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
@@ -296,9 +304,11 @@ def load_checkpoint(path: Path) -> Checkpoint:
         ) from None
     except (RuntimeError, EOFError, ValueError) as e:
         raise CheckpointError(f"{path}: state.pt is unreadable: {e}") from None
-    sharded = isinstance(state, dict) and "learner_shards" in state
-    trainer = ("learner_shards",) if sharded else ("optimizer", "scheduler")
-    missing = [k for k in (*STATE_KEYS, *trainer) if not isinstance(state, dict) or k not in state]
+    missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if not missing:
+        trainer = state["trainer"]
+        keys = [k for k in TRAINER_KEYS if not isinstance(trainer, dict) or k not in trainer]
+        missing = [f"trainer.{k}" for k in keys]
     if missing or state["format"] != FORMAT:
         raise CheckpointError(f"{path}: state.pt lacks {', '.join(missing) or 'its format'}")
     return Checkpoint(path, state)
@@ -310,14 +320,18 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(
             f"{path}: no {MANIFEST}: not a checkpoint, or one written before checkpoint format "
-            f"{FORMAT} (whose state loads without unpickling objects), which cannot be resumed "
-            "safely: start the run again"
+            "2 (whose state loads without unpickling objects), which cannot be resumed safely: "
+            "start the run again"
         ) from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: {MANIFEST} is unreadable: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None
-        raise CheckpointError(f"{path}: checkpoint format {found}, not {FORMAT}")
+        raise CheckpointError(
+            f"{path}: checkpoint format {found}, not {FORMAT}: written by another version of "
+            "cadence, whose state this one does not read; resume it with that version, or "
+            "start the run again"
+        )
     if "state.pt" not in manifest.get("files", {}):
         raise CheckpointError(f"{path}: {MANIFEST} lists no state.pt")
     return manifest
@@ -355,28 +369,39 @@ def _write_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-@torch.no_grad()
-def restore_learner(learner, ckpt: Checkpoint, reference_digest: str | None) -> None:
-    """Load the checkpoint's policy and trainer state into a freshly built learner."""
-    expected = ckpt.state.get("reference_digest")
-    if expected != reference_digest:
+def check_reference(ckpt: Checkpoint, reference_digest: str | None) -> None:
+    """Refuse a checkpoint taken with other reference weights than the run's."""
+    if ckpt.state.get("reference_digest") != reference_digest:
         raise CheckpointError(
             f"checkpoint {ckpt.path} was taken with another reference model "
             f"({ckpt.state.get('reference_path')}): the digest of the reference weights differs"
         )
-    if is_lora(learner.model):  # the policy was saved as its adapter
-        load_adapter_into(learner.model, ckpt.path / "policy")
-    else:
-        try:
-            saved = load_model(ckpt.path / "policy", dtype=next(learner.model.parameters()).dtype)
-        except ModelLoadError as e:
-            raise CheckpointError(f"{ckpt.path}: its policy cannot be loaded: {e}") from e
-        learner.model.load_state_dict(saved.state_dict())
-    learner.optimizer.load_state_dict(ckpt.state["optimizer"])
-    learner.scheduler.load_state_dict(ckpt.state["scheduler"])
-    learner.version = ckpt.state["version"]
-    learner.baseline = ckpt.state["baseline"]
-    learner.bad_steps_in_a_row = ckpt.state["bad_steps_in_a_row"]
+
+
+def restore_trainer(trainer: Trainer, ckpt: Checkpoint, reference_digest: str | None) -> None:
+    """Continue a freshly built trainer from `ckpt`: its policy into `trainer.model`, then the
+    trainer's own state (and files) through `load_state`."""
+    check_reference(ckpt, reference_digest)
+    load_policy(trainer.model, ckpt)
+    trainer.load_state(ckpt.path, ckpt.trainer)
+
+
+@torch.no_grad()
+def load_policy(model: torch.nn.Module, ckpt: Checkpoint) -> None:
+    """The checkpoint's `policy/` into `model`: a LoRA policy's adapter, or every weight."""
+    if is_lora(model):  # the policy was saved as its adapter
+        load_adapter_into(model, ckpt.path / "policy")
+        return
+    try:
+        saved = load_model(ckpt.path / "policy", dtype=next(model.parameters()).dtype)
+    except ModelLoadError as e:
+        raise CheckpointError(f"{ckpt.path}: its policy cannot be loaded: {e}") from e
+    model.load_state_dict(saved.state_dict())
+
+
+def restore_scorer(scorer: Scorer, ckpt: Checkpoint) -> None:
+    """The scorer's state (the advantage baseline) as `ckpt` recorded it."""
+    scorer.load_state(ckpt.scorer)
 
 
 def _fsync_tree(root: Path) -> None:

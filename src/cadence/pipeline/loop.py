@@ -1,10 +1,11 @@
 """The run loop: one screen that calls named steps, and the run's outputs.
 
-Per iteration: start the source with the current policy version, let the learner consume the
-groups (checking each was made by a version the mode allows), record the figures. Around the
+Per iteration, top to bottom: start the source with the current policy version; its groups pass
+the staleness check (each made by a version the mode allows), then the Scorer (shaped rewards,
+advantages), then the Trainer, which trains on them as they come; record the figures. Around the
 loop: held-out accuracy before and after, checkpoints, and the outputs in `--out DIR`. The loop
 takes its settings from `LoopParams` and its components from `Run`, both made by the builder
-(pipeline/build.py); it never sees the config.
+(pipeline/build.py); it never sees the config, nor which trainer it drives.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from cadence.dataplane import StaleRowError, check_staleness
-from cadence.learner import Learner
+from cadence.learner import Scorer, Trainer
 from cadence.metrics import (
     ConsoleProgress,
     JsonlSink,
@@ -52,7 +53,6 @@ from cadence.pipeline.checkpoint import (
     set_rng_state,
 )
 from cadence.pipeline.prompts import PromptStream
-from cadence.pipeline.ranks import RankedLearner
 from cadence.pipeline.source import GroupSource
 from cadence.rewards import RewardErrorBudget
 from cadence.types import Group
@@ -92,7 +92,8 @@ class Run:
 
     params: LoopParams
     tokenizer: Any
-    learner: Learner | RankedLearner  # one process, or learner.ranks torch.distributed ranks
+    learner: Trainer  # one process, or learner.ranks torch.distributed ranks
+    scorer: Scorer
     source: GroupSource
     heldout_accuracy: Callable[[], float]  # greedy accuracy of the current policy
     num_heldout: int  # problems it is measured on (for its standard error)
@@ -149,8 +150,11 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
     run.source.start_iteration(iteration, version)
     seen: list[Group] = []
     dropped: list[Group] = []
-    groups = within_staleness(run.source.groups(), version, p.max_staleness, seen, dropped)
-    stats = learner.train_iteration(groups, p.prompts_per_iteration)
+    groups = run.source.groups()
+    admitted = within_staleness(groups, version, p.max_staleness, seen, dropped)
+    scored = run.scorer.score(admitted)
+    stats = learner.train_iteration(scored, p.prompts_per_iteration)
+    stats |= run.scorer.end_iteration()  # its figures; the baseline moves on
     wall = tracer.now() - start
     after = run.source.stats()
     num_dropped = len(dropped) + after.dropped_groups  # by the loop or the store
@@ -397,10 +401,15 @@ def checkpoint(run: Run, out: Path, iteration: int, records: list, accuracy_befo
         "reference_path": run.params.reference_path,
         "reference_digest": run.reference_digest,
     }
-    shards = run.learner.save_shards if isinstance(run.learner, RankedLearner) else None
     with run.tracer.span("checkpoint", "learner"):
         save_checkpoint(
-            out, iteration, run.learner, run.tokenizer, extra, run.params.keep_checkpoints, shards
+            out,
+            iteration,
+            run.learner,
+            run.scorer,
+            run.tokenizer,
+            extra,
+            run.params.keep_checkpoints,
         )
 
 

@@ -14,10 +14,9 @@ import torch
 from cadence.algo import (
     ADVANTAGES,
     AdvantageContext,
-    LossParams,
+    AlgoParams,
     get_advantage,
     is_pair_loss,
-    needs_reference,
 )
 from cadence.config import Config, ConfigError
 from cadence.data import (
@@ -33,7 +32,7 @@ from cadence.engine import SamplingParams
 from cadence.engine.vllm import INSTALL_HINT, VLLMOptions, vllm_available
 from cadence.envs import EnvSpec, demonstration, load_tools
 from cadence.learner import LearnerParams
-from cadence.learner.ranks import RankSpec
+from cadence.learner.rank import RankSpec
 from cadence.models import stop_token_ids
 from cadence.pipeline.prompts import PromptFilter
 from cadence.rollout import WorkerSpec
@@ -175,33 +174,17 @@ def _response_budget(cfg: Config) -> tuple[int, str]:
     return cfg.rollout.max_new_tokens, "rollout.max_new_tokens"
 
 
-def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
-    """The learner's and the loss's hyper-parameters."""
-    a, t = cfg.algo, cfg.train
-    params = LearnerParams(
-        lr=t.lr,
-        warmup_steps=t.warmup_iterations * t.mini_batches,
-        weight_decay=t.weight_decay,
-        max_grad_norm=t.max_grad_norm,
+def algo_params(cfg: Config) -> AlgoParams:
+    """The algorithm: `algo`'s keys, `reward`'s shaping, and the episode's cap on policy tokens
+    (`Config.max_policy_tokens`: the overlong penalty's and seq-sum-norm's, not one turn's)."""
+    a, r = cfg.algo, cfg.reward
+    return AlgoParams(
         loss=a.loss,
         advantage=a.advantage,
         scale_by_std=a.scale_by_std,
         std=a.std,
         std_eps=a.std_eps,
         loss_agg=a.loss_agg,
-        micro_batch_groups=t.micro_batch_groups,
-        mini_batches=t.mini_batches,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
-        shared_prompt=cfg.learner.shared_prompt,
-        shared_prompt_impl=cfg.learner.shared_prompt_impl,
-        reuse_old_logprobs=cfg.learner.reuse_old_logprobs,
-        max_bad_steps=t.max_bad_steps,
-        overlong_buffer=cfg.reward.overlong_buffer,
-        overlong_penalty=cfg.reward.overlong_penalty,
-        mask_truncated=a.mask_truncated,
-    )
-    loss = LossParams(
         clip_low=a.clip_low,
         clip_high=a.clip_high,
         clip_ratio_c=a.clip_ratio_c,
@@ -211,8 +194,29 @@ def learner_params(cfg: Config) -> tuple[LearnerParams, LossParams]:
         tis_cap=a.tis_cap,
         dpo_beta=a.dpo_beta,
         dpo_loss=a.dpo_loss,
+        max_policy_tokens=cfg.max_policy_tokens,
+        overlong_buffer=r.overlong_buffer,
+        overlong_penalty=r.overlong_penalty,
+        mask_truncated=a.mask_truncated,
     )
-    return params, loss
+
+
+def learner_params(cfg: Config) -> LearnerParams:
+    """How the learner steps and lays out its work (the algorithm is `algo_params`)."""
+    t = cfg.train
+    return LearnerParams(
+        lr=t.lr,
+        warmup_steps=t.warmup_iterations * t.mini_batches,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        micro_batch_groups=t.micro_batch_groups,
+        mini_batches=t.mini_batches,
+        temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
+        shared_prompt=cfg.learner.shared_prompt,
+        shared_prompt_impl=cfg.learner.shared_prompt_impl,
+        reuse_old_logprobs=cfg.learner.reuse_old_logprobs,
+        max_bad_steps=t.max_bad_steps,
+    )
 
 
 def check_group_size(cfg: Config) -> None:
@@ -266,16 +270,14 @@ def rank_threads(cfg: Config) -> int:
 
 def rank_spec(cfg: Config, pad_id: int) -> RankSpec:
     """What each of the `learner.ranks` ranks builds itself from."""
-    params, loss = learner_params(cfg)
     return RankSpec(
         model_path=cfg.model.path,
-        params=params,
-        loss=loss,
+        params=learner_params(cfg),
+        algo=algo_params(cfg),
         pad_id=pad_id,
         world_size=cfg.learner.ranks,
         strategy=cfg.learner.strategy,
         dtype=cfg.model.dtype,
-        needs_reference=needs_reference(cfg.algo.loss, cfg.algo.kl_coef),
         threads=rank_threads(cfg),
         timeout_s=cfg.pipeline.worker_timeout_s,
     )

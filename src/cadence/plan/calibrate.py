@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cadence.algo import needs_reference
 from cadence.config import Config, ConfigError
 from cadence.plan.costs import Profile, Throughput
 
@@ -216,26 +217,32 @@ def _computed_tokens(groups, shared: bool) -> int:
 
 
 def _measure_train(cfg: Config, model_dir: str, pad_id: int, groups, quick: bool) -> _Train:
-    from cadence.learner import Learner
     from cadence.metrics import Tracer
-    from cadence.models import load_model
+    from cadence.models import DTYPES, load_model
+    from cadence.pipeline.build import build_learner, build_scorer
     from cadence.pipeline.params import learner_params
 
-    params, loss = learner_params(cfg)
     big = min(cfg.train.micro_batch_groups, len(groups))
     small = max(1, big // 4)
-    params = replace(params, micro_batch_groups=big, mini_batches=1)
-    model = load_model(model_dir)
-    ref = load_model(model_dir).requires_grad_(False) if cfg.algo.kl_coef > 0 else None
+    params = replace(learner_params(cfg), micro_batch_groups=big, mini_batches=1)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model_dir})})
+    model = load_model(model_dir, dtype=DTYPES[cfg.model.dtype], device=cfg.model.device)
     tracer = Tracer()
-    learner = Learner(model, params, loss, pad_id, ref, tracer)
-    learner.train_iteration(iter(groups[:small]), small)  # warm-up
+    # as `cadence train` builds it: a reference exactly when the algorithm needs one
+    learner = build_learner(cfg, model, pad_id, tracer, params)
+    scorer = build_scorer(cfg)
+
+    def train(n: int) -> None:
+        learner.train_iteration(scorer.score(groups[:n]), n)
+        scorer.end_iteration()
+
+    train(small)  # warm-up
     times: dict[int, list[float]] = {small: [], big: []}
     steps: list[float] = []
     for _ in range(1 if quick else 3):
         for size in sorted(times):
             tracer.spans.clear()
-            learner.train_iteration(iter(groups[:size]), size)
+            train(size)
             times[size].append(
                 sum(s.duration for s in tracer.spans if s.name == "forward_backward")
             )
@@ -281,7 +288,7 @@ def spec_from_config(cfg: Config, cal: Calibration, profile_path: str, lengths_p
             "max_new_tokens": cfg.rollout.max_new_tokens,
             "micro_batch_groups": cfg.train.micro_batch_groups,
             "shared_prompt": cfg.learner.shared_prompt,
-            "reference_model": cfg.algo.kl_coef > 0,
+            "reference_model": needs_reference(cfg.algo.loss, cfg.algo.kl_coef),
             "response": {"kind": "empirical", "path": lengths_path},
         },
         "hardware": {"profile": profile_path, "name": cal.profile.name},

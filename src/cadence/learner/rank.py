@@ -1,8 +1,10 @@
 """The learner as one of N torch.distributed ranks, FSDP2 or DDP: what runs inside each rank.
 
-A driver (pipeline/ranks.py) hands each iteration's groups to the ranks in rounds; this is one
-rank's side of it. Every rank runs the very `Learner` of a single process, with `Collective`
-hooks, over its own share of the groups:
+A driver (learner/driver.py) hands each iteration's scored groups to the ranks in rounds; this is
+one rank's side of it. `Rank` is what the driver may ask of a rank: a few typed calls, which a
+rank transport (backend/ranks.py) carries to the rank's process and answers in order;
+`RankLearner` is the real rank, and the driver's tests drive a recording fake. Every rank runs
+the very `Learner` of a single process, with `Collective` hooks, over its own share of the groups:
 
 - **Rounds.** FSDP gathers parameters in every forward and reduces gradients in every backward,
   so the ranks must run the same passes in the same order. Each round every rank trains at most
@@ -30,17 +32,24 @@ import os
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from cadence.algo import LossParams
-from cadence.learner.batch import Scored
-from cadence.learner.learner import Collective, Learner, LearnerParams, score_groups
+from cadence.algo import AlgoParams, needs_reference
+from cadence.learner.learner import (
+    Collective,
+    Learner,
+    LearnerParams,
+    is_dtensor,
+    local_tensor,
+    model_bytes,
+)
+from cadence.learner.scorer import Scored
 from cadence.learner.sharded_state import load_sharded, save_sharded
 from cadence.learner.sums import StepSums, peak_memory
-from cadence.metrics.trace import Tracer
+from cadence.metrics.trace import Span, Tracer
 from cadence.models import DTYPES, load_model
 from cadence.types import Completion, Group, Prompt
 
@@ -53,12 +62,11 @@ class RankSpec:
 
     model_path: str
     params: LearnerParams
-    loss: LossParams
+    algo: AlgoParams
     pad_id: int
     world_size: int
     strategy: str = "fsdp"
     dtype: str = "float32"
-    needs_reference: bool = False
     threads: int = 1
     timeout_s: float = 300.0
 
@@ -70,6 +78,46 @@ class Rendezvous:
 
     init_method: str
     env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RoundReply:
+    """A rank's answer to one round: the step's figures (when the round ended a step), the spans
+    it recorded (on its own clock) and its peak memory so far."""
+
+    step: dict[str, float] | None
+    spans: list[Span]
+    memory: dict[str, float]
+
+
+class Rank(Protocol):
+    """The calls a driver makes of each rank, in the order it makes them."""
+
+    def begin(self, version: int) -> None:
+        """Start an iteration at policy `version`."""
+        ...
+
+    def train_round(self, groups: list[Scored], step: bool) -> RoundReply:
+        """Train this rank's share of a round (maybe none) and, if `step`, step with the others."""
+        ...
+
+    def gather_weights(self) -> dict[str, np.ndarray] | None:
+        """The full parameters, gathered by every rank; what rank 0 hands out (or None)."""
+        ...
+
+    def save(self, path: str) -> dict[str, Any]:
+        """Write this rank's shards under `path`; what of its state is not a tensor."""
+        ...
+
+    def load(self, path: str, state: dict[str, Any]) -> None:
+        """Read the shards under `path` back, and `state` as `save` returned it."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """What this rank holds (bytes of training state) and its process id."""
+        ...
+
+    def close(self) -> None: ...
 
 
 def build_rank(
@@ -110,18 +158,17 @@ class RankLearner:
         self.learner = Learner(
             self.model,
             spec.params,
-            spec.loss,
+            spec.algo,
             spec.pad_id,
             ref_model=ref,
             tracer=self.tracer,
             collective=Collective(
                 reduce_sums=self._reduce_sums, forward_model=self.ddp, old_copy=self._frozen
             ),
+            track=f"learner-{rank}",
         )
-        self.learner.track = f"learner-{rank}"
         if spec.strategy == "fsdp":  # the layout check's forward left the root unsharded
             self.model.reshard()
-        self.learner.frozen_copies_bytes = _local_bytes(ref) + _local_bytes(self.learner.old_model)
         self.sums = StepSums()
 
     def _load(self) -> torch.nn.Module:
@@ -130,7 +177,8 @@ class RankLearner:
     def _build(self) -> tuple[torch.nn.Module, Any, torch.nn.Module | None]:
         """(policy, its DDP wrapper or None, reference or None)."""
         model = self._load()
-        ref = self._frozen(model) if self.spec.needs_reference else None
+        algo = self.spec.algo  # a reference exactly when the algorithm needs one
+        ref = self._frozen(model) if needs_reference(algo.loss, algo.kl_coef) else None
         if self.spec.strategy == "fsdp":
             return _fully_shard(model, self.device, frozen=False), None, ref
         from torch.nn.parallel import DistributedDataParallel
@@ -153,13 +201,11 @@ class RankLearner:
 
     # --- calls from the driver ------------------------------------------------------------
 
-    def begin(self, version: int, baseline: float) -> None:
-        """Start an iteration at policy `version`; `baseline` is the previous iteration's mean
-        reward over every rank's groups (for the `reinforce` advantage)."""
-        self.learner.version, self.learner.baseline = version, baseline
-        self.learner.begin_iteration()
+    def begin(self, version: int) -> None:
+        """Start an iteration at policy `version`."""
+        self.learner.begin_iteration(version)
 
-    def train_round(self, groups: list[Scored], step: bool) -> dict[str, Any]:
+    def train_round(self, groups: list[Scored], step: bool) -> RoundReply:
         """This rank's micro-batch of one round (maybe none), and the optimizer step if the round
         ends one. Returns the step's figures (when stepping), its spans and memory."""
         last = self.ddp is not None and step
@@ -172,15 +218,18 @@ class RankLearner:
         figures = None
         if step:
             figures, self.sums = self.learner.step(self.sums), StepSums()
-        return {"step": figures, **self._report()}
+        spans, self.tracer.spans = self.tracer.spans, []
+        return RoundReply(figures, spans, peak_memory(self.device))
 
     def _idle_group(self) -> Scored:
-        """Two one-token responses after a one-token prompt, rewards 0 and 1 (no tie, so a pair
-        loss reaches every parameter too), fresh at the learner's version."""
+        """Two one-token responses after a one-token prompt, rewards 0 and 1 and advantages -1
+        and 1 (no tie, so a pair loss reaches every parameter too; the idle pass multiplies the
+        loss by 0 anyway), fresh at the learner's version."""
         pad = self.spec.pad_id
         completions = [Completion([pad], [0.0], reward=float(r)) for r in (0, 1)]
         group = Group(Prompt("idle", "", ""), [pad], completions, self.learner.version, -1)
-        return next(score_groups([group], self.learner.params, 0.0))
+        rewards = torch.tensor([0.0, 1.0])  # (2,)
+        return Scored(group, rewards, 2 * rewards - 1, torch.ones(2, dtype=torch.bool))
 
     def _reduce_sums(self, values: dict[str, float]) -> dict[str, float]:
         """Every rank's step sums, added up; the same names on every rank (checked)."""
@@ -204,7 +253,7 @@ class RankLearner:
         out: dict[str, np.ndarray] = {}
         with self.tracer.span("gather_weights", self.learner.track):
             for name, p in self.model.named_parameters():
-                full = p.full_tensor() if _is_dtensor(p) else p.detach()
+                full = p.full_tensor() if is_dtensor(p) else p.detach()
                 if self.rank != 0:
                     continue
                 if self.shared is not None:
@@ -214,30 +263,27 @@ class RankLearner:
         return out if self.rank == 0 and self.shared is None else None
 
     def save(self, path: str) -> dict[str, Any]:
-        """Write this rank's shards under `path` (see learner/sharded_state.py); rank 0 returns
-        what is not a tensor (the schedule, the bad-step count) for the driver's state."""
+        """Write this rank's shards under `path` (see learner/sharded_state.py); what is not a
+        tensor (the schedule, the bad-step count), the same on every rank, for the driver's
+        state."""
         save_sharded(self.model, self.learner.optimizer, Path(path))
         return {
             "scheduler": self.learner.scheduler.state_dict(),
             "bad_steps_in_a_row": self.learner.bad_steps_in_a_row,
         }
 
-    def load(self, path: str, trainer: dict[str, Any]) -> None:
+    def load(self, path: str, state: dict[str, Any]) -> None:
         """Resume: parameters and optimizer state from the shards under `path`, whatever number
-        of ranks wrote them; `trainer` is what `save` returned."""
+        of ranks wrote them; `state` is what `save` returned."""
         load_sharded(self.model, self.learner.optimizer, Path(path))
         scheduler = self.learner.scheduler
-        scheduler.load_state_dict(trainer["scheduler"])
+        scheduler.load_state_dict(state["scheduler"])
         # the learning rate the schedule had reached: the shards hold no param_groups
         for group, lr in zip(
             self.learner.optimizer.param_groups, scheduler.get_last_lr(), strict=True
         ):
             group["lr"] = lr
-        self.learner.bad_steps_in_a_row = trainer["bad_steps_in_a_row"]
-
-    def _report(self) -> dict[str, Any]:
-        spans, self.tracer.spans = self.tracer.spans, []
-        return {"spans": spans, "memory": peak_memory(self.device)}
+        self.learner.bad_steps_in_a_row = state["bad_steps_in_a_row"]
 
     def describe(self) -> dict[str, Any]:
         """What this rank holds (its shards, with FSDP) and its process id."""
@@ -259,12 +305,12 @@ def state_bytes(learner: Learner) -> dict[str, int]:
     for state in learner.optimizer.state.values():
         for t in state.values():
             if isinstance(t, torch.Tensor):
-                local = t.to_local() if _is_dtensor(t) else t
+                local = local_tensor(t)
                 optimizer += local.numel() * local.element_size()
     return {
-        "param_bytes": _local_bytes(learner.model),
+        "param_bytes": model_bytes(learner.model),
         "optimizer_bytes": optimizer,
-        "frozen_bytes": _local_bytes(learner.ref_model) + _local_bytes(learner.old_model),
+        "frozen_bytes": learner.frozen_copies_bytes,
     }
 
 
@@ -310,21 +356,6 @@ def _sum_gradients(state, bucket):  # unannotated: DDP checks annotations by ide
 
     work = dist.all_reduce(bucket.buffer(), async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def _local_bytes(model: torch.nn.Module | None) -> int:
-    """Bytes of `model`'s parameters and buffers held by this rank (a DTensor's local shard)."""
-    if model is None:
-        return 0
-    tensors = [*model.parameters(), *model.buffers()]
-    local = [t.to_local() if _is_dtensor(t) else t for t in tensors]
-    return sum(t.numel() * t.element_size() for t in local)
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:

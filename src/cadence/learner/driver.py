@@ -1,8 +1,13 @@
-"""The sharded learner's driver: `learner.ranks = N` ranks behind the single learner's face.
+"""The sharded learner's driver: `learner.ranks = N` ranks behind the Trainer seam.
 
-`RankedLearner` is what the run loop trains with when `learner.ranks` > 1. It has the
-`Learner`'s surface (`train_iteration(groups, num_groups)`, `version`, `model`), and behind it N
-torch.distributed ranks (learner/ranks.py) as local processes or Ray actors (backend/ranks.py).
+`RankedLearner` is what the run loop trains with when `learner.ranks` > 1. It is a `Trainer`
+(learner/trainer.py: `version`, `model`, `train_iteration(scored, num_groups)`, `state`,
+`load_state`, `close`), and behind it N torch.distributed ranks (learner/rank.py) as local
+processes or Ray actors, reached through a rank transport (backend/ranks.py,
+backend/ray_ranks.py). The driver asks its ranks only what `rank.Rank` declares, through
+`RankClient`, which names each call by that Protocol's method; the transports carry the calls
+and know nothing of what they compute. Groups come scored (learner/scorer.py): advantages that
+normalise over the whole batch are the batch's before any rank sees its share.
 
 Why the driver is no rank. Its `model` stays whole and unsharded: it is what the weight
 transports publish to the rollout workers, what held-out evaluation and colocated generation
@@ -16,7 +21,7 @@ run the same passes. The driver buffers groups; once it holds a round (`ranks x
 micro_batch_groups` groups, or the end of an optimizer step) it splits them among the ranks,
 balanced by tokens (longest first, each to the rank with the fewest tokens and room left), and
 sends each rank its share: at most one micro-batch. A rank with none runs an idle pass (see
-learner/ranks.py). The round that ends a step steps every rank together; the step's sums
+learner/rank.py). The round that ends a step steps every rank together; the step's sums
 (tokens, sequences, pairs) are added up across ranks first, so the update is the single-process
 update however the groups fall (`train.mini_batches` > 1 works the same way: a step ends after
 each mini-batch's last group). Round calls do not wait: the driver takes the next group at once
@@ -26,8 +31,8 @@ Weights. After an iteration every rank all-gathers the parameters, one at a time
 them into the driver's model (its parameters are in shared memory, handed to rank 0 at spawn) or,
 on Ray, returns them as numpy arrays through the object store.
 
-Checkpoints. `save_shards` has the ranks write their shards into the checkpoint being written
-(learner/sharded_state.py); `restore` loads them, whatever number of ranks wrote them.
+Checkpoints. `state` has the ranks write their shards into the checkpoint being written
+(learner/sharded_state.py); `load_state` reads them, whatever number of ranks wrote them.
 """
 
 from __future__ import annotations
@@ -35,26 +40,20 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 
-from cadence.backend.ranks import LocalRanks, Ranks
-from cadence.learner import (
-    LearnerParams,
-    Scored,
-    iteration_stats,
-    reward_figures,
-    reward_shaping,
-    score_groups,
-)
-from cadence.learner.ranks import RankSpec, Rendezvous, build_rank
+from cadence.backend.ranks import BUILD, LocalRanks, Ranks
+from cadence.learner.learner import LearnerParams
+from cadence.learner.rank import Rank, RankSpec, Rendezvous, RoundReply, build_rank
+from cadence.learner.scorer import Scored
+from cadence.learner.sums import iteration_stats
 from cadence.metrics import TRAIN_SPANS
 from cadence.metrics.trace import Span, Tracer
-from cadence.types import Group
 
 
 class _Sized(Protocol):
@@ -82,86 +81,132 @@ def split_round(groups: list[T], num_ranks: int, per_rank: int) -> list[list[T]]
     return [[groups[i] for i in sorted(share)] for share in shares]
 
 
+class RankClient:
+    """The driver's side of `Rank`: each method sends that call through the transport, to every
+    rank (a round: to each its share), named by the Protocol's own method. Sends do not wait;
+    `rounds` takes in every reply due, and the calls that return something wait for it."""
+
+    def __init__(self, transport: Ranks) -> None:
+        self.transport = transport
+        self.num_ranks = transport.num_ranks
+
+    def _send_all(self, method: Callable, *args: Any) -> None:
+        for rank in range(self.num_ranks):
+            self.transport.call(rank, method.__name__, *args)
+
+    def begin(self, version: int) -> None:
+        self._send_all(Rank.begin, version)
+
+    def train_round(self, shares: list[list[Scored]], step: bool) -> None:
+        for rank, share in enumerate(shares):
+            self.transport.call(rank, Rank.train_round.__name__, share, step)
+
+    def rounds(self) -> list[list[RoundReply]]:
+        """Every reply due, per rank: the round replies among them, in order."""
+        replies = self.transport.wait()
+        return [[r for r in rank if isinstance(r, RoundReply)] for rank in replies]
+
+    def poll(self) -> None:
+        """Raise a rank's failure now, without waiting."""
+        self.transport.poll()
+
+    def gather_weights(self) -> dict[str, np.ndarray] | None:
+        """Rank 0's answer (each rank's last reply is the one to the call just sent)."""
+        self._send_all(Rank.gather_weights)
+        return self.transport.wait()[0][-1]
+
+    def save(self, path: str) -> dict[str, Any]:
+        self._send_all(Rank.save, path)
+        return self.transport.wait()[0][-1]
+
+    def load(self, path: str, state: dict[str, Any]) -> None:
+        self._send_all(Rank.load, path, state)
+        self.transport.wait()
+
+    def describe(self) -> list[dict[str, Any]]:
+        self._send_all(Rank.describe)
+        return [replies[-1] for replies in self.transport.wait()]
+
+    def close(self) -> None:
+        self.transport.close()
+
+
 class RankedLearner:
-    """The learner as `ranks.num_ranks` torch.distributed ranks (see the module docstring)."""
+    """The learner as `transport.num_ranks` torch.distributed ranks (see the module docstring)."""
 
     def __init__(
         self,
-        ranks: Ranks,
+        transport: Ranks,
         model: torch.nn.Module,
         params: LearnerParams,
         tracer: Tracer | None = None,
         clock_offsets: list[float] | None = None,
+        strategy: str = "fsdp",
+        on_close: Callable[[], None] | None = None,
     ) -> None:
-        self.ranks, self.model, self.params = ranks, model, params
-        self.num_ranks = ranks.num_ranks
+        """Drive the ranks behind `transport`, built already; `model` is the driver's whole
+        copy of the policy, `strategy` what the ranks run (recorded in checkpoints), `on_close`
+        what to clean up once the ranks are stopped."""
+        self.ranks, self.model, self.params = RankClient(transport), model, params
+        self.num_ranks = transport.num_ranks
         self.tracer = tracer or Tracer()
         self.clock_offsets = clock_offsets or [0.0] * self.num_ranks  # rank clock -> ours
+        self.strategy, self.on_close = strategy, on_close
         self.version = 0  # policy version: number of iterations trained
-        self.baseline = 0.0  # previous iteration's mean reward (for "reinforce")
         self.bad_steps_in_a_row = 0
-        self.strategy = "fsdp"  # what the ranks run: set by `start_ranks`
-        self.frozen_copies_bytes = 0  # per rank
-        self.described: list[dict[str, Any]] = []  # per rank: what it holds, its pid
-        self.on_close: list = []  # what to clean up once the ranks are stopped
+        self.described = self.ranks.describe()  # per rank: what it holds, its pid
+        self.frozen_copies_bytes = self.described[0]["frozen_bytes"]  # per rank
         self._figures: list[list[dict[str, Any]]] = [[] for _ in range(self.num_ranks)]
 
     # --- training ---------------------------------------------------------------------------
 
-    def train_iteration(self, groups: Iterable[Group], num_groups: int) -> dict[str, Any]:
-        """Train on `num_groups` groups as they come, in rounds; step after each mini-batch's
-        last group (fewer may come: what did is trained and stepped when the iterable ends)."""
+    def train_iteration(self, scored: Iterable[Scored], num_groups: int) -> dict[str, Any]:
+        """Train on `num_groups` scored groups as they come, in rounds; step after each
+        mini-batch's last group (fewer may come: what did is trained and stepped when the
+        iterable ends)."""
         per_step = math.ceil(num_groups / self.params.mini_batches)
         per_round = self.num_ranks * self.params.micro_batch_groups
         start = self.tracer.now()
-        self._call_all("begin", self.version, self.baseline)
+        self.ranks.begin(self.version)
         buffer: list[Scored] = []
         steps: list[dict[str, float]] = []
-        scored: list[Scored] = []
         open_step = False  # rounds sent since the last step
-        for i, group in enumerate(score_groups(groups, self.params, self.baseline), start=1):
+        for i, group in enumerate(scored, start=1):
             buffer.append(group)
-            scored.append(group)
             end_of_step = i % per_step == 0 or i == num_groups
             if len(buffer) == per_round or end_of_step:
                 self._round(buffer, step=end_of_step, steps=steps)
                 buffer, open_step = [], not end_of_step
         if buffer or open_step:
             self._round(buffer, step=True, steps=steps)
-        if not steps or not scored:
+        if not steps:
             raise RuntimeError(f"learner got no groups (expected {num_groups})")
         self._publish()
         self.version += 1
-        self.baseline = float(torch.cat([s.rewards for s in scored]).mean())
-        return (
-            iteration_stats(steps, self.frozen_copies_bytes)
-            | reward_figures(scored, reward_shaping(self.params))
-            | self._rank_figures(start)
-        )
+        return iteration_stats(steps, self.frozen_copies_bytes) | self._rank_figures(start)
 
     def _round(self, groups: list[Scored], step: bool, steps: list[dict[str, float]]) -> None:
-        shares = split_round(groups, self.num_ranks, self.params.micro_batch_groups)
-        for rank, share in enumerate(shares):
-            self.ranks.call(rank, "train_round", share, step)
+        self.ranks.train_round(
+            split_round(groups, self.num_ranks, self.params.micro_batch_groups), step
+        )
         if not step:
             self.ranks.poll()  # a failed rank stops the run now, not at the step
             return
-        replies = self.ranks.wait()
+        replies = self.ranks.rounds()
         for rank, rank_replies in enumerate(replies):
             for reply in rank_replies:
                 self._take(rank, reply)
-        figures = replies[0][-1]["step"]
+        figures = replies[0][-1].step
+        assert figures is not None  # a round that steps answers with the step's figures
         self.bad_steps_in_a_row = self.bad_steps_in_a_row + 1 if figures["skipped_steps"] else 0
         steps.append(figures)
 
-    def _take(self, rank: int, reply: dict[str, Any] | None) -> None:
+    def _take(self, rank: int, reply: RoundReply) -> None:
         """A rank's spans onto the run's timeline; its memory figures kept for the iteration."""
-        if reply is None:
-            return
         offset = self.clock_offsets[rank] - self.tracer.origin
-        for s in reply["spans"]:
+        for s in reply.spans:
             self.tracer.add(Span(s.name, s.track, s.start + offset, s.end + offset))
-        self._figures[rank].append(reply["memory"])
+        self._figures[rank].append(reply.memory)
 
     def _rank_figures(self, since: float) -> dict[str, Any]:
         """Per rank: training busy time this iteration and peak memory; `learner_ranks`."""
@@ -180,37 +225,43 @@ class RankedLearner:
     def _publish(self) -> None:
         """Every rank gathers the parameters; rank 0's land in the driver's model."""
         with self.tracer.span("gather_weights", "learner"):
-            self._call_all("gather_weights")
-            arrays = self.ranks.wait()[0][0]
+            arrays = self.ranks.gather_weights()
             if arrays is not None:  # Ray: numpy arrays through the object store
                 load_arrays(self.model, arrays)
 
-    def _call_all(self, method: str, *args: Any) -> None:
-        for rank in range(self.num_ranks):
-            self.ranks.call(rank, method, *args)
-
     # --- checkpoints ------------------------------------------------------------------------
 
-    def save_shards(self, checkpoint_dir: Path) -> dict[str, Any]:
-        """Have every rank write its shards to `checkpoint_dir/learner`; what goes into the
-        checkpoint's state besides (the schedule, how many ranks wrote it)."""
-        self._call_all("save", str(checkpoint_dir / SHARDS))
-        trainer = self.ranks.wait()[0][0]
-        return {"learner_shards": trainer | {"ranks": self.num_ranks, "strategy": self.strategy}}
+    def state(self, directory: Path) -> dict[str, Any]:
+        """Have every rank write its shards to `directory/learner`; what the checkpoint's state
+        keeps besides: how many ranks wrote it and how, the version, the bad-step count, and
+        the ranks' own (the schedule)."""
+        rank = self.ranks.save(str(directory / SHARDS))
+        return {
+            "ranks": self.num_ranks,
+            "strategy": self.strategy,
+            "version": self.version,
+            "bad_steps_in_a_row": self.bad_steps_in_a_row,
+            "rank": rank,
+        }
 
-    def restore(self, checkpoint_dir: Path, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint (the driver's model is loaded by the caller)."""
-        self._call_all("load", str(checkpoint_dir / SHARDS), state["learner_shards"])
-        self.ranks.wait()
-        self.version, self.baseline = state["version"], state["baseline"]
+    def load_state(self, directory: Path, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint written by any number of ranks > 1 (the driver's model is
+        loaded by the checkpoint)."""
+        if state.get("ranks", 1) < 2:
+            raise ValueError(
+                f"{directory}: trainer state written by a single-process learner cannot be read "
+                "by learner ranks (its optimizer state is not sharded)"
+            )
+        self.ranks.load(str(directory / SHARDS), state["rank"])
+        self.version = state["version"]
         self.bad_steps_in_a_row = state["bad_steps_in_a_row"]
 
     def close(self) -> None:
         try:
             self.ranks.close()
         finally:
-            for fn in self.on_close:
-                fn()
+            if self.on_close is not None:
+                self.on_close()
 
 
 SHARDS = "learner"  # the checkpoint's subdirectory holding the ranks' shards
@@ -243,27 +294,20 @@ def start_local_ranks(
     )
     try:
         for r in range(spec.world_size):
-            ranks.call(r, "build", rendezvous, f"cuda:{r}" if device.startswith("cuda") else "cpu")
+            ranks.call(r, BUILD, rendezvous, f"cuda:{r}" if device.startswith("cuda") else "cpu")
         ranks.wait()
-        learner = _started(ranks, model, spec, tracer)
+        return RankedLearner(
+            ranks,
+            model,
+            spec.params,
+            tracer,
+            strategy=spec.strategy,
+            on_close=lambda: shutil.rmtree(folder, ignore_errors=True),
+        )
     except BaseException:
         ranks.close()
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    learner.on_close.append(lambda: shutil.rmtree(folder, ignore_errors=True))
-    return learner
-
-
-def _started(
-    ranks: Ranks, model: torch.nn.Module, spec: RankSpec, tracer: Tracer, offsets=None
-) -> RankedLearner:
-    learner = RankedLearner(ranks, model, spec.params, tracer, offsets)
-    learner.strategy = spec.strategy
-    for rank in range(spec.world_size):
-        ranks.call(rank, "describe")
-    learner.described = [r[0] for r in ranks.wait()]
-    learner.frozen_copies_bytes = learner.described[0]["frozen_bytes"]
-    return learner
 
 
 def start_ray_ranks(
@@ -294,9 +338,10 @@ def start_ray_ranks(
         rendezvous = Rendezvous(f"tcp://{host}:{port}", LOOPBACK if host == "127.0.0.1" else {})
         device = "cuda" if resources.get("GPU") else "cpu"
         for r in range(spec.world_size):
-            ranks.call(r, "build", rendezvous, device)
+            ranks.call(r, BUILD, rendezvous, device)
         ranks.wait()
-        return _started(ranks, model, spec, tracer, ranks.clock_offsets())
+        offsets = ranks.clock_offsets()
+        return RankedLearner(ranks, model, spec.params, tracer, offsets, strategy=spec.strategy)
     except BaseException:
         ranks.close()
         raise

@@ -1,0 +1,98 @@
+"""Every algorithm setting in one record: what the loss, the advantage estimator and the reward
+shaping are, and their hyper-parameters.
+
+`AlgoParams` is the `algo` section of the config plus the shaping keys of `reward` and the
+episode's cap, as the components take them: the Scorer (learner/scorer.py) reads the shaping
+and advantage settings, a loss function reads its clipping, KL, TIS or DPO settings, and the
+learner reads the aggregation and the cap. Each reads the fields it uses; none branches on
+another's. How the optimizer steps, how groups are micro-batched and laid out is not algorithm
+but learner (`learner.LearnerParams`).
+
+Values are checked here, so a bad one fails when the record is made; the names of the loss and
+the estimator are checked by the registry's lookups (`get_loss`, `get_advantage`), which the
+components make when they are built. Pure: imports nothing of cadence beyond `algo`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cadence.algo.advantages import STD_EPS, STD_MODES
+from cadence.algo.aggregation import AGG_MODES
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+DPO_LOSSES = ("sigmoid", "ipo", "ipo_token_mean")
+
+
+@dataclass(frozen=True)
+class AlgoParams:
+    """The algorithm: loss, advantages, shaping, and their hyper-parameters."""
+
+    loss: str = "ppo_clip"  # registry name (`algo.LOSSES`)
+    advantage: str = "grpo"  # registry name (`algo.ADVANTAGES`)
+    scale_by_std: bool = True  # GRPO: divide by the group's std (False: Dr. GRPO)
+    std: str = "unbiased"  # GRPO / REINFORCE++ std: one of STD_MODES
+    std_eps: float = STD_EPS  # added to that std
+    loss_agg: str = "token-mean"  # one of AGG_MODES
+    clip_low: float = 0.2  # ratio floor is 1 - clip_low (1: no floor, CISPO's usual setting)
+    clip_high: float = 0.2  # ratio ceiling is 1 + clip_high (DAPO's clip-higher raises it alone)
+    clip_ratio_c: float = 0.0  # dual-clip PPO: loss of an A < 0 token at most -A * c; 0: off
+    kl_coef: float = 0.0  # weight of the per-token KL(pi || ref) penalty; 0 turns it off
+    kl_estimator: str = "k3"  # one of KL_ESTIMATORS
+    kl_clamp: float = 0.0  # cap on each token's k3 estimate (verl's: 10); 0: no cap
+    tis_cap: float = 0.0  # truncated importance sampling cap (>= 1); 0 turns it off
+    dpo_beta: float = 0.1  # DPO's beta (IPO's tau): strength of the pull towards the reference
+    dpo_loss: str = "sigmoid"  # one of DPO_LOSSES
+    # the most tokens the policy writes in one episode (a multi-turn episode's, not one turn's):
+    # the overlong penalty's cap and seq-sum-norm's constant (learner/scorer.py)
+    max_policy_tokens: int = 64
+    overlong_buffer: int = 0  # DAPO's overlong penalty ramps over these last tokens; 0: off
+    overlong_penalty: float = 1.0  # the penalty at max_policy_tokens
+    mask_truncated: bool = False  # drop cut responses (finish_reason "length") from the loss
+
+    def __post_init__(self) -> None:
+        self._check_clipping()
+        if self.kl_coef < 0.0:
+            raise ValueError(f"kl_coef must be >= 0; got {self.kl_coef}")
+        if self.kl_clamp < 0.0:
+            raise ValueError(f"kl_clamp must be >= 0 (0: no cap); got {self.kl_clamp}")
+        if self.tis_cap != 0.0 and not self.tis_cap >= 1.0:
+            raise ValueError(
+                f"tis_cap must be 0 (off) or >= 1 (a cap below 1 would shrink the weight of "
+                f"on-policy tokens); got {self.tis_cap}"
+            )
+        if not self.dpo_beta > 0.0:
+            raise ValueError(f"dpo_beta must be > 0; got {self.dpo_beta}")
+        for name, allowed in (
+            ("kl_estimator", KL_ESTIMATORS),
+            ("dpo_loss", DPO_LOSSES),
+            ("std", STD_MODES),
+            ("loss_agg", AGG_MODES),
+        ):
+            check_choice(name, getattr(self, name), allowed)
+        self._check_shaping()
+
+    def _check_clipping(self) -> None:
+        if not 0.0 <= self.clip_low <= 1.0:
+            raise ValueError(f"clip_low must be in [0, 1]; got {self.clip_low}")
+        if self.clip_high < 0.0:
+            raise ValueError(f"clip_high must be >= 0; got {self.clip_high}")
+        if self.clip_ratio_c != 0.0 and not self.clip_ratio_c > 1.0:
+            raise ValueError(
+                f"clip_ratio_c must be 0 (off) or > 1 (dual-clip bounds the loss of a negative "
+                f"advantage at -A * clip_ratio_c); got {self.clip_ratio_c}"
+            )
+
+    def _check_shaping(self) -> None:
+        if self.max_policy_tokens < 1:
+            raise ValueError(f"max_policy_tokens must be >= 1; got {self.max_policy_tokens}")
+        if not 0 <= self.overlong_buffer <= self.max_policy_tokens:
+            raise ValueError(
+                f"overlong_buffer must be in [0, max_policy_tokens = {self.max_policy_tokens}]; "
+                f"got {self.overlong_buffer}"
+            )
+
+
+def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {name} {value!r}; allowed: {', '.join(allowed)}")
