@@ -30,6 +30,18 @@ def test_importing_cadence_does_not_import_ray():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_a_ray_imported_before_the_run_starts_one_it_can_join():
+    # vLLM imports Ray: Ray then read its authentication mode before the run chose token
+    # authentication for the Ray it starts, and the run could not join its own Ray
+    # ("InvalidAuthToken ... RAY_AUTH_MODE is currently 'disabled'")
+    code = (
+        "import ray; from cadence.backend.ray_pool import shutdown_ray, start_ray; "
+        "start_ray(None, num_cpus=1); assert ray.get(ray.put(7)) == 7; shutdown_ray()"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     from cadence.backend.ray_pool import shutdown_ray, start_ray

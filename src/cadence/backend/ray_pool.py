@@ -54,7 +54,7 @@ _reaper: subprocess.Popen | None = None  # of the Ray this process started (ray_
 
 
 def _local_ray_env() -> None:
-    """Settings a Ray started for the run must see before Ray is first imported."""
+    """Settings a Ray started for the run must see (an imported Ray is made to read them again)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray's single-machine mode: its node address, and so every listener, is 127.0.0.1.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -62,6 +62,17 @@ def _local_ray_env() -> None:
         # Token authentication, with a token of this run's own instead of ~/.ray/auth_token.
         os.environ["RAY_AUTH_MODE"] = "token"
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        if "ray" in sys.modules:  # imported already (vLLM imports Ray): it read the old mode
+            _reload_ray_auth()
+
+
+def _reload_ray_auth() -> None:
+    """Make an imported Ray read its authentication settings from the environment again (the
+    order Ray's own tests use: the config first, then the token cache)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def start_ray(address: str | None = None, num_cpus: int = 0) -> bool:
