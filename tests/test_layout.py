@@ -174,6 +174,8 @@ def test_the_checks_see_a_circle_a_private_import_and_a_layer_breach():
 # the factory that builds it knows.
 ENGINE_CLASSES = {"BatchStepper", "ContinuousEngine", "HFEngine", "ScriptedEngine", "VLLMEngine"}
 FACTORIES = {"cadence.engine.factory"}
+# trainers are built by the run builder and met only through the Trainer Protocol
+TRAINER_CLASSES = {"Learner", "RankedLearner", "RankLearner", "FakeTrainer"}
 
 
 def _class_tests(path: Path) -> set[str]:
@@ -200,6 +202,15 @@ def test_no_isinstance_on_engine_classes_outside_the_factory():
         for name, path in _modules().items()
         if name not in FACTORIES
         for cls in _class_tests(path) & ENGINE_CLASSES
+    )
+    assert bad == []
+
+
+def test_no_isinstance_on_trainer_classes_anywhere():
+    bad = sorted(
+        f"{name} asks for {cls}"
+        for name, path in _modules().items()
+        for cls in _class_tests(path) & TRAINER_CLASSES
     )
     assert bad == []
 
