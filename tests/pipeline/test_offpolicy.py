@@ -18,6 +18,7 @@ from cadence.engine import SamplingParams, ScriptedEngine, load_into
 from cadence.metrics import Tracer
 from cadence.pipeline import WorkerSource
 from cadence.pipeline.loop import StaleGroupError, within_staleness
+from cadence.pipeline.producer import ProducerParams
 from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
 
@@ -91,13 +92,15 @@ def _run_source(
         policy,
         Tracer(),
         next_prompts,
+        ProducerParams(
+            prompts_per_task=2,
+            tasks_in_flight=2,
+            max_staleness=max_staleness,
+            iterations=iterations,
+            max_worker_restarts=max_worker_restarts,
+            queue_size=queue_size,
+        ),
         stream=True,
-        prompts_per_task=2,
-        tasks_in_flight=2,
-        max_staleness=max_staleness,
-        iterations=iterations,
-        max_worker_restarts=max_worker_restarts,
-        queue_size=queue_size,
     )
     consumed = []
     rng = random.Random(seed)

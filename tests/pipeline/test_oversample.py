@@ -13,6 +13,7 @@ from cadence.engine import SamplingParams, ScriptedEngine, load_into
 from cadence.metrics import Tracer
 from cadence.pipeline import WorkerSource
 from cadence.pipeline.oversample import Oversampler, zero_variance
+from cadence.pipeline.producer import ProducerParams
 from cadence.rollout import RolloutWorker
 from cadence.types import Completion, Group, Prompt
 
@@ -109,11 +110,8 @@ def _source(stream: bool, budget: int, seed: int = 0):
         policy,
         Tracer(),
         lambda: [make(i) for i in range(6)],
+        ProducerParams(prompts_per_task=2, tasks_in_flight=2, iterations=3, group_size=GROUP_SIZE),
         stream=stream,
-        prompts_per_task=2,
-        tasks_in_flight=2,
-        iterations=3,
-        group_size=GROUP_SIZE,
         filter_groups=True,
         max_oversample=budget,
         next_extra=make,

@@ -24,6 +24,7 @@ from cadence.metrics import Tracer
 from cadence.pipeline import WorkerSource
 from cadence.pipeline.build import check_sharded
 from cadence.pipeline.checkpoint import Checkpoint, CheckpointError
+from cadence.pipeline.producer import ProducerParams
 from cadence.rollout import RolloutWorker
 from cadence.types import Completion, Group, Prompt
 
@@ -141,10 +142,8 @@ def test_every_group_goes_to_exactly_one_rank_whatever_the_arrival_order(
         policy,
         Tracer(),
         next_prompts,
+        ProducerParams(prompts_per_task=1, tasks_in_flight=2, iterations=iterations),
         stream=True,
-        prompts_per_task=1,
-        tasks_in_flight=2,
-        iterations=iterations,
     )
     RecordingRank.log = log = []
     ranks = InlineRanks(lambda rank: RecordingRank(rank), num_ranks)

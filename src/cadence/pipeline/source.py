@@ -141,7 +141,7 @@ class WorkerSource:
         model,
         tracer: Tracer,
         next_prompts: Callable[[], list[Prompt]],
-        params: ProducerParams | None = None,
+        params: ProducerParams,
         *,
         stream: bool,
         store: Store | None = None,
@@ -151,16 +151,10 @@ class WorkerSource:
         next_extra: Callable[[int], Prompt] | None = None,
         checkpoint_every: int = 0,
         behaviour: Sequence[dict[str, Any]] = (),
-        **settings: Any,
     ) -> None:
-        """`params`: the producer's settings (the builder makes them); or `settings`, the same
-        by keyword (`ProducerParams`' fields). `behaviour`: the behaviour policies of the
-        checkpoint a run resumes from (`resume_state`), published again before its first
-        iteration (pipeline/behaviour.py)."""
-        if params is None:
-            params = ProducerParams(**settings)
-        elif settings:
-            raise TypeError(f"give ProducerParams or its fields, not both: {sorted(settings)}")
+        """`params`: the producer's settings (the builder makes them). `behaviour`: the
+        behaviour policies of the checkpoint a run resumes from (`resume_state`), published
+        again before its first iteration (pipeline/behaviour.py)."""
         if params.queue_size and (params.max_staleness > 0 or not stream):
             raise ValueError("pipeline.queue_size must be 0 (unbounded) unless mode is periodic")
         if filter_groups and next_extra is None:
