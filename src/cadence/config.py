@@ -417,14 +417,16 @@ class RewardConfig(_Section):
         description="Longest a rule reward call may take, in any process or thread: past it the "
         "call scores 0 and counts as a reward error (and in reward_timeouts); 0: no limit.",
     )
-    concurrency: int = Field(
-        32,
+    concurrency: int | None = Field(
+        None,
         ge=1,
         description="Most rule reward calls in flight at once in each process that scores (a "
         "rollout worker, held-out evaluation, each reward worker): an `async def` reward is "
-        "awaited on one event loop per process, a plain one runs in a thread. A group is scored "
-        "while the engine decodes the others; results keep their order, so values do not "
-        "depend on it. Each call keeps its own reward.timeout_s. 1: one call at a time.",
+        "awaited on one event loop per process, a plain one runs in threads (at 1, in the "
+        "calling thread, as before). A group is scored while the engine decodes the others; "
+        "results keep their order, so the values do not depend on it; each call keeps its own "
+        "reward.timeout_s. Unset: the reward's own `concurrency` attribute (1 for 'math' and "
+        "'reasoning_gym', which compute rather than wait), else 32.",
     )
     answer_format: Literal["hashes", "boxed", "last_number", "auto"] = Field(
         "auto",

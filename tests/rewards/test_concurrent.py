@@ -12,6 +12,7 @@ import time
 import pytest
 
 from cadence.rewards import (
+    DEFAULT_CONCURRENCY,
     RewardCall,
     RewardRunner,
     TimedReward,
@@ -221,3 +222,36 @@ def test_a_timed_reward_becomes_a_runner_under_its_deadline(release):
     assert [r.value for r in results] == [1.0, 0.0]
     with pytest.raises(ValueError, match="concurrency must be >= 1, got 0"):
         RewardRunner(hangs, concurrency=0)
+
+
+def test_a_reward_that_computes_defaults_to_one_call_at_a_time_and_any_other_to_32():
+    def waits(prompt: str, completion: str, answer: str) -> float:
+        return 1.0
+
+    assert load_runner("math").concurrency == 1  # MathReward.concurrency
+    assert RewardRunner(waits).concurrency == DEFAULT_CONCURRENCY == 32
+    waits.concurrency = 4  # type: ignore[attr-defined]  # a reward's own default
+    assert RewardRunner(waits).concurrency == 4
+    assert load_runner("math", concurrency=8).concurrency == 8  # reward.concurrency wins
+    waits.concurrency = 0  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="concurrency attribute must be an int >= 1, got 0"):
+        RewardRunner(waits)
+
+
+def test_one_at_a_time_in_the_main_thread_a_spinning_call_is_stopped_not_left_running():
+    # A thread cannot be stopped, a main thread's call can (SIGALRM): concurrency 1 keeps it.
+    def spins(prompt: str, completion: str, answer: str) -> float:
+        while True:
+            pass
+
+    def threads() -> int:
+        return sum(t.name == "cadence-reward-call" for t in threading.enumerate())
+
+    before = threads()
+    runner = RewardRunner(spins, concurrency=1, timeout_s=0.2, name="x:spins")
+    t0 = time.perf_counter()
+    results = runner.score(_calls(3))
+    assert time.perf_counter() - t0 < 3.0
+    assert all(r.error.startswith(REWARD_TIMEOUT) for r in results)
+    assert runner.num_timeouts == 3
+    assert runner.stuck == 0 and threads() == before  # nothing left spinning

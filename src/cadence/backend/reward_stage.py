@@ -37,7 +37,7 @@ import torch
 from cadence.backend.procs import Processes, Sender, WorkerDied
 from cadence.dataplane import SCORER, Store, StoreClosed, record_depths
 from cadence.metrics.trace import Span, Tracer
-from cadence.rewards import DEFAULT_CONCURRENCY, RewardCall, load_runner
+from cadence.rewards import RewardCall, load_runner
 from cadence.types import SampleRow
 
 RULE_FIELDS = ("prompt", "response_text")
@@ -56,7 +56,7 @@ class RewardSpec:
     dtype: str = "float32"
     timeout_s: float = 0.0  # kind "rule": longest one call may take (0: no limit)
     answer_format: str = "auto"  # kind "rule", function "math": reward.answer_format
-    concurrency: int = DEFAULT_CONCURRENCY  # kind "rule": reward calls in flight at once
+    concurrency: int | None = None  # kind "rule": calls in flight at once (None: its default)
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -79,7 +79,7 @@ class RuleScorer:
         function: str,
         answer_format: str = "auto",
         timeout_s: float = 0.0,
-        concurrency: int = DEFAULT_CONCURRENCY,
+        concurrency: int | None = None,
     ) -> None:
         self.rewards = load_runner(function, answer_format, timeout_s, concurrency)
 

@@ -27,7 +27,9 @@ from cadence.rewards.timeout import TimedReward
 
 class RewardFn(Protocol):
     """(prompt, completion, answer) -> float; an `async def` one (returning a coroutine of a
-    float) is accepted wherever a reward is, and awaited on the process's reward loop."""
+    float) is accepted wherever a reward is, and awaited on the process's reward loop. A reward
+    may carry a `concurrency` attribute, its calls in flight at once unless `reward.concurrency`
+    says otherwise (rewards/concurrent.py)."""
 
     def __call__(self, prompt: str, completion: str, answer: str) -> float: ...
 

@@ -5,22 +5,29 @@ A reward that waits (a sandbox, a judge, an HTTP verifier) spends its time idle;
 time, 500 one-second calls take 500 s. The runner keeps up to `concurrency` calls in flight:
 - an `async def` reward is awaited on the process's reward loop (rewards/aio.py);
 - a plain `def` reward runs in a thread of the runner's own, started as needed, so a blocking
-  call (sleep, socket, subprocess) overlaps with the others. A CPU-bound reward (math-verify)
-  gains nothing from threads under the GIL, and loses nothing measurable either
-  (benchmarks/reward_concurrency.py).
+  call (sleep, socket, subprocess) overlaps with the others;
+- at concurrency 1, a plain reward called from a main thread runs right there, one call after
+  another, under `TimedReward`'s SIGALRM deadline: the one deadline that stops a call spinning in
+  Python, and math-verify keeps its own signal-based timeouts there.
+A reward that computes rather than waits (math-verify, reasoning-gym's graders) gains nothing
+from threads under the GIL, and a pathological answer (`\\boxed{9^{9^{9^{9}}}}`) holds the GIL
+for minutes in a thread, stalling the whole process, where math-verify's own alarm stops it in
+5 s in a main thread. Such a reward says so with a `concurrency` attribute of its own (1 for
+`MathReward` and `ReasoningGymReward`), which is its default; any other reward's default is
+`DEFAULT_CONCURRENCY`; `reward.concurrency` overrides both (benchmarks/reward_concurrency.py).
+
 Results come back in the order of the calls, and each is what `safe_reward` makes of that call
 alone (an exception or a non-finite value is 0.0 and an error string), so a deterministic reward
 scores the same at any concurrency.
 
 Every call has its own deadline, `timeout_s` from its start: past it the call scores 0 as a
-`RewardTimeout` error (counted in `reward_errors` and `reward_timeouts`, as `TimedReward`'s are).
-An async call is cancelled. A thread cannot be stopped from outside, so a thread whose call
-never returns is left to it; the runner keeps at most `MAX_STUCK_CALLS` such threads besides
-its `concurrency` working ones, and once that many are stuck a new call waits for one of them
-to come free and times out if none does. A reward that hangs forever therefore holds at most
-`concurrency + MAX_STUCK_CALLS` threads, and the error budget stops a run that keeps timing out.
-Threads are daemons (a stuck one never keeps the process alive) and an idle one ends after
-`IDLE_EXIT_S`.
+`RewardTimeout` error (counted in `reward_errors` and `reward_timeouts`). An async call is
+cancelled. A thread cannot be stopped from outside, so a thread whose call never returns is left
+to it; the runner keeps at most `MAX_STUCK_CALLS` such threads besides its `concurrency` working
+ones, and once that many are stuck a new call waits for one of them to come free and times out
+if none does. A reward that hangs forever therefore holds at most `concurrency +
+MAX_STUCK_CALLS` threads, and the error budget stops a run that keeps timing out. Threads are
+daemons (a stuck one never keeps the process alive) and an idle one ends after `IDLE_EXIT_S`.
 
 An exception that is not an `Exception` (KeyboardInterrupt, SystemExit) is not a score: it
 reaches the caller, as `safe_reward` lets it. This module must not import torch.
@@ -44,11 +51,12 @@ from cadence.rewards.base import (
     checked_reward,
     failed_reward,
     load_reward,
+    safe_reward,
 )
 from cadence.rewards.calls import takes_metadata
 from cadence.rewards.timeout import RewardTimeout, TimedReward, TimeoutLog
 
-DEFAULT_CONCURRENCY = 32  # reward.concurrency's default (measured: docs/reliability.md)
+DEFAULT_CONCURRENCY = 32  # for a reward without a `concurrency` of its own (docs/reliability.md)
 MAX_STUCK_CALLS = 64  # threads a runner leaves to calls past their deadline, at most
 IDLE_EXIT_S = 30.0
 
@@ -121,9 +129,20 @@ class _Raised(NamedTuple):
     error: BaseException
 
 
+def default_concurrency(fn: RewardFn) -> int:
+    """`fn`'s own `concurrency` attribute where it has one, else `DEFAULT_CONCURRENCY`."""
+    own = getattr(fn, "concurrency", DEFAULT_CONCURRENCY)
+    if not isinstance(own, int) or own < 1:
+        raise ValueError(
+            f"reward {fn!r}: its concurrency attribute must be an int >= 1, got {own!r}"
+        )
+    return own
+
+
 class RewardRunner:
-    """`fn` called for many rows at once: at most `concurrency` in flight, each within
-    `timeout_s` (0: no limit); `name` is how messages name it (its spec, 'module:function').
+    """`fn` called for many rows at once: at most `concurrency` in flight (None: `fn`'s default,
+    `default_concurrency`), each within `timeout_s` (0: no limit); `name` is how messages name it
+    (its spec, 'module:function').
 
     `submit(calls)` returns at once with a future of the results, in the order of `calls`;
     `score(calls)` waits for them. Safe to use from any number of threads: the bound is the
@@ -133,10 +152,11 @@ class RewardRunner:
     def __init__(
         self,
         fn: RewardFn,
-        concurrency: int = DEFAULT_CONCURRENCY,
+        concurrency: int | None = None,
         timeout_s: float = 0.0,
         name: str = "",
     ) -> None:
+        concurrency = default_concurrency(fn) if concurrency is None else concurrency
         if concurrency < 1:
             raise ValueError(f"reward concurrency must be >= 1, got {concurrency}")
         if timeout_s < 0:
@@ -147,6 +167,7 @@ class RewardRunner:
         self._is_async, self._takes_metadata = is_async(fn), takes_metadata(fn)
         self._threads = _Threads(concurrency + MAX_STUCK_CALLS)
         self._log = TimeoutLog(self.name, timeout_s)
+        self._timed = TimedReward(fn, timeout_s, self.name, self._log) if timeout_s else fn
         self._lock = threading.Lock()
         self._slots: asyncio.Semaphore | None = None  # made on the loop, used only there
 
@@ -159,7 +180,12 @@ class RewardRunner:
         return self.submit(calls).result()
 
     def submit(self, calls: Sequence[RewardCall]) -> cf.Future[list[RewardResult]]:
-        """Start `calls`; a future of their results, in order."""
+        """Start `calls`; a future of their results, in order (done already when they ran
+        right here: concurrency 1 in a main thread)."""
+        if self._here():
+            done: cf.Future[list[RewardResult]] = cf.Future()
+            done.set_result([safe_reward(self._timed, *call) for call in calls])
+            return done
         inner = asyncio.run_coroutine_threadsafe(self._score_all(list(calls)), event_loop())
         outer: cf.Future[list[RewardResult]] = cf.Future()
 
@@ -177,6 +203,12 @@ class RewardRunner:
 
         inner.add_done_callback(unpack)
         return outer
+
+    def _here(self) -> bool:
+        """Whether calls run in the caller's thread: one at a time, a plain function, a main
+        thread (where SIGALRM can cut a call)."""
+        main = threading.current_thread() is threading.main_thread()
+        return self.concurrency == 1 and not self._is_async and main
 
     async def _score_all(self, calls: list[RewardCall]) -> list[RewardResult | _Raised]:
         if self._slots is None:
@@ -260,8 +292,8 @@ def load_runner(
     spec: str,
     answer_format: str = "auto",
     timeout_s: float = 0.0,
-    concurrency: int = DEFAULT_CONCURRENCY,
+    concurrency: int | None = None,
 ) -> RewardRunner:
-    """The reward `spec` names (`load_reward`), run `concurrency` calls at a time, each within
-    `timeout_s` (0: no limit)."""
+    """The reward `spec` names (`load_reward`), run `concurrency` calls at a time (None: its
+    default), each within `timeout_s` (0: no limit)."""
     return RewardRunner(load_reward(spec, answer_format), concurrency, timeout_s, spec)

@@ -73,6 +73,11 @@ class MathReward:
     broken reference is a data error, not a wrong completion.
     """
 
+    # Its default reward.concurrency (rewards/concurrent.py): it computes, so threads gain
+    # nothing under the GIL, and one call at a time in a main thread keeps math-verify's own
+    # timeouts, which stop a pathological answer a thread could not.
+    concurrency = 1
+
     def __init__(self, answer_format: str = "auto") -> None:
         check_format(answer_format)
         self.answer_format = answer_format

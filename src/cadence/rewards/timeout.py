@@ -108,18 +108,19 @@ class _Helper:
 class TimedReward:
     """`fn`, whose every call returns within `timeout_s` or raises `RewardTimeout`.
 
-    `name` is how messages name the function (its spec, 'module:function'). Safe to call from
+    `name` is how messages name the function (its spec, 'module:function'); `log` counts its
+    timeouts (a `RewardRunner` shares its own). Safe to call from
     several threads at once: each calling thread other than the main one has its own helper.
     A row's `metadata` reaches `fn` when `fn` takes it (rewards/calls.py).
     """
 
-    def __init__(self, fn, timeout_s: float, name: str) -> None:
+    def __init__(self, fn, timeout_s: float, name: str, log: TimeoutLog | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.fn, self.timeout_s, self.name = fn, timeout_s, name
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._log = TimeoutLog(name, timeout_s)
+        self._log = log or TimeoutLog(name, timeout_s)  # shared with a runner that uses it
         self._abandoned: list[threading.Thread] = []
         self._takes_metadata = takes_metadata(fn)
         self._is_async = is_async(fn)

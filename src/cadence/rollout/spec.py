@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from cadence.engine import EngineWeights, SamplingParams
 from cadence.envs import EnvSpec
-from cadence.rewards import DEFAULT_CONCURRENCY
 from cadence.rollout.worker import RolloutWorker
 
 if TYPE_CHECKING:
@@ -37,7 +36,7 @@ class WorkerSpec:
     max_num_seqs: int
     engine: str = "continuous"
     reward_timeout_s: float = 0.0  # longest one reward call may take (0: no limit)
-    reward_concurrency: int = DEFAULT_CONCURRENCY  # reward calls in flight at once
+    reward_concurrency: int | None = None  # reward calls in flight at once (None: its default)
     answer_format: str = "auto"  # reward.answer_format of the "math" reward
     env: EnvSpec = field(default_factory=EnvSpec)  # single turn unless told otherwise
     vllm: VLLMOptions | None = None  # engine 'vllm': the [rollout.vllm] settings
