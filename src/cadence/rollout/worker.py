@@ -7,8 +7,9 @@ groups leave unscored, and the producer does not write their reward).
 
 A group's reward calls start the moment its last sample ends, through the reward runner
 (rewards/concurrent.py: up to `reward.concurrency` calls at once, each within its deadline), and
-run while the engine decodes the other groups; groups are handed out in the order they finished,
-each once it is scored, so the order and the values do not depend on how long scoring takes.
+run while the engine decodes the other groups (at concurrency 1 in a main thread they run right
+away, one after another, as before); groups are handed out in the order they finished, each once
+it is scored, so the order and the values do not depend on how long scoring takes.
 
 Two ways in: `rollout` generates a list of prompts and returns when all are done; `submit` and
 `poll` stream, for a worker process that keeps its engine's slots full across tasks and hands each
@@ -74,7 +75,7 @@ class _Scoring:
 
 
 class RolloutWorker:
-    """`reward`: a reward function (run `DEFAULT_CONCURRENCY` calls at a time, no deadline) or a
+    """`reward`: a reward function (run at its default concurrency, no deadline) or a
     `RewardRunner` (the run's: `reward.concurrency`, `reward.timeout_s`); None: a reward stage
     scores."""
 
@@ -142,13 +143,12 @@ class RolloutWorker:
     def poll(self) -> list[tuple[Hashable, Group]]:
         """One engine step (or, with nothing to decode, a short wait on scores); the (task,
         group) of every group scored since, in the order the groups finished."""
-        if self._jobs:
-            if self.episodes is not None:
-                finished = self.episodes.step()
-            else:
-                finished = [(key, completions, None) for key, completions in self.engine.step()]
-            for key, completions, env_rewards in finished:
+        if self._jobs and self.episodes is not None:
+            for key, completions, env_rewards in self.episodes.step():
                 self._scoring.append(self._start_scoring(key, completions, env_rewards))
+        elif self._jobs:
+            for key, completions in self.engine.step():
+                self._scoring.append(self._start_scoring(key, completions))
         if not self._jobs and self._scoring and (head := self._scoring[0].results) is not None:
             cf.wait([head], timeout=SCORE_WAIT_S)
         return self._scored()
