@@ -128,3 +128,11 @@ async def async_jittery_even_length(prompt: str, completion: str, answer: str) -
 
     await asyncio.sleep(_jitter_s(completion))
     return even_length(prompt, completion, answer)
+
+
+def half_second_even_length(prompt: str, completion: str, answer: str) -> float:
+    """`even_length` after 0.5 s: a reward that waits (a judge, a sandbox)."""
+    import time
+
+    time.sleep(0.5)
+    return even_length(prompt, completion, answer)

@@ -179,7 +179,7 @@ def test_submissions_from_several_threads_share_the_bound():
 
     def sleeps(prompt: str, completion: str, answer: str) -> float:
         with flight:
-            time.sleep(0.05)
+            time.sleep(0.1)
         return 1.0
 
     runner = RewardRunner(sleeps, concurrency=3)
