@@ -105,3 +105,34 @@ def always_raises(prompt: str, completion: str, answer: str) -> float:
 def always_one(prompt: str, completion: str, answer: str) -> float:
     """The same reward for every completion: no group has a learning signal."""
     return 1.0
+
+
+def _jitter_s(completion: str) -> float:
+    import zlib
+
+    return zlib.crc32(completion.encode()) % 20 / 1000  # 0-19 ms, the same for the same text
+
+
+def jittery_even_length(prompt: str, completion: str, answer: str) -> float:
+    """`even_length` after a wait of 0-19 ms set by the completion: calls in flight together
+    finish out of order, as a remote grader's would."""
+    import time
+
+    time.sleep(_jitter_s(completion))
+    return even_length(prompt, completion, answer)
+
+
+async def async_jittery_even_length(prompt: str, completion: str, answer: str) -> float:
+    """`jittery_even_length` as an `async def` reward."""
+    import asyncio
+
+    await asyncio.sleep(_jitter_s(completion))
+    return even_length(prompt, completion, answer)
+
+
+def half_second_even_length(prompt: str, completion: str, answer: str) -> float:
+    """`even_length` after 0.5 s: a reward that waits (a judge, a sandbox)."""
+    import time
+
+    time.sleep(0.5)
+    return even_length(prompt, completion, answer)

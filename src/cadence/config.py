@@ -376,9 +376,9 @@ class RewardConfig(_Section):
         "math",
         description="'math' (math-verify final answer), 'reasoning_gym' (each row's own "
         "reasoning-gym score_answer, in [0, 1]; the default when data.task = 'reasoning_gym') or "
-        "'module:function' (fn(prompt, completion, answer) -> float; a `metadata` keyword or "
-        "**kwargs also gets the row's metadata). With kind 'model' it still scores held-out "
-        "accuracy.",
+        "'module:function' (fn(prompt, completion, answer) -> float, or an `async def` one; a "
+        "`metadata` keyword or **kwargs also gets the row's metadata). With kind 'model' it "
+        "still scores held-out accuracy.",
     )
     model_path: str | None = Field(
         None,
@@ -416,6 +416,17 @@ class RewardConfig(_Section):
         ge=0.0,
         description="Longest a rule reward call may take, in any process or thread: past it the "
         "call scores 0 and counts as a reward error (and in reward_timeouts); 0: no limit.",
+    )
+    concurrency: int | None = Field(
+        None,
+        ge=1,
+        description="Most rule reward calls in flight at once in each process that scores (a "
+        "rollout worker, held-out evaluation, each reward worker): an `async def` reward is "
+        "awaited on one event loop per process, a plain one runs in threads (at 1, in the "
+        "calling thread, as before). A group is scored while the engine decodes the others; "
+        "results keep their order, so the values do not depend on it; each call keeps its own "
+        "reward.timeout_s. Unset: the reward's own `concurrency` attribute (1 for 'math' and "
+        "'reasoning_gym', which compute rather than wait), else 32.",
     )
     answer_format: Literal["hashes", "boxed", "last_number", "auto"] = Field(
         "auto",

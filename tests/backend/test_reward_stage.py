@@ -212,3 +212,17 @@ def test_a_reward_worker_that_cannot_load_its_reward_fails_the_build_with_its_tr
     with pytest.raises(WorkerError, match=r"(?s)reward worker \d failed:.*Traceback.*refuses"):
         build_run(cfg)
     assert not multiprocessing.active_children()
+
+
+def test_a_rule_reward_worker_scores_its_micro_batch_concurrently():
+    # Before: one row after another, 16 x 0.5 s = 8 s per micro-batch.
+    from cadence.backend.reward_stage import RuleScorer
+
+    scorer = RuleScorer("fixtures_rewards:half_second_even_length", timeout_s=5.0, concurrency=8)
+    prompts = [Prompt(f"u{i}", "q", "a", i) for i in range(16)]
+    texts = ["x" * i for i in range(16)]
+    t0 = time.perf_counter()
+    rewards, errors = scorer({"prompt": prompts, "response_text": texts})
+    assert time.perf_counter() - t0 < 4.0  # 2 waves of 0.5 s
+    assert rewards == [1.0 if i % 2 == 0 else 0.0 for i in range(16)]
+    assert errors == [None] * 16

@@ -142,18 +142,23 @@ def test_public_surface() -> None:
     import cadence.rewards
 
     assert set(cadence.rewards.__all__) == {
+        "DEFAULT_CONCURRENCY",
         "ConstantReward",
         "MathReward",
         "RewardBudgetExceeded",
+        "RewardCall",
         "RewardErrorBudget",
         "RewardFn",
         "RewardLoadError",
         "RewardResult",
+        "RewardRunner",
         "RewardTimeout",
         "RowRewardFn",
         "TableReward",
         "TimedReward",
+        "as_runner",
         "extract_prediction",
         "load_reward",
+        "load_runner",
         "safe_reward",
     }

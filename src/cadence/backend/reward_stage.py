@@ -9,8 +9,9 @@ its rows are scored. A slow stage shows as rows waiting in the store; more rewar
 it faster.
 
 A reward worker is a spawned process with its own torch threads that builds one scorer:
-- kind "rule": `reward.function`, each response scored with `safe_reward`, exactly as a rollout
-  worker scores it (an exception or a non-finite value is a reward error, counted as before);
+- kind "rule": `reward.function`, a micro-batch's responses scored at once by the reward runner
+  (`reward.concurrency` calls in flight, each within `reward.timeout_s`), exactly as a rollout
+  worker scores them (an exception or a non-finite value is a reward error, counted as before);
 - kind "model": `RewardModel` (a local sequence classifier) on the token ids the policy saw and
   sampled, in forward passes of `reward.batch_size`; a non-finite score is a reward error.
 
@@ -36,7 +37,7 @@ import torch
 from cadence.backend.procs import Processes, Sender, WorkerDied
 from cadence.dataplane import SCORER, Store, StoreClosed, record_depths
 from cadence.metrics.trace import Span, Tracer
-from cadence.rewards import load_reward, safe_reward
+from cadence.rewards import RewardCall, load_runner
 from cadence.types import SampleRow
 
 RULE_FIELDS = ("prompt", "response_text")
@@ -55,6 +56,7 @@ class RewardSpec:
     dtype: str = "float32"
     timeout_s: float = 0.0  # kind "rule": longest one call may take (0: no limit)
     answer_format: str = "auto"  # kind "rule", function "math": reward.answer_format
+    concurrency: int | None = None  # kind "rule": calls in flight at once (None: its default)
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -72,14 +74,21 @@ class Scorer(Protocol):
 class RuleScorer:
     """A rule reward function over (prompt text, response text, reference answer)."""
 
-    def __init__(self, function: str, answer_format: str = "auto", timeout_s: float = 0.0) -> None:
-        self.fn = load_reward(function, answer_format, timeout_s)
+    def __init__(
+        self,
+        function: str,
+        answer_format: str = "auto",
+        timeout_s: float = 0.0,
+        concurrency: int | None = None,
+    ) -> None:
+        self.rewards = load_runner(function, answer_format, timeout_s, concurrency)
 
     def __call__(self, data: dict[str, list]) -> Scores:
-        results = [
-            safe_reward(self.fn, p.text, text, p.answer, p.metadata)
+        calls = [
+            RewardCall(p.text, text, p.answer, p.metadata)
             for p, text in zip(data["prompt"], data["response_text"], strict=True)
         ]
+        results = self.rewards.score(calls)
         return [r.value for r in results], [r.error for r in results]
 
 
@@ -113,7 +122,7 @@ def build_scorer(spec: RewardSpec) -> Scorer:
         if not spec.model_path:
             raise ValueError("a reward model stage needs reward.model_path")
         return ModelScorer(spec.model_path, spec.batch_size, spec.dtype)
-    return RuleScorer(spec.function, spec.answer_format, spec.timeout_s)
+    return RuleScorer(spec.function, spec.answer_format, spec.timeout_s, spec.concurrency)
 
 
 @dataclass

@@ -189,6 +189,7 @@ def reward_stage(cfg: Config, store: Store, tracer: Tracer) -> RewardStage:
         dtype=cfg.model.dtype,
         timeout_s=r.timeout_s,
         answer_format=r.answer_format,
+        concurrency=r.concurrency,
     )
     return RewardStage(
         spec,

@@ -302,6 +302,7 @@ def worker_spec(cfg: Config, sampling: SamplingParams) -> WorkerSpec:
         engine=cfg.rollout.engine,
         vllm=vllm_options(cfg),  # read by an engine that takes them (vllm) only
         reward_timeout_s=cfg.reward.timeout_s,
+        reward_concurrency=cfg.reward.concurrency,
         answer_format=cfg.reward.answer_format,
         env=env_spec(cfg),
     )

@@ -27,7 +27,7 @@ from cadence.pipeline.params import (
     vllm_options,
 )
 from cadence.pipeline.prompts import heldout_prompts
-from cadence.rewards import RewardFn, load_reward
+from cadence.rewards import RewardFn, RewardRunner, load_runner
 from cadence.rollout import Evaluator, RolloutWorker
 from cadence.types import Prompt
 
@@ -67,17 +67,18 @@ def learner_engine(cfg: Config, model, tokenizer) -> tuple[Engine, Sync | None]:
     return engine, learner_sync(weights, model)
 
 
-def run_reward(cfg: Config) -> RewardFn:
-    """The run's reward function (`reward.function`, its answer format and time limit)."""
+def run_reward(cfg: Config) -> RewardRunner:
+    """The run's reward function (`reward.function`, its answer format), run
+    `reward.concurrency` calls at a time, each within `reward.timeout_s`."""
     r = cfg.reward
-    return load_reward(r.function, r.answer_format, r.timeout_s)
+    return load_runner(r.function, r.answer_format, r.timeout_s, r.concurrency)
 
 
 def rollout_worker(
     cfg: Config,
     engine: Engine,
     tokenizer,
-    reward: RewardFn | None,
+    reward: RewardFn | RewardRunner | None,
     model_path: str | Path | None = None,
 ) -> RolloutWorker:
     """A worker sampling as `cadence train` samples (`rollout.*`, the environment, the run seed)
@@ -106,7 +107,7 @@ def heldout_evaluator(
     model,
     engine: Engine,
     tokenizer,
-    reward: RewardFn,
+    reward: RewardFn | RewardRunner,
     prompts: list[Prompt],
     sync: Sync | None = None,
     model_path: str | Path | None = None,

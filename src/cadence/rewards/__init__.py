@@ -1,4 +1,5 @@
-"""Reward functions: the `RewardFn` seam, the math-verify reward and test doubles.
+"""Reward functions: the `RewardFn` seam, the math-verify reward, test doubles, and the runner
+that scores many rows at once (`RewardRunner`, `reward.concurrency`).
 
 Rewards are pure functions of text (and of a row's metadata, for those that take it); nothing
 here imports torch or holds model state. The learned reward (`cadence.rewards.model`, a sequence
@@ -18,22 +19,34 @@ from cadence.rewards.base import (
     load_reward,
     safe_reward,
 )
+from cadence.rewards.concurrent import (
+    DEFAULT_CONCURRENCY,
+    RewardCall,
+    RewardRunner,
+    as_runner,
+    load_runner,
+)
 from cadence.rewards.math import MathReward, extract_prediction
 from cadence.rewards.timeout import RewardTimeout, TimedReward
 
 __all__ = [
+    "DEFAULT_CONCURRENCY",
     "ConstantReward",
     "MathReward",
     "RewardBudgetExceeded",
+    "RewardCall",
     "RewardErrorBudget",
     "RewardFn",
     "RewardLoadError",
     "RewardResult",
+    "RewardRunner",
     "RewardTimeout",
     "RowRewardFn",
     "TableReward",
     "TimedReward",
+    "as_runner",
     "extract_prediction",
     "load_reward",
+    "load_runner",
     "safe_reward",
 ]

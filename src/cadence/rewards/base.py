@@ -14,16 +14,23 @@ This module must not import torch or a model library, nor evaluate strings as co
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from cadence.rewards.aio import run_awaitable
 from cadence.rewards.calls import call_reward
 from cadence.rewards.timeout import TimedReward
 
 
 class RewardFn(Protocol):
+    """(prompt, completion, answer) -> float; an `async def` one (returning a coroutine of a
+    float) is accepted wherever a reward is, and awaited on the process's reward loop. A reward
+    may carry a `concurrency` attribute, its calls in flight at once unless `reward.concurrency`
+    says otherwise (rewards/concurrent.py)."""
+
     def __call__(self, prompt: str, completion: str, answer: str) -> float: ...
 
 
@@ -102,15 +109,27 @@ def safe_reward(
     answer: str,
     metadata: dict[str, Any] | None = None,
 ) -> RewardResult:
-    """Call `fn` (with the row's `metadata` if it takes it); an exception or a non-finite or
-    non-numeric value gives 0.0 and an error string.
+    """Call `fn` (with the row's `metadata` if it takes it; awaited if async); an exception or a
+    non-finite or non-numeric value gives 0.0 and an error string.
 
     Catches `Exception` only: KeyboardInterrupt and SystemExit still stop the program.
     """
     try:
         value = call_reward(fn, prompt, completion, answer, metadata)
+        if inspect.isawaitable(value):
+            value = run_awaitable(value)
     except Exception as e:
-        return RewardResult(0.0, f"{type(e).__name__}: {e}")
+        return failed_reward(e)
+    return checked_reward(value)
+
+
+def failed_reward(error: Exception) -> RewardResult:
+    """A call that raised: 0.0, and the error as "ExcType: message"."""
+    return RewardResult(0.0, f"{type(error).__name__}: {error}")
+
+
+def checked_reward(value: Any) -> RewardResult:
+    """A returned value as a reward: a finite number, else 0.0 and why not."""
     if not isinstance(value, numbers.Real) or not math.isfinite(value):
         shown = repr(value)[:80]
         return RewardResult(0.0, f"non-finite reward: got {type(value).__name__} {shown}")

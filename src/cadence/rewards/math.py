@@ -29,7 +29,7 @@ _CACHE_SIZE = 1 << 16
 
 class _NoDisabledTimeoutWarning(logging.Filter):
     """math-verify warns, once per process, that it runs without a timeout outside the main
-    thread; cadence's callers put a deadline of their own on every call (`TimedReward`)."""
+    thread; cadence's callers put a deadline of their own on every call (`RewardRunner`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Timeout is disabled")
@@ -66,12 +66,19 @@ class MathReward:
 
     math-verify's timeouts use `signal.alarm`, which works only in the main thread. Elsewhere this
     class calls it with `parsing_timeout=None` and `timeout_seconds=None`: it still works, but has
-    no timeout of its own, so a pathological completion could stall the thread; cadence calls
-    every reward through `TimedReward` (`reward.timeout_s`), which cuts it in any thread.
+    no timeout of its own, so a pathological completion could stall the thread (and, holding the
+    GIL, the process); cadence scores through `RewardRunner` (`reward.timeout_s` on every call),
+    and by default one call at a time in the caller's thread (`concurrency` below), so that in a
+    main thread math-verify keeps its own timeouts.
 
     Raises ValueError if the reference is empty or math-verify cannot parse its answer: a
     broken reference is a data error, not a wrong completion.
     """
+
+    # Its default reward.concurrency (rewards/concurrent.py): it computes, so threads gain
+    # nothing under the GIL, and one call at a time in a main thread keeps math-verify's own
+    # timeouts, which stop a pathological answer a thread could not.
+    concurrency = 1
 
     def __init__(self, answer_format: str = "auto") -> None:
         check_format(answer_format)

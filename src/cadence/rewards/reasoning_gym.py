@@ -30,6 +30,8 @@ class ReasoningGymReward:
     Raises ValueError for a row without metadata (it needs `data.task = "reasoning_gym"`).
     """
 
+    concurrency = 1  # its default reward.concurrency: graders compute, they do not wait
+
     def __init__(self, answer_format: str = "auto") -> None:
         check_format(answer_format)
         try:

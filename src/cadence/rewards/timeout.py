@@ -15,8 +15,12 @@ error naming the function. How the call is cut depends on the thread:
   a fresh one; a call that never ends keeps its thread, and its CPU if it spins, until the
   process exits, and the error budget stops a run whose reward keeps timing out. The hand-off
   costs about 50-65 us per call on the 2-core machine (`benchmarks/reward_timeout.py`).
+- an **async** reward is awaited on the process's reward loop (rewards/aio.py) and cancelled at
+  the deadline.
 
-This module must not import torch.
+`TimedReward` times one call where it is made; the run's scoring goes through `RewardRunner`
+(rewards/concurrent.py), which runs many calls at once and keeps each to the same deadline, with
+the same message and count (`TimeoutLog`). This module must not import torch.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import time
 from functools import partial
 from typing import Any
 
+from cadence.rewards.aio import Expired, is_async, run_awaitable
 from cadence.rewards.calls import takes_metadata
 
 log = logging.getLogger(__name__)
@@ -38,6 +43,33 @@ class RewardTimeout(Exception):
     """A reward call did not return within its deadline; the message names the function.
 
     `safe_reward` records it as "RewardTimeout: ...", the prefix `types.REWARD_TIMEOUT`."""
+
+
+class TimeoutLog:
+    """A reward's timeouts: counted, and logged at the 1st, 2nd, 4th, 8th, ... (a trace, never a
+    flood). `name` is how messages name the function (its spec, 'module:function')."""
+
+    def __init__(self, name: str, timeout_s: float) -> None:
+        self.name, self.timeout_s = name, timeout_s
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def record(self, running: int, why: str = "did not return") -> str:
+        """Count one timeout; the message for its reward error. `running`: timed-out calls
+        still running in their threads."""
+        with self._lock:
+            self.count += 1
+            n = self.count
+        message = f"reward '{self.name}' {why} within reward.timeout_s = {self.timeout_s:g} s; "
+        message += "scored 0"
+        if n & (n - 1) == 0:
+            log.warning(
+                "cadence: %s (timeout %d of this process, counted in reward_timeouts%s)",
+                message,
+                n,
+                f"; {running} timed-out call(s) still running in their threads" if running else "",
+            )
+        return message
 
 
 class _Deadline(BaseException):
@@ -76,20 +108,26 @@ class _Helper:
 class TimedReward:
     """`fn`, whose every call returns within `timeout_s` or raises `RewardTimeout`.
 
-    `name` is how messages name the function (its spec, 'module:function'). Safe to call from
+    `name` is how messages name the function (its spec, 'module:function'); `log` counts its
+    timeouts (a `RewardRunner` shares its own). Safe to call from
     several threads at once: each calling thread other than the main one has its own helper.
     A row's `metadata` reaches `fn` when `fn` takes it (rewards/calls.py).
     """
 
-    def __init__(self, fn, timeout_s: float, name: str) -> None:
+    def __init__(self, fn, timeout_s: float, name: str, log: TimeoutLog | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.fn, self.timeout_s, self.name = fn, timeout_s, name
         self._local = threading.local()
         self._lock = threading.Lock()
-        self.num_timeouts = 0
+        self._log = log or TimeoutLog(name, timeout_s)  # shared with a runner that uses it
         self._abandoned: list[threading.Thread] = []
         self._takes_metadata = takes_metadata(fn)
+        self._is_async = is_async(fn)
+
+    @property
+    def num_timeouts(self) -> int:
+        return self._log.count
 
     def __call__(
         self, prompt: str, completion: str, answer: str, metadata: dict[str, Any] | None = None
@@ -98,6 +136,11 @@ class TimedReward:
         fn = self.fn
         if metadata is not None and self._takes_metadata:
             fn = partial(fn, metadata=metadata)
+        if self._is_async:
+            try:
+                return run_awaitable(fn(*args), self.timeout_s)
+            except Expired:
+                raise RewardTimeout(self._timed_out(None)) from None
         if threading.current_thread() is threading.main_thread():
             return self._under_alarm(fn, args)
         return self._in_helper(fn, args)
@@ -142,20 +185,7 @@ class TimedReward:
 
     def _timed_out(self, abandoned: threading.Thread | None) -> str:
         with self._lock:
-            self.num_timeouts += 1
-            n = self.num_timeouts
             alive = [t for t in self._abandoned if t.is_alive()]
             self._abandoned = alive + ([abandoned] if abandoned else [])
             running = len(self._abandoned)
-        message = (
-            f"reward '{self.name}' did not return within reward.timeout_s = {self.timeout_s:g} s; "
-            "scored 0"
-        )
-        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... timeout: a trace, never a flood
-            log.warning(
-                "cadence: %s (timeout %d of this process, counted in reward_timeouts%s)",
-                message,
-                n,
-                f"; {running} timed-out call(s) still running in helper threads" if running else "",
-            )
-        return message
+        return self._log.record(running)

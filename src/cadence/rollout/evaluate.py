@@ -3,7 +3,9 @@
 With an environment (`env.kind = "tool"`) each held-out problem is a greedy episode, tools and
 all, run by the same rollout worker code that training uses; without one, a single response.
 Either way a prompt is fed as training feeds it (`prompt_ids`: truncated where it was cut to fit).
-Prompts labelled with a task (a mix) also give the accuracy of each task.
+Prompts labelled with a task (a mix) also give the accuracy of each task. The answers are scored
+all at once through the reward runner (`reward.concurrency` calls in flight, each within
+`reward.timeout_s`), not one after another.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 from cadence.engine import Engine, Request, SamplingParams
 from cadence.envs import Environment
 from cadence.metrics.tasks import task_accuracy
-from cadence.rewards import RewardFn, safe_reward
+from cadence.rewards import RewardCall, RewardFn, RewardRunner, as_runner
 from cadence.rollout.worker import RolloutWorker, prompt_ids
 from cadence.types import Completion, Prompt
 
@@ -23,7 +25,7 @@ from cadence.types import Completion, Prompt
 def evaluate(
     engine: Engine,
     tokenizer,
-    reward: RewardFn,
+    reward: RewardFn | RewardRunner,
     prompts: list[Prompt],
     sampling: SamplingParams,
     env: Environment | None = None,
@@ -32,13 +34,14 @@ def evaluate(
     with task labels, each task's fraction too (`accuracy/<task>`)."""
     greedy = replace(sampling, temperature=0.0)
     if env is not None:
-        completions = _episodes(engine, tokenizer, reward, prompts, greedy, env)
+        completions = _episodes(engine, tokenizer, prompts, greedy, env)
     else:
         completions = _responses(engine, tokenizer, prompts, greedy)
-    scores = [
-        safe_reward(reward, p.text, c.text, p.answer, p.metadata).value
+    calls = [
+        RewardCall(p.text, c.text, p.answer, p.metadata)
         for p, c in zip(prompts, completions, strict=True)
     ]
+    scores = [result.value for result in as_runner(reward).score(calls)]
     correct = sum(s >= 1.0 for s in scores)
     tokens = sum(len(c.token_ids) for c in completions)
     n = max(len(prompts), 1)
@@ -52,7 +55,7 @@ def _responses(engine, tokenizer, prompts, greedy) -> list[Completion]:
     return [c for (c,) in engine.generate(requests, greedy)]
 
 
-def _episodes(engine, tokenizer, reward, prompts, greedy, env) -> list[Completion]:
+def _episodes(engine, tokenizer, prompts, greedy, env) -> list[Completion]:
     worker = RolloutWorker(engine, tokenizer, None, greedy, 1, 0, env=env)
     return [g.completions[0] for g in worker.rollout(prompts, 0, 0)]
 
@@ -64,12 +67,15 @@ class Evaluator:
     model: Any  # the learner's policy: put in eval mode first (the engine may share it)
     engine: Engine
     tokenizer: Any
-    reward: RewardFn
+    reward: RewardFn | RewardRunner
     prompts: list[Prompt]
     sampling: SamplingParams
     env: Environment | None = None
     sync: Callable[..., None] | None = None  # brings an engine with its own copy to the policy
     by_task: dict[str, float] = field(default_factory=dict)  # of the last call, per task label
+
+    def __post_init__(self) -> None:
+        self.reward = as_runner(self.reward)  # one runner (and its threads) for every call
 
     def results(self) -> dict[str, float]:
         """`evaluate`'s figures for the policy as it is now."""

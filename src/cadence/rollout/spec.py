@@ -36,6 +36,7 @@ class WorkerSpec:
     max_num_seqs: int
     engine: str = "continuous"
     reward_timeout_s: float = 0.0  # longest one reward call may take (0: no limit)
+    reward_concurrency: int | None = None  # reward calls in flight at once (None: its default)
     answer_format: str = "auto"  # reward.answer_format of the "math" reward
     env: EnvSpec = field(default_factory=EnvSpec)  # single turn unless told otherwise
     vllm: VLLMOptions | None = None  # engine 'vllm': the [rollout.vllm] settings
@@ -48,7 +49,7 @@ def build_worker(spec: WorkerSpec) -> tuple[EngineWeights, RolloutWorker]:
     from cadence.engine import open_engine
     from cadence.envs import make_env
     from cadence.models import load_tokenizer
-    from cadence.rewards import load_reward
+    from cadence.rewards import load_runner
 
     tokenizer = load_tokenizer(spec.model_path)
     engine, weights = open_engine(
@@ -59,9 +60,11 @@ def build_worker(spec: WorkerSpec) -> tuple[EngineWeights, RolloutWorker]:
         dtype=spec.dtype,
         vllm=spec.vllm,
     )
-    reward = (
-        load_reward(spec.reward, spec.answer_format, spec.reward_timeout_s) if spec.reward else None
-    )
+    reward = None
+    if spec.reward:
+        reward = load_runner(
+            spec.reward, spec.answer_format, spec.reward_timeout_s, spec.reward_concurrency
+        )
     worker = RolloutWorker(
         engine,
         tokenizer,

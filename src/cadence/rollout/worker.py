@@ -5,6 +5,12 @@ learner's own model; the same class is what worker processes run. Scoring happen
 learner's critical path once workers are separate, unless a reward stage scores (`reward=None`:
 groups leave unscored, and the producer does not write their reward).
 
+A group's reward calls start the moment its last sample ends, through the reward runner
+(rewards/concurrent.py: up to `reward.concurrency` calls at once, each within its deadline), and
+run while the engine decodes the other groups (at concurrency 1 in a main thread they run right
+away, one after another, as before); groups are handed out in the order they finished, each once
+it is scored, so the order and the values do not depend on how long scoring takes.
+
 Two ways in: `rollout` generates a list of prompts and returns when all are done; `submit` and
 `poll` stream, for a worker process that keeps its engine's slots full across tasks and hands each
 group out the moment it is complete. The loaded weights must not change while `busy`.
@@ -17,7 +23,9 @@ is one response, exactly as before.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import time
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
 
@@ -30,7 +38,7 @@ from cadence.engine import (
     derive_seed,
 )
 from cadence.envs import Environment
-from cadence.rewards import RewardFn, safe_reward
+from cadence.rewards import RewardCall, RewardFn, RewardResult, RewardRunner, as_runner
 from cadence.rollout.episodes import EpisodeRunner
 from cadence.types import Completion, Group, Prompt
 
@@ -53,25 +61,43 @@ class _Job:
     submitted: float
 
 
+SCORE_WAIT_S = 0.05  # longest wait on scores while the engine has nothing to decode
+
+
+@dataclass
+class _Scoring:
+    """A generated group whose rewards are being computed."""
+
+    job: _Job
+    completions: list[Completion]
+    scored: list[int]  # positions of the completions the reward function scores
+    results: cf.Future[list[RewardResult]] | None  # None: nothing to score
+
+
 class RolloutWorker:
+    """`reward`: a reward function (run at its default concurrency, no deadline) or a
+    `RewardRunner` (the run's: `reward.concurrency`, `reward.timeout_s`); None: a reward stage
+    scores."""
+
     def __init__(
         self,
         engine: Engine,
         tokenizer,
-        reward: RewardFn | None,
+        reward: RewardFn | RewardRunner | None,
         sampling: SamplingParams,
         group_size: int,
         run_seed: int,
         env: Environment | None = None,
     ) -> None:
         self._jobs: dict[Hashable, _Job] = {}  # by (task, position in task)
+        self._scoring: deque[_Scoring] = deque()  # in the order the groups finished
         self.episodes: EpisodeRunner | None = None
         if env is not None:  # a turn ends at the environment's stop strings too
             missing = tuple(s for s in env.stop if s not in sampling.stop)
             sampling = replace(sampling, stop=sampling.stop + missing)
         self.engine = engine
         self.tokenizer = tokenizer
-        self.reward = reward
+        self.reward = as_runner(reward) if reward is not None else None
         self.sampling = sampling
         self.group_size = group_size
         self.run_seed = run_seed
@@ -92,7 +118,8 @@ class RolloutWorker:
 
     @property
     def busy(self) -> bool:
-        return bool(self._jobs)
+        """Generating or scoring: a group not yet handed out."""
+        return bool(self._jobs or self._scoring)
 
     def encode(self, prompt: Prompt) -> list[int]:
         return prompt_ids(prompt, self.tokenizer)
@@ -114,17 +141,17 @@ class RolloutWorker:
             self._jobs[(task, pos)] = _Job(task, prompt, ids, iteration, version, now)
 
     def poll(self) -> list[tuple[Hashable, Group]]:
-        """One engine step; the (task, group) of every prompt that finished in it, scored."""
-        out = []
-        if self.episodes is not None:
+        """One engine step (or, with nothing to decode, a short wait on scores); the (task,
+        group) of every group scored since, in the order the groups finished."""
+        if self._jobs and self.episodes is not None:
             for key, completions, env_rewards in self.episodes.step():
-                job = self._jobs.pop(key)
-                out.append((job.task, self._score(job, completions, env_rewards)))
-            return out
-        for key, completions in self.engine.step():
-            job = self._jobs.pop(key)
-            out.append((job.task, self._score(job, completions)))
-        return out
+                self._scoring.append(self._start_scoring(key, completions, env_rewards))
+        elif self._jobs:
+            for key, completions in self.engine.step():
+                self._scoring.append(self._start_scoring(key, completions))
+        if not self._jobs and self._scoring and (head := self._scoring[0].results) is not None:
+            cf.wait([head], timeout=SCORE_WAIT_S)
+        return self._scored()
 
     def take_spans(self) -> list[tuple[str, float, float]]:
         """(name, start, end) of the tool calls since the last call (time.perf_counter())."""
@@ -139,7 +166,9 @@ class RolloutWorker:
         return samples
 
     def task_done(self, task: Hashable) -> bool:
-        return not any(job.task == task for job in self._jobs.values())
+        return not any(job.task == task for job in self._jobs.values()) and not any(
+            s.job.task == task for s in self._scoring
+        )
 
     def rollout(self, prompts: list[Prompt], iteration: int, version: int) -> list[Group]:
         """Generate and score `group_size` responses for each prompt; groups in prompt order."""
@@ -152,17 +181,36 @@ class RolloutWorker:
                 done[group.prompt.index] = group
         return [done[p.index] for p in prompts]
 
-    def _score(
-        self, job: _Job, completions: list[Completion], env_rewards: list | None = None
-    ) -> Group:
-        """Rewards: an environment's own where it gave one, else the reward function's."""
+    def _start_scoring(
+        self, key: Hashable, completions: list[Completion], env_rewards: list | None = None
+    ) -> _Scoring:
+        """Rewards: an environment's own where it gave one, else the reward function's, whose
+        calls start now."""
+        job = self._jobs.pop(key)
+        scored = []
         for i, c in enumerate(completions):
             if env_rewards is not None and env_rewards[i] is not None:
                 c.reward = env_rewards[i]
             elif self.reward is not None:
-                p = job.prompt
-                result = safe_reward(self.reward, p.text, c.text, p.answer, p.metadata)
-                c.reward, c.reward_error = result.value, result.error
-        group = Group(job.prompt, job.prompt_ids, completions, job.version, job.iteration)
-        group.gen_s = time.perf_counter() - job.submitted
-        return group
+                scored.append(i)
+        p = job.prompt
+        calls = [RewardCall(p.text, completions[i].text, p.answer, p.metadata) for i in scored]
+        results = self.reward.submit(calls) if calls and self.reward is not None else None
+        return _Scoring(job, completions, scored, results)
+
+    def _scored(self) -> list[tuple[Hashable, Group]]:
+        """The groups at the head of the line whose scores are in, as (task, group)."""
+        out = []
+        while self._scoring and (
+            self._scoring[0].results is None or self._scoring[0].results.done()
+        ):
+            s = self._scoring.popleft()
+            results = s.results.result() if s.results is not None else []
+            for i, result in zip(s.scored, results, strict=True):
+                s.completions[i].reward = result.value
+                s.completions[i].reward_error = result.error
+            job = s.job
+            group = Group(job.prompt, job.prompt_ids, s.completions, job.version, job.iteration)
+            group.gen_s = time.perf_counter() - job.submitted
+            out.append((job.task, group))
+        return out
