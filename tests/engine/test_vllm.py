@@ -6,16 +6,20 @@ a time); a test that changes its weights puts the original ones back. Other mode
 test_vllm_models.py.
 """
 
+import copy
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from cadence.algo import AlgoParams
 from cadence.engine import Request, RequestRefused, SamplingParams, derive_seed
 from cadence.engine.vllm import VLLMEngine, VLLMOptions
 from cadence.engine.vllm_logprobs import CHECK_PARAMS, check_full_softmax
 from cadence.envs import Budget, EnvReply, ScriptedEnv, ToolEnv, load_tools
+from cadence.learner import Learner, LearnerParams, score
+from cadence.learner.sums import BEHAVIOUR_FIGURES
 from cadence.models import load_model, load_tokenizer
 from cadence.rollout import RolloutWorker
 from cadence.types import Completion, Prompt
@@ -25,7 +29,8 @@ from tiny_models import save_vllm_ready
 pytestmark = pytest.mark.slow
 
 QUESTIONS = ["What is 3 + 4?", "Tom has 12 apples. He buys 7 more. How many?", "What is 19 - 8?"]
-CPU = VLLMOptions(enforce_eager=True)  # no torch.compile step at start-up
+CPU = VLLMOptions(enforce_eager=True)
+MEAN, MAX = BEHAVIOUR_FIGURES  # no torch.compile step at start-up
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +149,37 @@ def test_a_weight_update_changes_samples_and_serves_the_new_weights(engine, llam
     finally:
         engine.load_weights(original, version=0)
     assert _tokens(engine.generate(requests, params)) == _tokens(before)
+
+
+def test_a_partial_weight_reload_shows_in_the_behaviour_figures(engine, llama_dir, tok):
+    # vLLM's reload takes new weights without every tensor (it only warns): samples then come
+    # from a policy that is not the learner's, which the learner's behaviour figures show
+    model, algo = load_model(llama_dir), AlgoParams(max_policy_tokens=8, kl_coef=0.0)
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        torch.manual_seed(1)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    missed = "model.layers.1.mlp.down_proj.weight"
+    prompts = [Prompt(f"q{i}", f"Question: {q}\nAnswer: ", "", i) for i, q in enumerate(QUESTIONS)]
+    worker = RolloutWorker(
+        engine, tok, None, SamplingParams(max_new_tokens=8, temperature=0.8), 3, 7
+    )
+    figures = {}
+    try:
+        for skip in (None, missed):
+            engine.load_weights(original, version=0)
+            engine.load_weights({n: p for n, p in model.named_parameters() if n != skip}, 1)
+            groups = worker.rollout(prompts, 0, 0)
+            learner = Learner(
+                copy.deepcopy(model), LearnerParams(temperature=0.8), algo, tok.pad_token_id
+            )
+            figures[skip] = learner.train_iteration(score(groups, algo), len(groups))
+    finally:
+        engine.load_weights(original, version=0)
+    assert figures[None][MAX] < 1e-4  # fp32, every tensor loaded (observed max 9.5e-7)
+    assert figures[missed][MAX] > 1e-2  # one stale layer (observed mean 0.15, max 0.52)
+    assert figures[missed][MEAN] > 100 * figures[None][MEAN]
 
 
 def test_weights_never_change_under_a_running_request(engine, llama_dir, tok):
