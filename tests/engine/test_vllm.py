@@ -16,13 +16,13 @@ import torch
 from cadence.algo import AlgoParams
 from cadence.engine import Request, RequestRefused, SamplingParams, derive_seed
 from cadence.engine.vllm import VLLMEngine, VLLMOptions
-from cadence.engine.vllm_logprobs import CHECK_PARAMS, check_full_softmax
+from cadence.engine.vllm_logprobs import CHECK_PARAMS, check_full_softmax, hook_sampler
 from cadence.envs import Budget, EnvReply, ScriptedEnv, ToolEnv, load_tools
 from cadence.learner import Learner, LearnerParams, score
 from cadence.learner.sums import BEHAVIOUR_FIGURES
 from cadence.models import load_model, load_tokenizer
 from cadence.rollout import RolloutWorker
-from cadence.types import Completion, Prompt
+from cadence.types import Prompt
 from engine_checks import max_logprob_diff, recomputed_logprobs
 from tiny_models import save_vllm_ready
 
@@ -97,15 +97,26 @@ def test_top_p_logprobs_are_the_full_softmax_as_the_learner_recomputes_them(engi
     assert engine.runners == ["v1"]  # vLLM's CPU path
 
 
-def test_a_nucleus_renormalised_record_is_refused_at_start_up(engine, tok):
-    # the start-up check's own case, on the running engine: a one-token nucleus (the argmax) at
-    # T = 2; the full softmax's log-prob is log p(argmax), renormalised it is exactly 0
+def test_the_start_up_check_takes_the_full_softmax_and_refuses_vllms_own_record(engine):
+    # a one-token nucleus (the argmax) at T = 2: the full softmax's log-prob is log p(argmax)
     (completions,) = engine.generate([Request([0], [0, 1])], CHECK_PARAMS)
     check_full_softmax(completions)
     assert max(lp for c in completions for lp in c.logprobs) < -1.0
-    renormalised = [Completion(c.token_ids, [0.0] * len(c.token_ids)) for c in completions]
+    # vLLM's own processed_logprobs, with the hook taken off: renormalised, exactly 0
+    engine.llm.collective_rpc(_unhook)
+    try:
+        (renormalised,) = engine.generate([Request([0], [0, 1])], CHECK_PARAMS)
+    finally:
+        assert engine.llm.collective_rpc(hook_sampler) == ["v1"]
+    assert [lp for c in renormalised for lp in c.logprobs] == [0.0] * 4
     with pytest.raises(RuntimeError, match="renormalised over the nucleus"):
         check_full_softmax(renormalised)
+
+
+def _unhook(worker):
+    topk_topp = worker.model_runner.sampler.topk_topp_sampler
+    topk_topp.forward = topk_topp.forward.__wrapped__
+    topk_topp.logprobs_mode = "processed_logprobs"
 
 
 def test_same_seed_same_completion_whatever_the_companions(engine, tok):

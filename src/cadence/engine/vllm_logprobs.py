@@ -58,6 +58,8 @@ def _hook_v1(sampler) -> None:
         sampled, _ = sample(logits, generators, k, p)  # top-k/top-p may write into `logits`
         return sampled, logprobs
 
+    # functools' convention for what a wrapper wraps (a test takes the hook off with it)
+    forward.__wrapped__ = sample  # type: ignore[attr-defined]
     topk_topp.forward = forward
 
 
