@@ -63,10 +63,12 @@ def test_samples_do_not_depend_on_slots_order_or_companions(model, tokenizer):
     assert len({tuple(t) for g in _tokens(reference) for t in g}) > 1  # really sampled
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_logprobs_equal_the_full_forward_recomputation(arch, tokenizer):
+@pytest.mark.parametrize(("arch", "top_p"), [("llama", 1.0), ("qwen2", 1.0), ("llama", 0.6)])
+def test_logprobs_equal_the_full_forward_recomputation(arch, top_p, tokenizer):
+    # with top_p < 1 too: the record is log softmax(logits / T), top-p only choosing where the
+    # sample falls, as the learner recomputes it (not renormalised over the nucleus)
     model = tiny_causal_lm(arch, len(tokenizer))
-    params = SamplingParams(max_new_tokens=12, temperature=0.8)
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=top_p)
     requests = _requests(tokenizer)
     outputs = ContinuousEngine(model, tokenizer, max_num_seqs=5).generate(requests, params)
     assert_behaviour_logprobs_match(model, requests, outputs, params.temperature)

@@ -25,8 +25,10 @@ def _requests(tokenizer, questions, group_size, iteration=0):
 QUESTIONS = ["What is 3 + 4?", "Tom has 12 apples. He buys 7 more. How many?", "What is 19 - 8?"]
 
 
-def test_behaviour_logprobs_equal_full_forward_logprobs(model, tokenizer):
-    params = SamplingParams(max_new_tokens=12, temperature=0.8)
+@pytest.mark.parametrize("top_p", [1.0, 0.6])
+def test_behaviour_logprobs_equal_full_forward_logprobs(model, tokenizer, top_p):
+    # top_p < 1 only chooses where the sample falls: the record is the full softmax's
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=top_p)
     engine = HFEngine(model, tokenizer)
     requests = _requests(tokenizer, QUESTIONS, 3)
     outputs = engine.generate(requests, params)

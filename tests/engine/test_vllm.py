@@ -6,15 +6,20 @@ a time); a test that changes its weights puts the original ones back. Other mode
 test_vllm_models.py.
 """
 
+import copy
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from cadence.algo import AlgoParams
 from cadence.engine import Request, RequestRefused, SamplingParams, derive_seed
 from cadence.engine.vllm import VLLMEngine, VLLMOptions
+from cadence.engine.vllm_logprobs import CHECK_PARAMS, check_full_softmax, hook_sampler
 from cadence.envs import Budget, EnvReply, ScriptedEnv, ToolEnv, load_tools
+from cadence.learner import Learner, LearnerParams, score
+from cadence.learner.sums import BEHAVIOUR_FIGURES
 from cadence.models import load_model, load_tokenizer
 from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
@@ -24,7 +29,8 @@ from tiny_models import save_vllm_ready
 pytestmark = pytest.mark.slow
 
 QUESTIONS = ["What is 3 + 4?", "Tom has 12 apples. He buys 7 more. How many?", "What is 19 - 8?"]
-CPU = VLLMOptions(enforce_eager=True)  # no torch.compile step at start-up
+CPU = VLLMOptions(enforce_eager=True)
+MEAN, MAX = BEHAVIOUR_FIGURES  # no torch.compile step at start-up
 
 
 @pytest.fixture(scope="module")
@@ -67,23 +73,50 @@ def test_logprobs_equal_the_learner_recomputation(engine, llama_dir, tok):
     assert len({tuple(t) for g in _tokens(outputs) for t in g}) > 1  # really sampled
 
 
-def test_top_p_logprobs_are_renormalised_over_the_nucleus(engine, llama_dir, tok):
-    # processed_logprobs = log-prob under the distribution sampled from, after temperature and
-    # top-p: the learner's log softmax(logits / T) minus log(mass of the nucleus it keeps)
-    params = SamplingParams(max_new_tokens=10, temperature=1.0, top_p=0.6)
+def test_top_p_logprobs_are_the_full_softmax_as_the_learner_recomputes_them(engine, llama_dir, tok):
+    # vLLM's own processed log-probs would be renormalised over the nucleus, log(nucleus mass)
+    # above these: the hooked sampler records log softmax(logits / T), top-p only choosing
+    # where the sample falls (observed max |diff| 9.5e-7)
+    params = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.6)
     requests = _requests(tok)
     outputs = engine.generate(requests, params)
-    model, worst, below = load_model(llama_dir), 0.0, 0
+    model = load_model(llama_dir)
+    assert max_logprob_diff(model, requests, outputs, 0.8) <= 1e-5
+    cut = 0
     for req, group in zip(requests, outputs, strict=True):
         for c in group:
-            expected, logits = recomputed_logprobs(model, req.prompt_ids, c.token_ids, 1.0)
-            probs = torch.softmax(logits, -1).sort(-1, descending=True).values  # (T, V)
-            mass = (probs * (probs.cumsum(-1) - probs < 0.6)).sum(-1)  # (T,) nucleus mass
-            diff = torch.tensor(c.logprobs) - (expected - mass.log())
-            worst = max(worst, diff.abs().max().item())
-            below += int((mass < 0.99).sum())
-    assert worst <= 1e-4
-    assert below > 10  # the nucleus really cut tokens off
+            _, logits = recomputed_logprobs(model, req.prompt_ids, c.token_ids, 0.8)
+            probs = torch.softmax(logits, -1)  # (T, V)
+            ranked = probs.sort(-1, descending=True).values  # (T, V)
+            kept = ranked.cumsum(-1) - ranked < 0.6  # (T, V) the nucleus, most likely first
+            cut += int(((ranked * kept).sum(-1) < 0.99).sum())
+            chosen = probs.gather(-1, torch.tensor(c.token_ids)[:, None])  # (T, 1)
+            rank = (probs > chosen).sum(-1)  # (T,) tokens more likely than the one sampled
+            assert (rank < kept.sum(-1)).all()  # every sample from inside its nucleus
+    assert cut > 10  # the nucleus really cut tokens off: a renormalised record would differ
+    assert engine.runners == ["v1"]  # vLLM's CPU path
+
+
+def test_the_start_up_check_takes_the_full_softmax_and_refuses_vllms_own_record(engine):
+    # a one-token nucleus (the argmax) at T = 2: the full softmax's log-prob is log p(argmax)
+    (completions,) = engine.generate([Request([0], [0, 1])], CHECK_PARAMS)
+    check_full_softmax(completions)
+    assert max(lp for c in completions for lp in c.logprobs) < -1.0
+    # vLLM's own processed_logprobs, with the hook taken off: renormalised, exactly 0
+    engine.llm.collective_rpc(_unhook)
+    try:
+        (renormalised,) = engine.generate([Request([0], [0, 1])], CHECK_PARAMS)
+    finally:
+        assert engine.llm.collective_rpc(hook_sampler) == ["v1"]
+    assert [lp for c in renormalised for lp in c.logprobs] == [0.0] * 4
+    with pytest.raises(RuntimeError, match="renormalised over the nucleus"):
+        check_full_softmax(renormalised)
+
+
+def _unhook(worker):
+    topk_topp = worker.model_runner.sampler.topk_topp_sampler
+    topk_topp.forward = topk_topp.forward.__wrapped__
+    topk_topp.logprobs_mode = "processed_logprobs"
 
 
 def test_same_seed_same_completion_whatever_the_companions(engine, tok):
@@ -127,6 +160,37 @@ def test_a_weight_update_changes_samples_and_serves_the_new_weights(engine, llam
     finally:
         engine.load_weights(original, version=0)
     assert _tokens(engine.generate(requests, params)) == _tokens(before)
+
+
+def test_a_partial_weight_reload_shows_in_the_behaviour_figures(engine, llama_dir, tok):
+    # vLLM's reload takes new weights without every tensor (it only warns): samples then come
+    # from a policy that is not the learner's, which the learner's behaviour figures show
+    model, algo = load_model(llama_dir), AlgoParams(max_policy_tokens=8, kl_coef=0.0)
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        torch.manual_seed(1)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    missed = "model.layers.1.mlp.down_proj.weight"
+    prompts = [Prompt(f"q{i}", f"Question: {q}\nAnswer: ", "", i) for i, q in enumerate(QUESTIONS)]
+    worker = RolloutWorker(
+        engine, tok, None, SamplingParams(max_new_tokens=8, temperature=0.8), 3, 7
+    )
+    figures = {}
+    try:
+        for skip in (None, missed):
+            engine.load_weights(original, version=0)
+            engine.load_weights({n: p for n, p in model.named_parameters() if n != skip}, 1)
+            groups = worker.rollout(prompts, 0, 0)
+            learner = Learner(
+                copy.deepcopy(model), LearnerParams(temperature=0.8), algo, tok.pad_token_id
+            )
+            figures[skip] = learner.train_iteration(score(groups, algo), len(groups))
+    finally:
+        engine.load_weights(original, version=0)
+    assert figures[None][MAX] < 1e-4  # fp32, every tensor loaded (observed max 9.5e-7)
+    assert figures[missed][MAX] > 1e-2  # one stale layer (observed mean 0.15, max 0.52)
+    assert figures[missed][MEAN] > 100 * figures[None][MEAN]
 
 
 def test_weights_never_change_under_a_running_request(engine, llama_dir, tok):

@@ -322,5 +322,6 @@ def test_an_idle_pass_records_every_name_of_a_real_one_as_zero_and_leaves_no_gra
     learner.optimizer.zero_grad(set_to_none=False)
     learner.forward_backward(groups, idle, idle=True)
     assert idle.values.keys() == real.values.keys() and set(idle.values.values()) == {0.0}
+    assert idle.maxima.keys() == real.maxima.keys() and set(idle.maxima.values()) == {0.0}
     assert list(idle.loss_metrics) == list(real.loss_metrics)
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())

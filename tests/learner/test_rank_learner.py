@@ -43,6 +43,12 @@ def test_two_ranks_make_the_one_process_update_with_a_rank_idle_for_a_whole_step
             assert got["dpo_ties"] == want["dpo_ties"]
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
             assert got["optimizer_steps"] == want["optimizer_steps"] == 3
+            # step 1's two groups, one per rank: the max over ranks (a sum would be larger),
+            # the mean over both ranks' tokens; float noise in iteration 1 (sampled by these
+            # weights), not in iteration 2 (the policy has moved, the samples have not)
+            for name in ("behaviour_logprob_abs_diff_max", "behaviour_logprob_abs_diff_mean"):
+                assert got[name] == pytest.approx(want[name], rel=1e-4, abs=1e-6)
+            assert (want["behaviour_logprob_abs_diff_max"] < 1e-4) == (one.version == 1)
     finally:
         ranked.close()
     want_params = {k: v.detach() for k, v in one.model.named_parameters()}

@@ -4,10 +4,11 @@
   sample j of prompt i in iteration k is drawn from derive_seed(run, k, i, j) as with cadence's
   engines (vLLM's n>1 would seed sample j with seed + j). The G requests of a prompt share its
   keys and values through vLLM's prefix cache (whole blocks of the prompt).
-- **Behaviour log-probs.** `logprobs_mode = "processed_logprobs"`: the log-prob of each sampled
-  token under the distribution it was sampled from, after temperature and top-p. With top_p = 1
-  that is log softmax(logits / temperature), what the learner recomputes; with top_p < 1 it is
-  renormalised over the nucleus, log(nucleus mass) above the learner's value (tested).
+- **Behaviour log-probs.** Each sampled token's log softmax(logits / temperature), whatever
+  top_p: what cadence's own engines record and the learner recomputes. vLLM's own records are
+  either before temperature or, after top-p, renormalised over the nucleus (log(nucleus mass)
+  above the learner's value), so the engine has each worker's sampler take them after
+  temperature and before top-p (engine/vllm_logprobs.py), and checks it at start-up.
 - **Streaming.** `add` queues requests while others decode; `step` runs one vLLM engine step
   and hands out each group the moment its last sample finishes. vLLM schedules its own batch
   (`max_num_seqs` sequences at most); `occupancy` records the sequences it holds after each step.
@@ -48,6 +49,7 @@ from cadence.engine.base import (
     Tensors,
     generate_by_steps,
 )
+from cadence.engine.vllm_logprobs import CHECK_PARAMS, check_full_softmax, hook_sampler
 from cadence.types import Completion
 
 INSTALL_HINT = (
@@ -94,7 +96,7 @@ class VLLMOptions:
             model=model_path,
             tokenizer=model_path,
             seed=0,  # every request carries its own seed; this one seeds nothing cadence uses
-            logprobs_mode="processed_logprobs",
+            logprobs_mode="processed_logprobs",  # from the sampling step: see vllm_logprobs.py
             max_num_seqs=max_num_seqs,
             max_logprobs=0,
             generation_config="vllm",  # a model's generation_config.json must not alter sampling
@@ -144,6 +146,7 @@ class VLLMEngine:
         options = options or VLLMOptions()
         self.llm = _start(model_path, options.engine_kwargs(model_path, dtype, max_num_seqs))
         VLLMEngine._open = True
+        self.runners: list[str] = []  # the model runner of each vLLM worker: "v1" or "v2"
         self._set_version(self.version)
         self._warm_up(model_path)
 
@@ -242,11 +245,14 @@ class VLLMEngine:
         self.version = version
 
     def _warm_up(self, model_path: str) -> None:
-        """Decode two tokens: vLLM refuses some models only when it first runs them."""
+        """Hook the samplers (engine/vllm_logprobs.py) and decode two tokens: vLLM refuses some
+        models only when it first runs them, and the recorded log-probs must be the full
+        softmax's."""
         from cadence.models import ModelLoadError
 
         try:
-            self.generate([Request([0], [0])], SamplingParams(max_new_tokens=2))
+            self.runners = self.llm.collective_rpc(hook_sampler)
+            check_full_softmax(self.generate([Request([0], [0])], CHECK_PARAMS)[0])
         except Exception as e:
             self._jobs.clear()
             self.close()

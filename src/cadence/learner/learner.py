@@ -56,7 +56,14 @@ from cadence.algo import (
 from cadence.learner.batch import Responses, responses
 from cadence.learner.packing import LAYOUTS, Layout, check_layout
 from cadence.learner.scorer import Scored
-from cadence.learner.sums import TOTALS, StepSums, iteration_stats, peak_memory
+from cadence.learner.sums import (
+    TOTALS,
+    StepSums,
+    behaviour_figures,
+    behaviour_sums,
+    iteration_stats,
+    peak_memory,
+)
 from cadence.metrics.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -88,16 +95,16 @@ class Collective:
     """How a learner that is one of several torch.distributed ranks differs from a lone one
     (learner/rank.py builds it). Each rank trains its own micro-batches; with a `Collective`:
 
-    - `reduce_sums` turns this rank's step sums into the sums over all ranks before the step
-      normalises, so every rank divides by the global batch's normaliser and takes one decision
-      on a non-finite loss;
+    - `reduce_sums` turns this rank's step sums into the sums (and maxima) over all ranks, in
+      place, before the step normalises, so every rank divides by the global batch's normaliser
+      and takes one decision on a non-finite loss;
     - every micro-batch runs the same passes whatever its rows (a pass of a sharded model is a
       collective every rank must join), and an `idle` pass keeps a rank without groups in step;
     - forward passes go through `forward_model` (a DDP wrapper) when given, and the frozen old
       copy is made by `old_copy` (sharded like the policy) instead of a deep copy.
     """
 
-    reduce_sums: Callable[[dict[str, float]], dict[str, float]]
+    reduce_sums: Callable[[StepSums], None]
     forward_model: torch.nn.Module | None = None
     old_copy: Callable[[torch.nn.Module], torch.nn.Module] | None = None
 
@@ -282,6 +289,10 @@ class Learner:
             loss, metrics = self.loss_fn(batch, self.algo)
             (loss * 0.0 if idle else loss).backward()
         mask = resp.loss_mask
+        # before the iteration's first step the policy is the behaviour policy of fresh rows
+        first = self._steps_this_iteration == 0
+        on_policy = mask * ~resp.stale[:, None] if first else torch.zeros_like(mask)  # (B, T)
+        behaviour, maxima = behaviour_sums(logprobs, resp.behaviour_logprobs, on_policy)
         loss_metrics = {"loss": loss.item(), **{k: v.item() for k, v in metrics.items()}}
         own = {
             "entropy_sum": float((entropy * mask).sum()),
@@ -292,11 +303,14 @@ class Learner:
             "tokens_computed": float(layout.tokens_computed),
             "forward_passes": float(passes),
             "micro_batches": 1.0,
+            **behaviour,
         }
         if idle:  # every name a real pass records (the ranks add their sums up by name), as 0
             loss_metrics, own = dict.fromkeys(loss_metrics, 0.0), dict.fromkeys(own, 0.0)
+            maxima = dict.fromkeys(maxima, 0.0)
         sums.add_loss_metrics(**loss_metrics)
         sums.add(**own)
+        sums.add_max(**maxima)
 
     def _old_logprobs(
         self, logprobs: torch.Tensor, layout: Layout, resp: Responses
@@ -366,7 +380,7 @@ class Learner:
         gradient is not finite); the step's figures."""
         with self.tracer.span("optimizer_step", self.track):
             if self.collective is not None:
-                sums.values = self.collective.reduce_sums(sums.values)
+                self.collective.reduce_sums(sums)
             norm = self._normaliser(sums)
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -389,7 +403,7 @@ class Learner:
         out["grad_norm"] = float(grad_norm)
         out["skipped_steps"] = float(bad)
         out["num_response_tokens"] = sums["num_response_tokens"]
-        return out | {k: sums[k] for k in TOTALS}
+        return out | behaviour_figures(sums) | {k: sums[k] for k in TOTALS}
 
     def _count_bad_step(self, bad: bool) -> None:
         """A step whose loss or gradient is NaN or inf is skipped (weights and optimizer state

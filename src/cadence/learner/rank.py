@@ -12,9 +12,10 @@ the very `Learner` of a single process, with `Collective` hooks, over its own sh
   loss is multiplied by 0: the same collectives, gradients 0). DDP communicates only in the
   backward of a step's last round (`no_sync` before it), so it runs idle passes only there.
 - **One update.** Each micro-batch's loss is an unnormalised sum. At a step the ranks add up
-  their step sums (tokens, sequences, pairs, loss and metric sums: `reduce_sums`), so every rank
-  divides the summed gradients (FSDP reduce-scatters with SUM, DDP all-reduces with SUM) by the
-  global batch's normaliser, clips by the global norm and steps: the single-process update.
+  their step sums (tokens, sequences, pairs, loss and metric sums) and take the largest of their
+  maxima (`reduce_sums`), so every rank divides the summed gradients (FSDP reduce-scatters with
+  SUM, DDP all-reduces with SUM) by the global batch's normaliser, clips by the global norm and
+  steps: the single-process update.
 - **Sharding.** FSDP2 shards each decoder layer (the model's `_no_split_modules`) and the root;
   the frozen reference and the old copy are sharded the same way and hold no optimizer state.
   DDP replicates the model; its frozen copies are plain.
@@ -231,19 +232,27 @@ class RankLearner:
         rewards = torch.tensor([0.0, 1.0])  # (2,)
         return Scored(group, rewards, 2 * rewards - 1, torch.ones(2, dtype=torch.bool))
 
-    def _reduce_sums(self, values: dict[str, float]) -> dict[str, float]:
-        """Every rank's step sums, added up; the same names on every rank (checked)."""
+    def _reduce_sums(self, sums: StepSums) -> None:
+        """Every rank's step sums added up and maxima the largest, in place; the same names on
+        every rank (checked)."""
         import torch.distributed as dist
 
-        names = sorted(values)
-        digest = float(zlib.crc32(",".join(names).encode()))
-        check = torch.tensor([digest, -digest], dtype=torch.float64, device=self.device)
-        dist.all_reduce(check, op=dist.ReduceOp.MAX)
-        if check.tolist() != [digest, -digest]:
-            raise RuntimeError(f"rank {self.rank}: the ranks' step sums differ in names: {names}")
-        sums = torch.tensor([values[k] for k in names], dtype=torch.float64, device=self.device)
-        dist.all_reduce(sums)
-        return dict(zip(names, sums.tolist(), strict=True))
+        names, maxima = sorted(sums.values), sorted(sums.maxima)
+        digest = float(zlib.crc32((",".join(names) + "|" + ",".join(maxima)).encode()))
+        # one MAX-reduce checks the names and takes the maxima, one SUM-reduce the sums
+        top = [digest, -digest, *(sums.maxima[k] for k in maxima)]
+        largest = torch.tensor(top, dtype=torch.float64, device=self.device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        if largest[:2].tolist() != [digest, -digest]:
+            raise RuntimeError(
+                f"rank {self.rank}: the ranks' step sums differ in names: {names}, {maxima}"
+            )
+        total = torch.tensor(
+            [sums.values[k] for k in names], dtype=torch.float64, device=self.device
+        )
+        dist.all_reduce(total)
+        sums.values = dict(zip(names, total.tolist(), strict=True))
+        sums.maxima = dict(zip(maxima, largest[2:].tolist(), strict=True))
 
     @torch.no_grad()
     def gather_weights(self) -> dict[str, np.ndarray] | None:

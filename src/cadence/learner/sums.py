@@ -4,7 +4,16 @@
 A step's sums are plain floats keyed by name: the loss's weighted sums and counts, and the
 learner's own (response tokens, sequences, passes). They are all sums, so the sums of several
 ranks add up to the sums of the whole batch: a sharded learner reduces them across ranks before
-it normalises (learner/rank.py), and the figures below come out the same whatever N.
+it normalises (learner/rank.py), and the figures below come out the same whatever N. A figure
+that is a largest value is kept apart (`StepSums.maxima`): across micro-batches and ranks it is
+the largest, never a sum.
+
+The behaviour figures compare the log-probs the engine recorded when it sampled a token with the
+learner's, on fresh rows (sampled by the learner's version) before the iteration's first
+optimizer step, while the policy is still the one that sampled them: `behaviour_logprob_abs_diff`
+mean (token-weighted) and max. They should be float noise; more means the engine did not sample
+from the learner's policy (weights it did not load, another temperature, another quantity).
+They reuse the log-probs the loss needs; no pass is added.
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ from cadence.algo import COUNT_METRICS
 
 # figures summed over an iteration's optimizer steps (the others are averaged)
 TOTALS = ("num_tokens", "tokens_computed", "forward_passes", "micro_batches")
+# figures of the iteration's first optimizer step alone (absent where it trained no fresh row)
+BEHAVIOUR_FIGURES = ("behaviour_logprob_abs_diff_mean", "behaviour_logprob_abs_diff_max")
 
 
 class StepSums:
@@ -24,11 +35,16 @@ class StepSums:
 
     def __init__(self) -> None:
         self.values: dict[str, float] = {}
+        self.maxima: dict[str, float] = {}  # the largest value seen, not a sum
         self.loss_metrics: dict[str, None] = {}  # names the loss returned, in order
 
     def add(self, **kv: float) -> None:
         for k, v in kv.items():
             self.values[k] = self.values.get(k, 0.0) + float(v)
+
+    def add_max(self, **kv: float) -> None:
+        for k, v in kv.items():
+            self.maxima[k] = max(self.maxima.get(k, float(v)), float(v))
 
     def add_loss_metrics(self, **kv: float) -> None:
         self.add(**kv)
@@ -38,14 +54,40 @@ class StepSums:
         return self.values.get(k, 0.0)
 
 
+def behaviour_sums(
+    logprobs: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The step sums and maxima of |behaviour log-prob - learner's log-prob| over the tokens
+    where `mask` is 1 (fresh rows' response tokens before the iteration's first step)."""
+    diff = torch.where(mask > 0, (logprobs.detach() - behaviour).abs(), 0.0)  # (B, T)
+    sums = {
+        "behaviour_logprob_abs_diff_sum": float(diff.sum()),
+        "num_fresh_tokens": float(mask.sum()),
+    }
+    return sums, {"behaviour_logprob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0}
+
+
+def behaviour_figures(sums: StepSums) -> dict[str, float]:
+    """`BEHAVIOUR_FIGURES` of a step whose sums are complete (all ranks'); none without a fresh
+    token."""
+    tokens = sums["num_fresh_tokens"]
+    if tokens == 0:
+        return {}
+    return {
+        "behaviour_logprob_abs_diff_mean": sums["behaviour_logprob_abs_diff_sum"] / tokens,
+        "behaviour_logprob_abs_diff_max": sums.maxima["behaviour_logprob_abs_diff_max"],
+    }
+
+
 def iteration_stats(steps: list[dict[str, float]], frozen_copies_bytes: int) -> dict[str, float]:
     """One iteration's figures from its optimizer steps' outputs: counts and totals add up over
-    the steps, every other figure is their mean."""
+    the steps, the behaviour figures are the first step's, every other figure is their mean."""
     totals = {k: sum(s[k] for s in steps) for k in TOTALS}
     counts = (*COUNT_METRICS, "skipped_steps")
-    summed = {*TOTALS, *counts}
+    summed = {*TOTALS, *counts, *BEHAVIOUR_FIGURES}
     return (
         {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k not in summed}
+        | {k: steps[0][k] for k in BEHAVIOUR_FIGURES if k in steps[0]}
         | {k: sum(s[k] for s in steps) for k in counts if k in steps[0]}
         | {
             "num_tokens": totals["num_tokens"],
