@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+from typing import ClassVar
 
 RELEASE = threading.Event()  # a hung tool's thread ends when a test sets it
 
@@ -11,7 +12,7 @@ RELEASE = threading.Event()  # a hung tool's thread ends when a test sets it
 class Adder:
     """Adds numbers; rewards an episode whose last sum is the row's answer."""
 
-    resets: list[dict] = []  # every reset's keywords, across instances (tests read them)
+    resets: ClassVar[list[dict]] = []  # every reset's keywords, across instances (tests read them)
 
     def __init__(self) -> None:
         self.last: int | None = None
@@ -112,3 +113,22 @@ class NoArgsDoc:
 
 def not_a_class() -> Adder:
     return Adder()
+
+
+class Constant:
+    """Every episode is worth 0.25, whatever the policy writes."""
+
+    def reset(self, **row) -> None:
+        return None
+
+    def noop(self) -> str:
+        """Do nothing."""
+        return ""
+
+    def get_reward(self) -> float:
+        return 0.25
+
+
+class WordyReward(Constant):
+    def get_reward(self) -> float:
+        return "high"  # type: ignore[return-value]

@@ -142,32 +142,53 @@ class ChatFormat:
         if not after.startswith(before):
             raise ChatToolsError(
                 "the chat template renders an assistant message differently once a reply "
-                "follows it (it is not prefix-preserving: Qwen3's templates drop past <think> "
-                "blocks, say), so the trajectory could not stay token-exact: give a template "
-                "that keeps earlier messages as they were, as data.chat_template"
+                "follows it (it is not prefix-preserving), so the trajectory could not stay "
+                "token-exact: give a template that keeps earlier messages as they were"
             )
         return after[len(before) :]
 
     def _check(self) -> None:
+        """Refuse a template that cannot carry a tool conversation, token-exactly: a probe
+        conversation built the way episodes build it (prompt, the call as the template writes
+        it, EOS, the reply) must be what the template renders for the whole conversation."""
         if self.template is None and not self.tokenizer.chat_template:
             raise ChatToolsError("the tokenizer has no chat template to write tool calls with")
         if not self.eos:
             raise ChatToolsError("the tokenizer has no EOS token to end a policy turn with")
-        if _NAME not in self.prompt([{"role": "user", "content": "hi"}], [_PROBE_SCHEMA]):
+        user, tools = [{"role": "user", "content": "hi"}], [_PROBE_SCHEMA]
+        assistant = {"role": "assistant", "content": "", "tool_calls": [_call(_NAME)]}
+        reply = {"role": "tool", "name": _NAME, "content": _CONTENT}
+        opened = self.prompt(user, tools)
+        if _NAME not in opened:
             raise ChatToolsError(
                 "the chat template ignores tools= (no tool's schema reaches the prompt), so the "
                 "model would never see its tools: use a model whose template supports tools, or "
                 "give one as data.chat_template (configs/chat-tools.jinja renders them Hermes' way)"
             )
-        call = _dummy({"role": "assistant", "content": "", "tool_calls": [_call(_NAME)]})
-        both = self.render([*call, {"role": "tool", "name": _NAME, "content": _CONTENT}])
-        if not all(s in both for s in (_NAME, _ARG, _VALUE, _CONTENT)):
+        full = self.render([*user, assistant, reply], add_generation_prompt=True, tools=tools)
+        if not all(s in full for s in (_NAME, _ARG, _VALUE, _CONTENT)):
             raise ChatToolsError(
                 "the chat template drops an assistant's tool call or the tool's reply when it "
                 "renders them, so it cannot carry a tool conversation"
             )
-        self.tool_reply([(_NAME, _CONTENT)])  # raises if no EOS ends a message, or not a prefix
-        written = self.render(call)
+        called = self.render([*user, assistant], tools=tools)
+        cut = called.rfind(self.eos)
+        if not called.startswith(opened) or cut < len(opened):
+            raise ChatToolsError(
+                "the chat template does not write an assistant message as the generation prompt "
+                f"opens it, ending with the EOS token {self.eos!r} (which ends a policy turn)"
+            )
+        written = called[len(opened) : cut]
+        self._check_format(written)
+        if opened + written + self.eos + self.tool_reply([(_NAME, _CONTENT)]) != full:
+            raise ChatToolsError(
+                "the chat template renders an assistant message differently once a reply "
+                "follows it (it is not prefix-preserving: Qwen3's templates drop past <think> "
+                "blocks, say), so the trajectory could not stay token-exact: give a template "
+                "that keeps earlier messages as they were, as data.chat_template"
+            )
+
+    def _check_format(self, written: str) -> None:
         try:
             calls = parse_calls(written)
         except MalformedToolCall:

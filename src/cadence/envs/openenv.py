@@ -137,6 +137,7 @@ class OpenEnvEnv:
         else:
             self.action, self.field = text_field(cls)
             names = ["step"]
+        self.names = frozenset(names)
         self.threads = ToolThreads(names, timeout_s)
 
     def start(self, prompt: Prompt) -> OpenEnvEpisode:
@@ -233,9 +234,13 @@ class OpenEnvEpisode:
             return EnvReply(done=True)
         reply, results = EnvReply(), []
         for call in calls:
+            reply.tool_calls += 1
+            if call.name not in env.names:
+                reply.tool_errors += 1
+                results.append((call.name, str({"error": f"Tool {call.name} not found."})))
+                continue
             action = CallToolAction(tool_name=call.name, arguments=call.arguments)
             ran = env.threads.run(call.name, lambda a=action: self.instance.step(a))
-            reply.tool_calls += 1
             reply.spans.append(("tool", ran.start, ran.end))
             content, error = _tool_result(ran)
             reply.tool_errors += int(error)
