@@ -116,7 +116,7 @@ def not_a_class() -> Adder:
 
 
 class Constant:
-    """Every episode is worth 0.25, whatever the policy writes."""
+    """Every episode is worth 1, whatever the policy writes."""
 
     def reset(self, **row) -> None:
         return None
@@ -126,7 +126,7 @@ class Constant:
         return ""
 
     def get_reward(self) -> float:
-        return 0.25
+        return 1.0
 
 
 class WordyReward(Constant):
