@@ -57,18 +57,23 @@ class Echo:
         return f"echo {text}"
 
 
-class Moody:
-    """A reset whose text differs from one episode to the next."""
+class Slow:
+    """Async tools and reward, as TRL allows them."""
 
-    count = 0
+    def reset(self, **row) -> None:
+        self.calls = 0
 
-    def reset(self, **row) -> str:
-        Moody.count += 1
-        return f" mood {Moody.count}"
+    async def double(self, x: int) -> int:
+        """Double a number.
 
-    def noop(self) -> str:
-        """Do nothing."""
-        return ""
+        Args:
+            x: The number.
+        """
+        self.calls += 1
+        return 2 * x
+
+    async def get_reward(self) -> float:
+        return float(self.calls)
 
 
 class NoReset:

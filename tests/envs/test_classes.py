@@ -138,6 +138,13 @@ def test_an_episode_without_get_reward_leaves_the_reward_to_the_run(tokenizer):
         wordy.finish()
 
 
+def test_async_tools_and_rewards_are_awaited(tokenizer):
+    episode = _one(tokenizer, "fixtures_envs:Slow").start(_prompt())
+    reply = episode.step(_call("double", x=4) + _call("double", x=5))
+    assert reply.text == episode.env.chat.tool_reply([("double", "8"), ("double", "10")])
+    assert episode.finish() == 2.0
+
+
 def test_instances_are_reused_but_one_a_call_hung_in_is_dropped(tokenizer):
     fixtures_envs.RELEASE.clear()
     env = _one(tokenizer, "fixtures_envs:Adder", timeout_s=0.2)

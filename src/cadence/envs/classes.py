@@ -10,9 +10,10 @@ contract, as TRL 1.16 reads it:
   tool. It needs type hints and a Google-style docstring with an `Args:` entry per argument,
   from which transformers' `get_json_schema` makes the schema the prompt shows; it is called
   with the call's arguments as keywords, and `str(value)` is the reply (an error replies
-  `{'error': message}`, as TRL does).
-- `get_reward() -> float`, optional: the episode's reward, read once when it ends; without it
-  the run's reward function scores the transcript.
+  `{'error': message}`, as TRL does). An `async def` tool is run to completion in its call's
+  thread.
+- `get_reward() -> float`, optional (`async def` too): the episode's reward, read once when it
+  ends; without it the run's reward function scores the transcript.
 An instance is made with no arguments and reused, as TRL pools them ("construct once, reset
 often"): an episode takes an idle instance of its class, or makes one, and hands it back at its
 end. Tool calls and replies are written in the model's chat format (envs/chat_tools.py); a turn
@@ -30,6 +31,7 @@ worker's own thread, before the row's first turn: a slow one holds up decoding.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import math
@@ -209,7 +211,7 @@ class ClassEpisode:
             reply.tool_errors += 1
             return _error(f"Tool {call.name} not found.")
         method = getattr(self.instance, call.name)
-        ran = self.env.threads.run(call.name, lambda: method(**call.arguments))
+        ran = self.env.threads.run(call.name, lambda: awaited(method(**call.arguments)))
         reply.spans.append(("tool", ran.start, ran.end))
         if ran.error is not None:
             reply.tool_errors += 1
@@ -222,7 +224,7 @@ class ClassEpisode:
         try:
             if not self.factory.has_reward:
                 return None
-            value = self.instance.get_reward()
+            value = awaited(self.instance.get_reward())
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(
                     f"{self.factory.spec}.get_reward() returned {type(value).__name__}, "
@@ -234,6 +236,12 @@ class ClassEpisode:
         finally:
             if not self.hung:  # else dropped: a later episode must not share it with the hung call
                 self.pool.give_back(self.instance)
+
+
+def awaited(value: Any) -> Any:
+    """`value`, or what it returns when it is a coroutine (an `async def` tool or reward): run
+    on an event loop of its own, in the thread that called (a tool's, or the pool's)."""
+    return asyncio.run(value) if inspect.iscoroutine(value) else value
 
 
 def _error(message: str) -> str:
