@@ -128,7 +128,8 @@ class ToolThreads:
                 raise
             if finished.wait(max(deadline - time.monotonic(), 0.0)):
                 error = box.get("error")
-                return Ran(start, time.perf_counter(), box.get("value"), error and str(error))
+                message = None if error is None else str(error)
+                return Ran(start, time.perf_counter(), box.get("value"), message)
         message = f"{name} timed out after {self.timeout_s:g}s"
         return Ran(start, time.perf_counter(), error=message, timeout=True)
 

@@ -173,7 +173,6 @@ class EpisodeRunner:
         for future in [f for f in self._finishing if f.done()]:
             episode = self._finishing.pop(future)
             reward = future.result()  # an environment that raises is a bug: the worker fails
-            episode.stats.env_s += time.perf_counter() - episode.asked
             if episode.reward is None:
                 episode.reward = reward
             self._close(episode)
@@ -203,7 +202,6 @@ class EpisodeRunner:
             self._next_turn(episode)
 
     def _finish(self, episode: _Episode) -> None:
-        episode.asked = time.perf_counter()
         self._finishing[self._executor().submit(episode.env.finish)] = episode
 
     def _close(self, episode: _Episode) -> None:
