@@ -27,6 +27,14 @@ def test_a_template_without_tool_support_is_refused_with_the_reason(tokenizer):
         ChatFormat(tokenizer)  # the embedded model's own template knows no tools
 
 
+def test_the_tokenizers_own_template_serves_when_it_renders_tools(tokenizer):
+    tokenizer.chat_template = HERMES  # as an instruct model's tokenizer ships it
+    chat = ChatFormat(tokenizer)
+    assert chat.tool_reply([("add", "5")]) == ChatFormat(tokenizer, HERMES).tool_reply(
+        [("add", "5")]
+    )
+
+
 def _variant(old: str, new: str) -> str:
     assert old in HERMES
     return HERMES.replace(old, new)

@@ -58,10 +58,13 @@ def test_the_env_class_config_trains_two_iterations(model_dir, tmp_path):
     assert 0.0 <= summary["accuracy_after"] <= 1.0
 
 
-def test_an_environment_classes_own_reward_is_what_the_learner_gets(model_dir, tmp_path):
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
+def test_an_environment_classes_own_reward_is_what_the_learner_gets(model_dir, tmp_path, placement):
+    workers = ["pipeline.placement='separate'", "pipeline.num_workers=1"]
     cfg = load_config(
         None,
         [
+            *(workers if placement == "separate" else []),  # the class loads in a worker process
             f"model.path='{model_dir}'",
             _template(),
             "env.kind='class'",
