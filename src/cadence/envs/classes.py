@@ -35,6 +35,7 @@ import asyncio
 import importlib
 import inspect
 import math
+import numbers
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -225,7 +226,7 @@ class ClassEpisode:
             if not self.factory.has_reward:
                 return None
             value = awaited(self.instance.get_reward())
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(
                     f"{self.factory.spec}.get_reward() returned {type(value).__name__}, "
                     "not a number"

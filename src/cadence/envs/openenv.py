@@ -127,7 +127,7 @@ class OpenEnvEnv:
     stop: tuple[str, ...] = ()
     eos_ends_episode = False
 
-    def __init__(self, cls: type, chat: ChatFormat, budget: Budget, timeout_s: float = 5.0):
+    def __init__(self, cls: type, chat: ChatFormat, budget: Budget, timeout_s: float = 5.0) -> None:
         self.chat, self.budget, self.mcp = chat, budget, _is_mcp(cls)
         self.pool = InstancePool(cls)
         self.schemas: list[dict] = []

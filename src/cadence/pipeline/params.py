@@ -339,9 +339,7 @@ def env_spec(cfg: Config) -> EnvSpec:
     try:
         check_env(spec)
     except ValueError as err:
-        key = {"tool": "env.tools", "class": "env.factory"}.get(e.kind, "env.factory")
-        if e.factories:
-            key = "env.factories"
+        key = "env.tools" if e.kind == "tool" else "env.factories" if e.factories else "env.factory"
         raise ConfigError(f"config key '{key}': {err}") from None
     return spec
 
