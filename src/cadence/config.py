@@ -802,50 +802,92 @@ RAY_ONLY = (
 
 
 class EnvConfig(_Section):
-    kind: Literal["single_turn", "tool"] = Field(
+    kind: Literal["single_turn", "tool", "class", "openenv"] = Field(
         "single_turn",
         description="single_turn: one prompt, one response; tool: multi-turn episodes in which "
         "the policy calls tools with <call>NAME: ARGUMENT</call> and reads <result>...</result> "
-        "(src/cadence/envs/syntax.py); a turn without a call is the final answer.",
+        "(src/cadence/envs/syntax.py); a turn without a call is the final answer; class: an "
+        "environment class on TRL's environment_factory contract (env.factory or "
+        "env.factories), its methods the tools, called and answered in the model's chat "
+        "template; openenv: an OpenEnv Environment class run in the rollout worker, no server "
+        "(env.factory; the 'openenv' extra). class and openenv need data.chat_template "
+        "(docs/envs.md).",
     )
     tools: list[str] = Field(
         default_factory=lambda: ["calculator"],
         description="kind 'tool': the tools the policy may call: 'calculator' (arithmetic, parsed "
         "safely) or 'module:function' (fn(argument: str) -> str, called by its function name).",
     )
+    factory: str | None = Field(
+        None,
+        description="kind 'class': the environment class, 'package.module:Class', made with no "
+        "arguments: reset(**row) -> str | None, every other public method a tool (type hints "
+        "and an Args: docstring), optional get_reward() -> float (TRL's environment_factory "
+        "contract; 'cadence.envs.calculator:Calculator' ships). kind 'openenv': an OpenEnv "
+        "Environment class (an MCPEnvironment's tools are called in the chat format; any other "
+        "gets the policy's text as its action).",
+    )
+    factories: dict[str, str] | None = Field(
+        None,
+        description="kind 'class', instead of factory: several environment classes by name, "
+        "{ name = 'package.module:Class' }; each row picks one by its 'environment' field (a "
+        "data set column), as TRL's dict environment_factory does, and its prompt shows that "
+        "class's tools only.",
+    )
     max_turns: int = Field(
-        4, ge=1, description="kind 'tool': most policy turns per episode (each a call or the end)."
+        4,
+        ge=1,
+        description="kinds but single_turn: most policy turns per episode (each a call or the "
+        "end).",
     )
     max_total_tokens: int = Field(
         256,
         ge=1,
-        description="kind 'tool': most tokens per episode after the prompt, policy and tool "
-        "replies together (each turn is also capped by rollout.max_new_tokens).",
+        description="kinds but single_turn: most tokens per episode after the prompt, policy and "
+        "environment replies together (each turn is also capped by rollout.max_new_tokens).",
     )
     tool_timeout_s: float = Field(
         5.0,
         gt=0,
-        description="kind 'tool': a tool call still running after this many seconds is cut off; "
-        "the policy reads an error (counted as tool_timeouts), the run goes on.",
+        description="kinds but single_turn: a tool call (an OpenEnv step) still running after "
+        "this many seconds is cut off; the policy reads an error (counted as tool_timeouts), "
+        "the run goes on.",
     )
 
     @model_validator(mode="after")
-    def _tool_keys_need_tools(self) -> EnvConfig:
-        if self.kind == "single_turn":
-            for key in TOOL_ONLY:
-                if getattr(self, key) != EnvConfig.model_fields[key].get_default(
-                    call_default_factory=True
-                ):
-                    raise ValueError(
-                        f"env.{key} applies to env.kind = 'tool' only: set env.kind = 'tool' or "
-                        f"leave env.{key} out"
-                    )
-        elif not self.tools:
+    def _keys_of_the_kind(self) -> EnvConfig:
+        for key, kinds in ENV_KEYS.items():
+            default = EnvConfig.model_fields[key].get_default(call_default_factory=True)
+            if self.kind not in kinds and getattr(self, key) != default:
+                names = [f"'{k}'" for k in kinds]
+                allowed = " or ".join([", ".join(names[:-1]), names[-1]] if names[1:] else names)
+                raise ValueError(
+                    f"env.{key} applies to env.kind = {allowed} only, not '{self.kind}': set "
+                    f"the kind or leave env.{key} out"
+                )
+        if self.kind == "tool" and not self.tools:
             raise ValueError("env.kind = 'tool' needs at least one tool in env.tools")
+        if self.kind == "class" and (self.factory is None) == (self.factories is None):
+            raise ValueError(
+                "env.kind = 'class' needs env.factory = 'package.module:Class', or "
+                "env.factories = { name = 'package.module:Class' } for a mix: one of the two"
+            )
+        if self.kind == "class" and self.factories == {}:
+            raise ValueError("env.factories is empty: name at least one environment class")
+        if self.kind == "openenv" and not self.factory:
+            raise ValueError("env.kind = 'openenv' needs env.factory = 'package.module:Class'")
         return self
 
 
-TOOL_ONLY = ("tools", "max_turns", "max_total_tokens", "tool_timeout_s")
+EPISODES = ("tool", "class", "openenv")  # the kinds whose samples are multi-turn episodes
+ENV_KEYS = {  # key -> the kinds it applies to
+    "tools": ("tool",),
+    "factory": ("class", "openenv"),
+    "factories": ("class",),
+    "max_turns": EPISODES,
+    "max_total_tokens": EPISODES,
+    "tool_timeout_s": EPISODES,
+}
 
 
 class SFTConfig(_Section):
@@ -958,6 +1000,16 @@ class Config(_Section):
             raise ValueError(
                 "reward.function = 'reasoning_gym' scores reasoning-gym rows with their own "
                 f"metadata: it needs data.task = 'reasoning_gym', not '{self.data.task}'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _chat_environments_need_a_chat_template(self) -> Config:
+        if self.env.kind in ("class", "openenv") and self.data.chat_template is False:
+            raise ValueError(
+                f"env.kind = '{self.env.kind}' writes tool calls and replies in the model's chat "
+                "template: set data.chat_template = true (the tokenizer's, if it renders tools) "
+                "or to a Jinja file that does (configs/chat-tools.jinja)"
             )
         return self
 

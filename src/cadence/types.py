@@ -18,8 +18,9 @@ class Prompt:
     `index` is the prompt's position in its iteration's batch (0..prompts_per_iteration-1); with
     the run seed and the iteration it fixes the sampling seed of every response to this prompt.
     `task` labels the prompt's task within a mix (figures are reported per label); `metadata` is
-    the row's own data for a reward that scores with it (a reasoning-gym row's `metadata`): plain
-    Python values that pickle to worker processes, read-only, left out of the hash.
+    the row's own data for a reward that scores with it (a reasoning-gym row's `metadata`, a data
+    set row's columns): plain Python values that pickle to worker processes, read-only, left out
+    of the hash; an environment class's `reset` gets them too (envs/classes.py).
     """
 
     uid: str  # stable id of the task instance (dataset name + row, or generator seed)
@@ -29,6 +30,9 @@ class Prompt:
     token_ids: tuple[int, ...] | None = None  # set when the text was truncated to fit: use these
     task: str = ""  # the task in a mix ("" for a single task): per-task figures use it
     metadata: dict[str, Any] | None = field(default=None, hash=False)  # the row's, for the reward
+    # the conversation a chat prompt was rendered from, (role, content) pairs with the system
+    # prompt: an environment that renders the prompt again with its tools starts from it
+    messages: tuple[tuple[str, str], ...] = field(default=(), hash=False)
 
 
 # How `safe_reward` records a call past its deadline: "RewardTimeout: reward 'mod:fn' did not ..."

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from cadence.types import Prompt
 
@@ -35,7 +35,9 @@ class Example:
     answer: str
     messages: tuple[tuple[str, str], ...] = ()
     task: str = ""
-    metadata: dict[str, Any] | None = field(default=None, hash=False)
+    # the row's own data (a reasoning-gym row's metadata, a data set row's columns): what the row
+    # carries for its reward and environment, not what makes two examples the same
+    metadata: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
 
 class Task(Protocol):
@@ -67,6 +69,15 @@ def render_plain(example: Example, template: str = DEFAULT_TEMPLATE) -> str:
     return make_prompt(example.question, template)
 
 
+@runtime_checkable
+class Conversational(Protocol):
+    """A renderer that also says which conversation it renders (data/chat.py's `ChatRender`)."""
+
+    def __call__(self, example: Example) -> str: ...
+
+    def messages(self, example: Example) -> list[dict[str, str]]: ...
+
+
 def to_prompt(
     example: Example,
     uid: str,
@@ -74,8 +85,11 @@ def to_prompt(
     template: str | Callable[[Example], str] = DEFAULT_TEMPLATE,
 ) -> Prompt:
     """Wrap an example as the `Prompt` record that crosses into the workers; `template` is a
-    plain template or a renderer (data/chat.py)."""
+    plain template or a renderer (data/chat.py). A chat prompt keeps its conversation too."""
     text = render_plain(example, template) if isinstance(template, str) else template(example)
+    messages: tuple[tuple[str, str], ...] = ()
+    if isinstance(template, Conversational):
+        messages = tuple((m["role"], m["content"]) for m in template.messages(example))
     return Prompt(
         uid=uid,
         text=text,
@@ -83,6 +97,7 @@ def to_prompt(
         index=index,
         task=example.task,
         metadata=example.metadata,
+        messages=messages,
     )
 
 

@@ -7,7 +7,8 @@ download leaves them), and returns the rows of one split with a way to name each
 library cannot read is scanned line by line to name the first bad line, or, with
 `on_bad_line="skip"`, to keep the good ones. `to_examples` maps rows to `Example`s through
 `prompt_field` (a string, or a conversation: a list of `{"role", "content"}` messages in OpenAI
-format ending with the user's turn) and `answer_field`.
+format ending with the user's turn) and `answer_field`; each example keeps its whole row, every
+column by name, as its `metadata` (a reward or an environment class's `reset` reads it).
 
 Nothing here touches the network: the hub is kept offline, and a path that does not exist but
 looks like a hub id is answered with how to download it first. JSON is parsed, never unpickled.
@@ -22,7 +23,7 @@ import random
 import re
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import count, islice
 from pathlib import Path
 from typing import Any
@@ -207,7 +208,9 @@ def to_examples(
             answer = _answer(record.get(answer_field), answer_field, numeric_answers)
             if check_answer is not None:
                 check_answer(answer)
-            examples.append(_prompt(record.get(prompt_field), prompt_field, answer))
+            example = _prompt(record.get(prompt_field), prompt_field, answer)
+            # the whole row, as TRL hands it to a reward or an environment's reset (envs/)
+            examples.append(replace(example, metadata=dict(record)))
         except DataError as e:
             if on_bad_line == "error":
                 raise DataError(f"{rows.where(i)}: {e}") from None

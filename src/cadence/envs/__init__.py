@@ -1,15 +1,36 @@
 """Multi-turn environments: the seam (`Environment`, `Episode`, `EnvReply`, `Budget`), the tool
-environment with its call syntax and the `calculator` tool, and deterministic fakes.
+environment with its call syntax and the `calculator` tool, environment classes on TRL's
+contract, OpenEnv environments in-process, and deterministic fakes.
 
 `env.kind = "single_turn"` (the default) is one prompt and one response, as ever; `"tool"` lets
-the policy call tools over up to `env.max_turns` turns. The rollout worker runs the episodes
-(rollout/episodes.py); this package only decides what the environment says.
+the policy call tools in cadence's syntax over up to `env.max_turns` turns; `"class"` and
+`"openenv"` run environment classes (TRL's `environment_factory` contract, OpenEnv's
+`Environment`) whose calls and replies are written in the model's own chat template. The
+rollout worker runs the episodes (rollout/episodes.py); this package only decides what the
+environment says. Heavy imports (transformers' schema maker, openenv-core) wait for the kinds
+that use them.
 """
 
 from cadence.envs.base import KINDS, Budget, Environment, EnvReply, Episode
-from cadence.envs.calculator import CalculatorError, calculator, demonstration
+from cadence.envs.calculator import Calculator, CalculatorError, calculator, demonstration
+from cadence.envs.chat_tools import (
+    ChatFormat,
+    ChatToolsError,
+    MalformedToolCall,
+    ToolCall,
+    parse_calls,
+)
+from cadence.envs.classes import (
+    ClassEnv,
+    Factory,
+    FactoryError,
+    InstancePool,
+    load_factory,
+    reset_row,
+)
 from cadence.envs.fake import ScriptedEnv, SingleTurnEnv, replies
-from cadence.envs.spec import EnvSpec, make_env
+from cadence.envs.openenv import OpenEnvEnv, load_openenv, observation_text
+from cadence.envs.spec import CHAT_KINDS, EnvSpec, check_env, make_env
 from cadence.envs.syntax import (
     CALL_END,
     CALL_START,
@@ -22,37 +43,65 @@ from cadence.envs.syntax import (
     result_text,
 )
 from cadence.envs.tool_env import ToolEnv, ToolEpisode
-from cadence.envs.tools import BUILTIN, Outcome, Tool, ToolBox, load_tool, load_tools
+from cadence.envs.tools import (
+    BUILTIN,
+    Outcome,
+    Ran,
+    Tool,
+    ToolBox,
+    ToolThreads,
+    load_tool,
+    load_tools,
+)
 
 __all__ = [
     "BUILTIN",
     "CALL_END",
     "CALL_START",
+    "CHAT_KINDS",
     "KINDS",
     "RESULT_END",
     "RESULT_START",
     "Budget",
+    "Calculator",
     "CalculatorError",
+    "ChatFormat",
+    "ChatToolsError",
+    "ClassEnv",
     "EnvReply",
     "EnvSpec",
     "Environment",
     "Episode",
+    "Factory",
+    "FactoryError",
+    "InstancePool",
     "MalformedCall",
+    "MalformedToolCall",
+    "OpenEnvEnv",
     "Outcome",
+    "Ran",
     "ScriptedEnv",
     "SingleTurnEnv",
     "Tool",
     "ToolBox",
+    "ToolCall",
     "ToolEnv",
     "ToolEpisode",
+    "ToolThreads",
     "calculator",
     "call_text",
+    "check_env",
     "demonstration",
     "error_text",
+    "load_factory",
+    "load_openenv",
     "load_tool",
     "load_tools",
     "make_env",
+    "observation_text",
     "parse_call",
+    "parse_calls",
     "replies",
+    "reset_row",
     "result_text",
 ]

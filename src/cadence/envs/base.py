@@ -5,6 +5,15 @@ then alternates: the policy writes a turn (the engine samples it with the whole 
 its prompt); the episode reads the turn's text and answers with an `EnvReply`: text to append
 (tokenised once, never trained), or `done` with an optional reward of its own. The worker, not
 the episode, holds the tokens and enforces the `Budget` (turns, and tokens after the prompt).
+However the episode ended, the worker then calls its `finish` once: the episode lets go of what
+it holds and may give its reward there (an environment class's `get_reward`).
+
+Where a turn ends depends on the environment's format. With cadence's call syntax a call ends at
+a stop string and EOS marks the final answer (`eos_ends_episode`). With a chat template every
+assistant message ends at the end-of-turn token, so EOS ends the turn and the episode reads it;
+a turn cut off before it (its length, a stop string) ends the episode. An episode that renders
+its own prompt (the tools' schemas in a chat template, the text its `reset` returned) says so in
+`prompt_text`; the worker then feeds that instead of the task's prompt.
 
 `Episode.step` may block (a tool call); the worker runs it off its engine's thread, so other
 episodes decode meanwhile. It must not raise for anything the policy wrote: what the policy got
@@ -22,7 +31,8 @@ from typing import Protocol
 
 from cadence.types import Prompt
 
-KINDS = ("single_turn", "tool")
+# "single_turn" needs no environment; the others are built by envs/spec.py's `make_env`
+KINDS = ("single_turn", "tool", "class", "openenv")
 
 
 @dataclass(frozen=True)
@@ -52,13 +62,25 @@ class EnvReply:
 
 
 class Episode(Protocol):
+    # the prompt this episode is played from, when the environment renders it; None: the task's
+    # prompt as given. The G episodes of one prompt must agree (one prompt per group).
+    prompt_text: str | None
+
     def step(self, turn: str) -> EnvReply:
         """Read the policy's latest turn (its text); reply, or end the episode."""
+        ...
+
+    def finish(self) -> float | None:
+        """The episode is over, however it ended: let go of what it holds; its reward, or None
+        for the run's reward function (a reward `step` gave with `done` comes first)."""
         ...
 
 
 class Environment(Protocol):
     budget: Budget
     stop: tuple[str, ...]  # strings that end a policy turn (besides EOS), e.g. a call's end
+    # True: EOS is the final answer and ends the episode (cadence's call syntax); False: EOS ends
+    # the policy's message and the episode reads it (chat templates), any other end stops it
+    eos_ends_episode: bool
 
     def start(self, prompt: Prompt) -> Episode: ...

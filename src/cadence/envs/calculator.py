@@ -7,6 +7,9 @@ nodes, every intermediate value, exponents), so no model output can run code or 
 process compute for long. Anything else raises `CalculatorError` with a message
 the policy reads.
 
+`Calculator` is the same tool as an environment class (envs/classes.py, TRL's contract):
+`env.kind = "class"` with `env.factory = "cadence.envs.calculator:Calculator"`.
+
 `demonstration` turns a worked answer ("123 + 456 = 579\\n#### 579") into the calls and results
 a warm start teaches: segments of text, each marked trained (the policy's) or not (the tool's).
 """
@@ -56,6 +59,22 @@ def calculator(expression: str) -> str:
     if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
         raise CalculatorError(f"expression has more than {MAX_NODES} parts")
     return _format(_value(tree.body))
+
+
+class Calculator:
+    """The calculator as an environment class: one tool, and the run's reward function scores
+    the answer (no `get_reward`)."""
+
+    def reset(self, **row) -> None:
+        return None  # stateless: the question is in the prompt
+
+    def calculator(self, expression: str) -> str:
+        """Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.
+
+        Args:
+            expression: The expression to evaluate, such as "123 + 456".
+        """
+        return calculator(expression)
 
 
 def _value(node: ast.AST) -> int | float:

@@ -1,4 +1,9 @@
-"""How an environment's settings travel to a worker process, and how it builds the environment."""
+"""How an environment's settings travel to a worker process, and how it builds the environment.
+
+`check_env` loads and checks what a spec names (tools, environment classes) without building
+anything, so a bad name fails before a run starts; `make_env` builds the environment in the
+worker, with the worker's tokenizer (chat-format environments render with its template).
+"""
 
 from __future__ import annotations
 
@@ -8,25 +13,70 @@ from cadence.envs.base import KINDS, Budget, Environment
 from cadence.envs.tool_env import ToolEnv
 from cadence.envs.tools import load_tools
 
+CHAT_KINDS = ("class", "openenv")  # kinds that write calls and replies in the chat template
+
 
 @dataclass(frozen=True)
 class EnvSpec:
     """Plain, picklable settings a worker process builds its environment from (`make_env`)."""
 
-    kind: str = "single_turn"  # "single_turn" | "tool"
-    tools: tuple[str, ...] = ()  # "calculator" or "package.module:function"
+    kind: str = "single_turn"  # one of KINDS
+    tools: tuple[str, ...] = ()  # "tool": "calculator" or "package.module:function"
     max_turns: int = 4
     max_total_tokens: int = 256
     tool_timeout_s: float = 5.0
+    factory: str = ""  # "class", "openenv": "package.module:Class"
+    factories: tuple[tuple[str, str], ...] = ()  # "class": (name, "module:Class"), by row
+    chat_template: str | None = None  # chat kinds: Jinja text in place of the tokenizer's own
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"env kind {self.kind!r} is unknown; allowed: {', '.join(KINDS)}")
+        if self.kind == "class" and bool(self.factory) == bool(self.factories):
+            raise ValueError("env kind 'class' needs a factory or factories, not both")
+        if self.kind == "openenv" and not self.factory:
+            raise ValueError("env kind 'openenv' needs a factory")
 
 
-def make_env(spec: EnvSpec) -> Environment | None:
-    """The environment `spec` describes; None for "single_turn" (the worker's one-turn path)."""
+def check_env(spec: EnvSpec) -> None:
+    """Load what `spec` names and check it against its contract; raises ValueError (a
+    `FactoryError` for environment classes) with the reason."""
+    if spec.kind == "tool":
+        load_tools(spec.tools)
+    elif spec.kind == "class":
+        _factories(spec)
+    elif spec.kind == "openenv":
+        from cadence.envs.openenv import load_openenv
+
+        load_openenv(spec.factory)
+
+
+def make_env(spec: EnvSpec, tokenizer=None) -> Environment | None:
+    """The environment `spec` describes; None for "single_turn" (the worker's one-turn path).
+    The chat kinds need the worker's `tokenizer`; a template that cannot carry tool calls
+    raises `ChatToolsError` with the reason."""
     if spec.kind == "single_turn":
         return None
     budget = Budget(spec.max_turns, spec.max_total_tokens)
-    return ToolEnv(load_tools(spec.tools), budget, timeout_s=spec.tool_timeout_s)
+    if spec.kind == "tool":
+        return ToolEnv(load_tools(spec.tools), budget, timeout_s=spec.tool_timeout_s)
+    if tokenizer is None:
+        raise ValueError(f"env kind {spec.kind!r} writes in the chat template: give the tokenizer")
+    from cadence.envs.chat_tools import ChatFormat
+
+    chat = ChatFormat(tokenizer, spec.chat_template)
+    if spec.kind == "class":
+        from cadence.envs.classes import ClassEnv
+
+        return ClassEnv(_factories(spec), chat, budget, spec.tool_timeout_s)
+    from cadence.envs.openenv import OpenEnvEnv, load_openenv
+
+    return OpenEnvEnv(load_openenv(spec.factory), chat, budget, spec.tool_timeout_s)
+
+
+def _factories(spec: EnvSpec):
+    from cadence.envs.classes import load_factory
+
+    if spec.factory:
+        return {None: load_factory(spec.factory)}
+    return {name: load_factory(s, f"env.factories.{name}") for name, s in spec.factories}

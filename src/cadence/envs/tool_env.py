@@ -18,6 +18,7 @@ from cadence.types import Prompt
 
 class ToolEnv:
     stop = (CALL_END,)
+    eos_ends_episode = True  # a turn without a call, ended by EOS, is the final answer
 
     def __init__(self, tools: dict[str, Tool], budget: Budget, timeout_s: float = 5.0) -> None:
         self.budget = budget
@@ -30,8 +31,13 @@ class ToolEnv:
 class ToolEpisode:
     """Stateless: every turn is read on its own (the transcript lives in the worker)."""
 
+    prompt_text = None  # the task's prompt, as rendered
+
     def __init__(self, toolbox: ToolBox) -> None:
         self.toolbox = toolbox
+
+    def finish(self) -> float | None:
+        return None  # the run's reward function scores the transcript
 
     def step(self, turn: str) -> EnvReply:
         try:

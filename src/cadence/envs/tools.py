@@ -4,13 +4,14 @@ A tool is a function `fn(argument: str) -> str`. `calculator` ships (envs/calcul
 other loads by import path, `"package.module:function"`, like a reward function, and is called
 by its function's name. Never `eval`: a spec is resolved with importlib.
 
-`ToolBox.call` runs the tool in a daemon thread of its own and waits at most `timeout_s`: a tool
-that raises, returns something that is not a string, or hangs gives an error outcome the policy
-reads, and a hung tool's thread is left behind (a daemon: it cannot keep the process alive) while
-the episode goes on. Counted, never fatal. A tool runs in at most `max_threads` threads at once,
-hung ones included: once that many hang, its next calls wait for one to end, up to their own
-timeout, and time out the same way, so a tool that always hangs holds a bounded number of
-threads rather than one per call, and holds up no other tool.
+`ToolThreads.run` runs a call in a daemon thread of its own and waits at most `timeout_s`;
+`ToolBox.call` (cadence's syntax) and the environment classes' tools (envs/classes.py) both call
+through it. A tool that raises, returns something that is not a string, or hangs gives an error
+outcome the policy reads, and a hung tool's thread is left behind (a daemon: it cannot keep the
+process alive) while the episode goes on. Counted, never fatal. A tool runs in at most
+`max_threads` threads at once, hung ones included: once that many hang, its next calls wait for
+one to end, up to their own timeout, and time out the same way, so a tool that always hangs
+holds a bounded number of threads rather than one per call, and holds up no other tool.
 """
 
 from __future__ import annotations
@@ -77,31 +78,41 @@ class Outcome:
 MAX_THREADS = 16  # per tool: as many calls as a worker's episodes make at once (ENV_THREADS)
 
 
-class ToolBox:
-    def __init__(
-        self, tools: dict[str, Tool], timeout_s: float, max_threads: int = MAX_THREADS
-    ) -> None:
+@dataclass
+class Ran:
+    """One call as it went: its value, or its error's message, and when it ran."""
+
+    start: float
+    end: float
+    value: object = None
+    error: str | None = None  # "ExceptionType: message" when it raised, or the timeout's message
+    timeout: bool = False
+
+
+class ToolThreads:
+    """Runs calls of named tools, each in a daemon thread of its own, waiting at most
+    `timeout_s`; a tool holds at most `max_threads` threads at once, hung ones included (the
+    bound is per tool name). The envs' tool calls all go through here, whatever their syntax."""
+
+    def __init__(self, names, timeout_s: float, max_threads: int = MAX_THREADS) -> None:
         if timeout_s <= 0:
             raise ValueError(f"a tool timeout must be > 0 seconds, got {timeout_s}")
         if max_threads < 1:
             raise ValueError(f"a tool's max_threads must be at least 1, got {max_threads}")
-        self.tools, self.timeout_s = tools, timeout_s
+        self.timeout_s = timeout_s
         # a slot is held by a running call's thread, and by a hung one until (if ever) it ends
-        self._slots = {name: threading.BoundedSemaphore(max_threads) for name in tools}
+        self._slots = {name: threading.BoundedSemaphore(max_threads) for name in names}
 
-    def call(self, name: str, argument: str) -> Outcome:
+    def run(self, name: str, call: Callable[[], object]) -> Ran:
+        """`call()` as tool `name` (one of the names given): its value, error or timeout."""
         start = time.perf_counter()
-        fn = self.tools.get(name)
-        if fn is None:
-            known = ", ".join(sorted(self.tools))
-            return Outcome(error_text(f"unknown tool {name!r}; tools: {known}"), start, start, True)
         box: dict[str, object] = {}
         finished = threading.Event()
         slots = self._slots[name]
 
         def run() -> None:
             try:
-                box["value"] = fn(argument)
+                box["value"] = call()
             except Exception as e:
                 box["error"] = f"{type(e).__name__}: {e}"
             finally:
@@ -116,16 +127,37 @@ class ToolBox:
                 slots.release()
                 raise
             if finished.wait(max(deadline - time.monotonic(), 0.0)):
-                return self._outcome(name, box, start)
+                error = box.get("error")
+                message = None if error is None else str(error)
+                return Ran(start, time.perf_counter(), box.get("value"), message)
         message = f"{name} timed out after {self.timeout_s:g}s"
-        return Outcome(error_text(message), start, time.perf_counter(), True, True)
+        return Ran(start, time.perf_counter(), error=message, timeout=True)
 
-    def _outcome(self, name: str, box: dict[str, object], start: float) -> Outcome:
-        end = time.perf_counter()
-        if "error" in box:
-            return Outcome(error_text(str(box["error"])[:MAX_RESULT_CHARS]), start, end, True)
-        value = box.get("value")
-        if not isinstance(value, str):
-            message = f"{name} returned {type(value).__name__}, not str"
-            return Outcome(error_text(message), start, end, True)
-        return Outcome(result_text(value[:MAX_RESULT_CHARS]), start, end)
+
+class ToolBox:
+    """Tools of cadence's call syntax: `fn(argument: str) -> str`, replies in `<result>` tags."""
+
+    def __init__(
+        self, tools: dict[str, Tool], timeout_s: float, max_threads: int = MAX_THREADS
+    ) -> None:
+        self.tools = tools
+        self.threads = ToolThreads(tools, timeout_s, max_threads)
+
+    @property
+    def timeout_s(self) -> float:
+        return self.threads.timeout_s
+
+    def call(self, name: str, argument: str) -> Outcome:
+        fn = self.tools.get(name)
+        if fn is None:
+            now = time.perf_counter()
+            known = ", ".join(sorted(self.tools))
+            return Outcome(error_text(f"unknown tool {name!r}; tools: {known}"), now, now, True)
+        ran = self.threads.run(name, lambda: fn(argument))
+        if ran.error is not None:
+            reply = error_text(ran.error if ran.timeout else ran.error[:MAX_RESULT_CHARS])
+            return Outcome(reply, ran.start, ran.end, True, ran.timeout)
+        if not isinstance(ran.value, str):
+            message = f"{name} returned {type(ran.value).__name__}, not str"
+            return Outcome(error_text(message), ran.start, ran.end, True)
+        return Outcome(result_text(ran.value[:MAX_RESULT_CHARS]), ran.start, ran.end)

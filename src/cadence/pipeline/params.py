@@ -30,7 +30,15 @@ from cadence.data import (
 )
 from cadence.engine import SamplingParams
 from cadence.engine.vllm import INSTALL_HINT, VLLMOptions, vllm_available
-from cadence.envs import EnvSpec, demonstration, load_tools
+from cadence.envs import (
+    CHAT_KINDS,
+    ChatToolsError,
+    Environment,
+    EnvSpec,
+    check_env,
+    demonstration,
+    make_env,
+)
 from cadence.learner import LearnerParams
 from cadence.learner.rank import RankSpec
 from cadence.models import stop_token_ids
@@ -309,16 +317,48 @@ def worker_spec(cfg: Config, sampling: SamplingParams) -> WorkerSpec:
 
 
 def env_spec(cfg: Config) -> EnvSpec:
-    """The episode settings workers build their environment from; tools that cannot be loaded
-    are a config error here, before any worker starts."""
+    """The episode settings workers build their environment from; tools or environment classes
+    that cannot be loaded, or break their contract, are a config error here, before any worker
+    starts. The chat kinds carry `data.chat_template`'s Jinja text when it names a file."""
     e = cfg.env
     if e.kind == "single_turn":
         return EnvSpec()
+    template = None
+    if e.kind in CHAT_KINDS and isinstance(cfg.data.chat_template, str):
+        path = Path(cfg.data.chat_template)
+        if not path.is_file():
+            raise ConfigError(f"data.chat_template '{path}': no such Jinja template file")
+        template = path.read_text(encoding="utf-8")
+    spec = EnvSpec(
+        e.kind,
+        tuple(e.tools) if e.kind == "tool" else (),
+        e.max_turns,
+        e.max_total_tokens,
+        e.tool_timeout_s,
+        factory=e.factory or "",
+        factories=tuple((e.factories or {}).items()),
+        chat_template=template,
+    )
     try:
-        load_tools(e.tools)
+        check_env(spec)
     except ValueError as err:
-        raise ConfigError(f"config key 'env.tools': {err}") from None
-    return EnvSpec(e.kind, tuple(e.tools), e.max_turns, e.max_total_tokens, e.tool_timeout_s)
+        key = "env.tools" if e.kind == "tool" else "env.factories" if e.factories else "env.factory"
+        raise ConfigError(f"config key '{key}': {err}") from None
+    return spec
+
+
+def environment(cfg: Config, tokenizer) -> Environment | None:
+    """The run's environment, built with `tokenizer` (its chat template, for the chat kinds);
+    a template that cannot carry tool calls is a config error naming the reason."""
+    try:
+        return make_env(env_spec(cfg), tokenizer)
+    except ChatToolsError as err:
+        own = not isinstance(cfg.data.chat_template, str)
+        where = "the model's tokenizer" if own else f"data.chat_template '{cfg.data.chat_template}'"
+        raise ConfigError(
+            f"env.kind = '{cfg.env.kind}' needs a chat template that carries tool calls, and "
+            f"{where} has none: {err}"
+        ) from None
 
 
 def sft_segments(cfg: Config):

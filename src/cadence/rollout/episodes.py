@@ -11,9 +11,17 @@ sequence the engine saw.
 The environment's `step` runs in a thread pool, so while one episode waits on a tool the engine
 decodes the others; each `step()` here collects the replies that are ready, and when the engine
 has nothing to decode it waits briefly on the first reply instead of spinning. An episode ends
-when its environment says so, on EOS, after `budget.max_turns` turns, or when its tokens after
-the prompt reach `budget.max_total_tokens` (a reply that would leave no room for a policy token
-is not appended). A request's group of G episodes is handed out once all G have ended.
+when its environment says so, at the end of a turn that its environment does not read (EOS with
+cadence's call syntax; anything but EOS with a chat template: `Environment.eos_ends_episode`),
+after `budget.max_turns` turns, or when its tokens after the prompt reach
+`budget.max_total_tokens` (a reply that would leave no room for a policy token is not appended).
+However it ended, its `finish` then runs in the pool too (an environment class's reward, an
+instance handed back), and a request's group of G episodes is handed out once all G have
+finished.
+
+An environment may render the prompt itself (a chat template with its tools' schemas, the text
+its `reset` returned: `Episode.prompt_text`): the group is then fed that prompt, tokenised once,
+and the worker trains on it. The G episodes of a prompt must agree on it.
 """
 
 from __future__ import annotations
@@ -79,7 +87,8 @@ class EpisodeRunner:
         self.spans: list[tuple[str, float, float]] = []  # tool calls, for the timeline
         self._groups: dict[Hashable, _Group] = {}
         self._in_engine: dict[Hashable, _Episode] = {}
-        self._waiting: dict[cf.Future, _Episode] = {}
+        self._waiting: dict[cf.Future, _Episode] = {}  # a step in flight
+        self._finishing: dict[cf.Future, _Episode] = {}  # a finish in flight
         self._done: list[Finished] = []
         self._pool: cf.ThreadPoolExecutor | None = None
 
@@ -87,23 +96,43 @@ class EpisodeRunner:
     def busy(self) -> bool:
         return bool(self._groups)
 
-    def add(self, key: Hashable, prompt, prompt_ids: list[int], seeds: list[int]) -> None:
-        """Start a prompt's episodes. Their first turns share the prompt, so an engine that
-        refuses one refuses the first: then nothing of the group is left behind."""
+    def add(self, key: Hashable, prompt, prompt_ids: list[int], seeds: list[int]) -> list[int]:
+        """Start a prompt's episodes; the prompt ids they are fed (the environment's rendering
+        of the prompt where it gives one, else `prompt_ids`). Their first turns share the
+        prompt, so an engine that refuses one refuses the first: then nothing of the group is
+        left behind."""
+        envs = [self.env.start(prompt) for _ in seeds]
+        texts = {e.prompt_text for e in envs}
+        if len(texts) > 1:
+            raise ValueError(
+                f"the environment rendered {len(texts)} different prompts for the {len(seeds)} "
+                f"episodes of row {prompt.uid}: a group's episodes share one prompt, so reset "
+                "must return the same text for every episode of a row (seed it from the row)"
+            )
+        (text,) = texts
+        if text is not None:
+            prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         group = _Group(key, list(prompt_ids), remaining=len(seeds))
-        for j, seed in enumerate(seeds):
-            episode = _Episode(group, j, seed, self.env.start(prompt))
-            group.episodes.append(episode)
-            self._next_turn(episode)
+        try:
+            for j, (seed, env) in enumerate(zip(seeds, envs, strict=True)):
+                episode = _Episode(group, j, seed, env)
+                group.episodes.append(episode)
+                self._next_turn(episode)
+        except BaseException:  # refused: the episodes never began, let go of what they hold
+            for env in envs:
+                env.finish()
+            raise
         self._groups[key] = group
+        return group.prompt_ids
 
     def step(self) -> list[Finished]:
         self._take_replies()
         if self.engine.busy:
             for key, (completion,) in self.engine.step():
                 self._turn_done(self._in_engine.pop(key), completion)
-        elif self._waiting:
-            cf.wait(list(self._waiting), timeout=IDLE_WAIT_S, return_when=cf.FIRST_COMPLETED)
+        elif self._waiting or self._finishing:
+            pending = [*self._waiting, *self._finishing]
+            cf.wait(pending, timeout=IDLE_WAIT_S, return_when=cf.FIRST_COMPLETED)
             self._take_replies()
         done, self._done = self._done, []
         return done
@@ -127,8 +156,11 @@ class EpisodeRunner:
         budget = self.env.budget
         if len(episode.token_ids) >= budget.max_total_tokens:
             episode.finish_reason = "length"
+        # EOS is the final answer in cadence's syntax; in a chat template it ends every message
+        # and only a message the environment can read (ended at EOS) goes on to it
+        unread = (turn.finish_reason == "eos") == self.env.eos_ends_episode
         if (
-            turn.finish_reason == "eos"
+            unread
             or episode.stats.turns >= budget.max_turns
             or len(episode.token_ids) >= budget.max_total_tokens
         ):
@@ -138,6 +170,12 @@ class EpisodeRunner:
         self._waiting[self._executor().submit(episode.env.step, turn.text)] = episode
 
     def _take_replies(self) -> None:
+        for future in [f for f in self._finishing if f.done()]:
+            episode = self._finishing.pop(future)
+            reward = future.result()  # an environment that raises is a bug: the worker fails
+            if episode.reward is None:
+                episode.reward = reward
+            self._close(episode)
         for future in [f for f in self._waiting if f.done()]:
             episode = self._waiting.pop(future)
             reply = future.result()  # an environment that raises is a bug: the worker fails
@@ -164,6 +202,9 @@ class EpisodeRunner:
             self._next_turn(episode)
 
     def _finish(self, episode: _Episode) -> None:
+        self._finishing[self._executor().submit(episode.env.finish)] = episode
+
+    def _close(self, episode: _Episode) -> None:
         group = episode.group
         group.remaining -= 1
         if group.remaining == 0:

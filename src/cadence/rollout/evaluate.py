@@ -1,7 +1,8 @@
 """Held-out accuracy: greedy decoding, scored by the run's reward function.
 
-With an environment (`env.kind = "tool"`) each held-out problem is a greedy episode, tools and
-all, run by the same rollout worker code that training uses; without one, a single response.
+With an environment (`env.kind` other than "single_turn") each held-out problem is a greedy
+episode, tools and all, run and scored by the same rollout worker code that training uses (an
+environment's own reward where it gives one); without one, a single response.
 Either way a prompt is fed as training feeds it (`prompt_ids`: truncated where it was cut to fit).
 Prompts labelled with a task (a mix) also give the accuracy of each task. The answers are scored
 all at once through the reward runner (`reward.concurrency` calls in flight, each within
@@ -33,15 +34,16 @@ def evaluate(
     """Fraction of held-out prompts whose greedy answer scores >= 1, and mean response length;
     with task labels, each task's fraction too (`accuracy/<task>`)."""
     greedy = replace(sampling, temperature=0.0)
-    if env is not None:
-        completions = _episodes(engine, tokenizer, prompts, greedy, env)
+    if env is not None:  # scored as training scores them: the environment's reward first
+        completions = _episodes(engine, tokenizer, reward, prompts, greedy, env)
+        scores = [c.reward for c in completions]
     else:
         completions = _responses(engine, tokenizer, prompts, greedy)
-    calls = [
-        RewardCall(p.text, c.text, p.answer, p.metadata)
-        for p, c in zip(prompts, completions, strict=True)
-    ]
-    scores = [result.value for result in as_runner(reward).score(calls)]
+        calls = [
+            RewardCall(p.text, c.text, p.answer, p.metadata)
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+        scores = [result.value for result in as_runner(reward).score(calls)]
     correct = sum(s >= 1.0 for s in scores)
     tokens = sum(len(c.token_ids) for c in completions)
     n = max(len(prompts), 1)
@@ -55,8 +57,8 @@ def _responses(engine, tokenizer, prompts, greedy) -> list[Completion]:
     return [c for (c,) in engine.generate(requests, greedy)]
 
 
-def _episodes(engine, tokenizer, prompts, greedy, env) -> list[Completion]:
-    worker = RolloutWorker(engine, tokenizer, None, greedy, 1, 0, env=env)
+def _episodes(engine, tokenizer, reward, prompts, greedy, env) -> list[Completion]:
+    worker = RolloutWorker(engine, tokenizer, reward, greedy, 1, 0, env=env)
     return [g.completions[0] for g in worker.rollout(prompts, 0, 0)]
 
 

@@ -72,6 +72,6 @@ def build_worker(spec: WorkerSpec) -> tuple[EngineWeights, RolloutWorker]:
         spec.sampling,
         spec.group_size,
         spec.run_seed,
-        env=make_env(spec.env),
+        env=make_env(spec.env, tokenizer),
     )
     return weights, worker

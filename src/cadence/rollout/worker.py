@@ -133,8 +133,8 @@ class RolloutWorker:
                 derive_seed(self.run_seed, iteration, prompt.index, j)
                 for j in range(self.group_size)
             ]
-            if self.episodes is not None:
-                self.episodes.add((task, pos), prompt, ids, seeds)
+            if self.episodes is not None:  # the environment may render the prompt itself
+                ids = self.episodes.add((task, pos), prompt, ids, seeds)
             else:
                 self.engine.add((task, pos), Request(ids, seeds), self.sampling)
             # only once the engine took it: a refused prompt must not leave the worker busy
