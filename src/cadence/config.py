@@ -7,11 +7,19 @@ builder see the whole config; components take plain keyword arguments.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -155,7 +163,9 @@ class DataConfig(_Section):
         False,
         description="true: render every prompt with the tokenizer's chat template (system_prompt, "
         "then the user's message, then the assistant's turn begins); a path: a Jinja template "
-        "file to use instead of the tokenizer's; false: prompt_template as plain text.",
+        "file to use instead of the tokenizer's; false: prompt_template as plain text. With "
+        "env.kind 'verifiers': true renders every turn with verifiers' renderer for the model, "
+        "false with cadence's plain one (texts concatenated, <call> syntax for tools).",
     )
     system_prompt: str | None = Field(
         None, description="chat_template: a system message put before every prompt's messages."
@@ -786,11 +796,19 @@ RAY_ONLY = (
 
 
 class EnvConfig(_Section):
-    kind: Literal["single_turn", "tool"] = Field(
+    kind: Literal["single_turn", "tool", "verifiers"] = Field(
         "single_turn",
         description="single_turn: one prompt, one response; tool: multi-turn episodes in which "
         "the policy calls tools with <call>NAME: ARGUMENT</call> and reads <result>...</result> "
-        "(src/cadence/envs/syntax.py); a turn without a call is the final answer.",
+        "(src/cadence/envs/syntax.py); a turn without a call is the final answer; verifiers: "
+        "the episodes of a verifiers environment (env.factory), run by verifiers against "
+        "cadence's own endpoint in each rollout worker (the 'verifiers' extra; docs/envs.md).",
+    )
+    factory: str | None = Field(
+        None,
+        description="kind 'verifiers': 'module:function' returning the environment (a "
+        "verifiers.v1.Env, as an environment package's load_environment does), importable where "
+        "the workers run. Prompts come from its taskset, rewards from its tasks' rubric.",
     )
     tools: list[str] = Field(
         default_factory=lambda: ["calculator"],
@@ -813,16 +831,36 @@ class EnvConfig(_Section):
         "the policy reads an error (counted as tool_timeouts), the run goes on.",
     )
 
+    @field_validator("factory")
+    @classmethod
+    def _module_and_attribute(cls, factory: str | None) -> str | None:
+        if factory is not None and not _FACTORY.fullmatch(factory):
+            raise ValueError(
+                f"{factory!r} is not 'module:function' (a dotted module path, a colon, a name)"
+            )
+        return factory
+
+    @model_validator(mode="after")
+    def _factory_for_verifiers(self) -> EnvConfig:
+        if self.kind == "verifiers" and self.factory is None:
+            raise ValueError(
+                "env.kind = 'verifiers' needs env.factory = 'module:function' returning the "
+                "verifiers environment"
+            )
+        if self.kind != "verifiers" and self.factory is not None:
+            raise ValueError("env.factory applies to env.kind = 'verifiers' only")
+        return self
+
     @model_validator(mode="after")
     def _tool_keys_need_tools(self) -> EnvConfig:
-        if self.kind == "single_turn":
+        if self.kind != "tool":
             for key in TOOL_ONLY:
                 if getattr(self, key) != EnvConfig.model_fields[key].get_default(
                     call_default_factory=True
                 ):
                     raise ValueError(
                         f"env.{key} applies to env.kind = 'tool' only: set env.kind = 'tool' or "
-                        f"leave env.{key} out"
+                        f"leave env.{key} out (a verifiers environment sets its own limits)"
                     )
         elif not self.tools:
             raise ValueError("env.kind = 'tool' needs at least one tool in env.tools")
@@ -830,6 +868,7 @@ class EnvConfig(_Section):
 
 
 TOOL_ONLY = ("tools", "max_turns", "max_total_tokens", "tool_timeout_s")
+_FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
 class SFTConfig(_Section):
@@ -905,8 +944,8 @@ class Config(_Section):
     )
     env: EnvConfig = Field(
         default_factory=EnvConfig,
-        description="What a sample is: one response, or a multi-turn episode with tools "
-        "(docs/envs.md).",
+        description="What a sample is: one response, a multi-turn episode with tools, or an "
+        "episode of a verifiers environment (docs/envs.md).",
     )
     sft: SFTConfig = Field(
         default_factory=SFTConfig,
@@ -986,6 +1025,30 @@ class Config(_Section):
             raise ValueError(
                 f"learner.ranks = {ranks.ranks} with model.lora: the ranks shard a full model; "
                 "train a LoRA adapter with learner.ranks = 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _verifiers_env(self) -> Config:
+        """A verifiers environment brings its tasks, prompts and rewards: the keys that would
+        choose them otherwise are refused rather than ignored."""
+        if self.env.kind != "verifiers":
+            return self
+        if self.data.task != DataConfig.model_fields["task"].default:
+            raise ValueError(
+                "env.kind = 'verifiers' takes its tasks from the environment's taskset: leave "
+                "data.task out"
+            )
+        if isinstance(self.data.chat_template, str):
+            raise ValueError(
+                "env.kind = 'verifiers': data.chat_template = true renders with the model's own "
+                "template (verifiers' renderer for it), false with cadence's plain renderer; a "
+                "template file is not supported"
+            )
+        if self.reward.stage == "separate":
+            raise ValueError(
+                "env.kind = 'verifiers' scores each episode with the environment's rubric in "
+                "the rollout worker: set reward.stage = 'worker'"
             )
         return self
 

@@ -2,14 +2,16 @@
 environment with its call syntax and the `calculator` tool, and deterministic fakes.
 
 `env.kind = "single_turn"` (the default) is one prompt and one response, as ever; `"tool"` lets
-the policy call tools over up to `env.max_turns` turns. The rollout worker runs the episodes
-(rollout/episodes.py); this package only decides what the environment says.
+the policy call tools over up to `env.max_turns` turns; `"verifiers"` runs a verifiers
+environment (`env.factory`), whose adapter lives in `cadence.envs.verifiers` (imported on use).
+The rollout worker runs the episodes (rollout/episodes.py, rollout/verifiers.py); this package
+only decides what the environment says.
 """
 
 from cadence.envs.base import KINDS, Budget, Environment, EnvReply, Episode
 from cadence.envs.calculator import CalculatorError, calculator, demonstration
 from cadence.envs.fake import ScriptedEnv, SingleTurnEnv, replies
-from cadence.envs.spec import EnvSpec, make_env
+from cadence.envs.spec import EnvSpec, VerifiersEnv, make_env
 from cadence.envs.syntax import (
     CALL_END,
     CALL_START,
@@ -45,6 +47,7 @@ __all__ = [
     "ToolBox",
     "ToolEnv",
     "ToolEpisode",
+    "VerifiersEnv",
     "calculator",
     "call_text",
     "demonstration",

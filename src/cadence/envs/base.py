@@ -22,7 +22,7 @@ from typing import Protocol
 
 from cadence.types import Prompt
 
-KINDS = ("single_turn", "tool")
+KINDS = ("single_turn", "tool", "verifiers")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """Held-out accuracy: greedy decoding, scored by the run's reward function.
 
-With an environment (`env.kind = "tool"`) each held-out problem is a greedy episode, tools and
-all, run by the same rollout worker code that training uses; without one, a single response.
+With an environment (`env.kind = "tool"`, `"verifiers"`) each held-out problem is a greedy
+episode, tools and all, run by the same rollout worker code that training uses and scored as
+training scores it (the environment's own reward where it gives one); without one, a single
+response.
 Either way a prompt is fed as training feeds it (`prompt_ids`: truncated where it was cut to fit).
 Prompts labelled with a task (a mix) also give the accuracy of each task.
 """
@@ -33,12 +35,13 @@ def evaluate(
     greedy = replace(sampling, temperature=0.0)
     if env is not None:
         completions = _episodes(engine, tokenizer, reward, prompts, greedy, env)
+        scores = [c.reward for c in completions]
     else:
         completions = _responses(engine, tokenizer, prompts, greedy)
-    scores = [
-        safe_reward(reward, p.text, c.text, p.answer, p.metadata).value
-        for p, c in zip(prompts, completions, strict=True)
-    ]
+        scores = [
+            safe_reward(reward, p.text, c.text, p.answer, p.metadata).value
+            for p, c in zip(prompts, completions, strict=True)
+        ]
     correct = sum(s >= 1.0 for s in scores)
     tokens = sum(len(c.token_ids) for c in completions)
     n = max(len(prompts), 1)
@@ -53,8 +56,12 @@ def _responses(engine, tokenizer, prompts, greedy) -> list[Completion]:
 
 
 def _episodes(engine, tokenizer, reward, prompts, greedy, env) -> list[Completion]:
-    worker = RolloutWorker(engine, tokenizer, None, greedy, 1, 0, env=env)
-    return [g.completions[0] for g in worker.rollout(prompts, 0, 0)]
+    """Greedy episodes, scored by the worker (the environment's reward, else `reward`)."""
+    worker = RolloutWorker(engine, tokenizer, reward, greedy, 1, 0, env=env)
+    try:
+        return [g.completions[0] for g in worker.rollout(prompts, 0, 0)]
+    finally:
+        worker.close()
 
 
 @dataclass

@@ -9,10 +9,11 @@ Two ways in: `rollout` generates a list of prompts and returns when all are done
 `poll` stream, for a worker process that keeps its engine's slots full across tasks and hands each
 group out the moment it is complete. The loaded weights must not change while `busy`.
 
-With an environment (cadence.envs) each sample is a multi-turn episode (rollout/episodes.py): a
-group is handed out once its G episodes have all ended, so `busy` covers every unfinished
-episode and weights never change inside one. Without one (`env.kind = "single_turn"`) a sample
-is one response, exactly as before.
+With an environment (cadence.envs) each sample is a multi-turn episode (rollout/episodes.py; a
+verifiers environment's own rollouts: rollout/verifiers.py): a group is handed out once its G
+episodes have all ended, so `busy` covers every unfinished episode and weights never change
+inside one. Without one (`env.kind = "single_turn"`) a sample is one response, exactly as before.
+`close` stops what the episodes hold (threads, a verifiers environment's endpoint and servers).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from cadence.engine import (
     Engine,
@@ -29,10 +31,28 @@ from cadence.engine import (
     as_streaming,
     derive_seed,
 )
-from cadence.envs import Environment
+from cadence.envs import Environment, VerifiersEnv
 from cadence.rewards import RewardFn, safe_reward
-from cadence.rollout.episodes import EpisodeRunner
+from cadence.rollout.episodes import EpisodeRunner, Finished
 from cadence.types import Completion, Group, Prompt
+
+
+class Episodes(Protocol):
+    """What runs a worker's multi-turn episodes on its engine."""
+
+    engine: StreamingEngine
+    spans: list[tuple[str, float, float]]
+
+    @property
+    def busy(self) -> bool: ...
+
+    def add(
+        self, key: Hashable, prompt: Prompt, prompt_ids: list[int], seeds: list[int]
+    ) -> None: ...
+
+    def step(self) -> list[Finished]: ...
+
+    def close(self) -> None: ...
 
 
 def prompt_ids(prompt: Prompt, tokenizer) -> list[int]:
@@ -62,10 +82,10 @@ class RolloutWorker:
         sampling: SamplingParams,
         group_size: int,
         run_seed: int,
-        env: Environment | None = None,
+        env: Environment | VerifiersEnv | None = None,
     ) -> None:
         self._jobs: dict[Hashable, _Job] = {}  # by (task, position in task)
-        self.episodes: EpisodeRunner | None = None
+        self.episodes: Episodes | None = None
         if env is not None:  # a turn ends at the environment's stop strings too
             missing = tuple(s for s in env.stop if s not in sampling.stop)
             sampling = replace(sampling, stop=sampling.stop + missing)
@@ -76,7 +96,7 @@ class RolloutWorker:
         self.group_size = group_size
         self.run_seed = run_seed
         if env is not None:
-            self.episodes = EpisodeRunner(self.engine, tokenizer, env, sampling)
+            self.episodes = _episodes(env, self.engine, tokenizer, sampling)
 
     @property
     def engine(self) -> StreamingEngine:
@@ -117,14 +137,21 @@ class RolloutWorker:
         """One engine step; the (task, group) of every prompt that finished in it, scored."""
         out = []
         if self.episodes is not None:
-            for key, completions, env_rewards in self.episodes.step():
-                job = self._jobs.pop(key)
-                out.append((job.task, self._score(job, completions, env_rewards)))
+            for done in self.episodes.step():
+                job = self._jobs.pop(done.key)
+                if done.prompt_ids is not None:  # the environment rendered the prompt itself
+                    job.prompt_ids = done.prompt_ids
+                out.append((job.task, self._score(job, done.completions, done.rewards)))
             return out
         for key, completions in self.engine.step():
             job = self._jobs.pop(key)
             out.append((job.task, self._score(job, completions)))
         return out
+
+    def close(self) -> None:
+        """Stop what the episodes hold; the worker takes no more work."""
+        if self.episodes is not None:
+            self.episodes.close()
 
     def take_spans(self) -> list[tuple[str, float, float]]:
         """(name, start, end) of the tool calls since the last call (time.perf_counter())."""
@@ -166,3 +193,14 @@ class RolloutWorker:
         group = Group(job.prompt, job.prompt_ids, completions, job.version, job.iteration)
         group.gen_s = time.perf_counter() - job.submitted
         return group
+
+
+def _episodes(
+    env: Environment | VerifiersEnv, engine: StreamingEngine, tokenizer, sampling: SamplingParams
+) -> Episodes:
+    """cadence's episode runner for its own environments; a verifiers environment runs its own."""
+    if isinstance(env, VerifiersEnv):
+        from cadence.rollout.verifiers import VerifiersRunner
+
+        return VerifiersRunner(env, engine, tokenizer, sampling)
+    return EpisodeRunner(engine, tokenizer, env, sampling)

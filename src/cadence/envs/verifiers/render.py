@@ -38,7 +38,14 @@ from renderers.base import (
 )
 from renderers.configs import BaseRendererConfig
 
-from cadence.envs.syntax import CALL_START, MalformedCall, call_text, parse_call, result_text
+from cadence.envs.syntax import (
+    CALL_END,
+    CALL_START,
+    MalformedCall,
+    call_text,
+    parse_call,
+    result_text,
+)
 
 IMPORT_PATH = "cadence.envs.verifiers.render.PlainRenderer"
 
@@ -160,12 +167,15 @@ def _argument_text(arguments: Any) -> str:
 def _tool_call(text: str, tools: list[dict[str, Any]]) -> ParsedToolCall:
     raw = text[text.index(CALL_START) :]
     try:
-        call = parse_call(text)
+        name, argument = parse_call(text)  # the text holds CALL_START: a call or an error
     except MalformedCall:
-        return ParsedToolCall(raw=raw, status=ToolCallParseStatus.MALFORMED_STRUCTURE)
-    if call is None:  # parse_call found no complete call after the opening tag
-        return ParsedToolCall(raw=raw, status=ToolCallParseStatus.UNCLOSED_BLOCK)
-    name, argument = call
+        unclosed = CALL_END not in raw  # cut off by the turn's token limit
+        status = (
+            ToolCallParseStatus.UNCLOSED_BLOCK
+            if unclosed
+            else ToolCallParseStatus.MALFORMED_STRUCTURE
+        )
+        return ParsedToolCall(raw=raw, status=status)
     schema = _parameters(tools).get(name)
     if schema is None:
         return ParsedToolCall(raw=raw, name=name, status=ToolCallParseStatus.UNKNOWN_TOOL)
