@@ -14,7 +14,7 @@ import pytest
 
 from cadence.config import ConfigError, load_config
 from cadence.pipeline import build_run, train
-from cadence.pipeline.params import make_task
+from cadence.pipeline.params import make_task, sft_segments
 
 pytestmark = pytest.mark.slow
 
@@ -107,3 +107,8 @@ def test_a_factory_that_gives_no_environment_stops_the_run_before_it_starts(
 ):
     with pytest.raises((ConfigError, ValueError), match=reason):
         build_run(_cfg(model_dir, factory, *extra))
+
+
+def test_a_warm_start_on_a_verifiers_taskset_is_refused(model_dir):
+    with pytest.raises(ConfigError, match="has none: warm-start with the config of a cadence"):
+        sft_segments(_cfg(model_dir, "fixtures_verifiers:single_turn"))

@@ -349,7 +349,13 @@ def env_spec(cfg: Config) -> EnvSpec:
 def sft_segments(cfg: Config):
     """How the warm start splits an answer into (text, trained) pieces: with the calculator among
     the tools, each worked step becomes a call (trained) and its result (not trained); else the
-    whole answer is trained."""
+    whole answer is trained. A verifiers taskset has no reference answers to train on."""
+    if cfg.env.kind == "verifiers":
+        raise ConfigError(
+            "cadence sft trains on a task's reference answers, and a verifiers taskset has none: "
+            "warm-start with the config of a cadence task in the same format (configs/"
+            "verifiers.toml warm-starts with configs/calculator.toml)"
+        )
     if cfg.env.kind == "tool" and "calculator" in cfg.env.tools:
         return lambda example: demonstration(example.answer)
     return lambda example: [(example.answer, True)]

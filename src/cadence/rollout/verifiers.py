@@ -203,7 +203,7 @@ class _Group:
 
 class _Live:
     """What a runner holds once it has work: the environment inside its `serving()` context on
-    an event loop of its own, and the endpoint over the engine."""
+    the process's verifiers event loop, and the endpoint over the engine."""
 
     def __init__(self, spec: VerifiersEnv, tokenizer, sampling: SamplingParams, loop: StepLoop):
         from cadence.envs.verifiers.env import load_environment
