@@ -171,7 +171,7 @@ def _completion(trace: vf.Trace, branch: vf.Branch, start: int, tokenizer) -> Co
 
 def _stats(trace: vf.Trace, mask: list[bool]) -> EpisodeStats:
     tools = trace.tool_messages
-    errors = sum(_text(m.content).startswith("error") for m in tools)
+    errors = sum(_text(m.content).lower().startswith("error") for m in tools)
     return EpisodeStats(
         turns=trace.num_turns,
         tool_calls=len(tools),
