@@ -1,3 +1,4 @@
+import re
 import tomllib
 from pathlib import Path
 
@@ -220,3 +221,32 @@ def test_vllm_keys_round_trip_with_their_engine_arguments():
 def test_every_shipped_config_validates_and_round_trips(path):
     cfg = load_config(path)
     assert Config.model_validate(tomllib.loads(to_toml(cfg))) == cfg
+
+
+VERIFIERS = ["env.kind='verifiers'", "env.factory='my_envs.arith:load_environment'"]
+
+
+def test_a_verifiers_env_is_named_by_its_factory():
+    cfg = load_config(None, VERIFIERS)
+    assert (cfg.env.kind, cfg.env.factory) == ("verifiers", "my_envs.arith:load_environment")
+    assert Config.model_validate(tomllib.loads(to_toml(cfg))) == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (["env.kind='verifiers'"], "needs env.factory = 'module:function'"),
+        ([*VERIFIERS[:1], "env.factory='my-envs'"], "is not 'module:function'"),
+        (["env.factory='my_envs:load'"], "env.factory applies to env.kind = 'verifiers' only"),
+        ([*VERIFIERS, "env.max_turns=2"], "env.max_turns applies to env.kind = 'tool' only"),
+        ([*VERIFIERS, "data.task='gsm8k'", "data.path='x'"], "leave data.task out"),
+        ([*VERIFIERS, "data.chat_template='t.jinja'"], "a template file is not supported"),
+        (
+            [*VERIFIERS, "reward.stage='separate'", "pipeline.placement='separate'"],
+            "set reward.stage = 'worker'",
+        ),
+    ],
+)
+def test_a_verifiers_env_refuses_keys_it_would_ignore(overrides, reason):
+    with pytest.raises(ConfigError, match=re.escape(reason)):
+        load_config(None, overrides)

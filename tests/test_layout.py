@@ -31,9 +31,11 @@ ALLOWED = {
     # process and actor transports; backend imports nothing of the learner
     "learner": {"types", "algo", "data", "metrics", "models", "backend"},
     "dataplane": {"types", "metrics"},
+    # the HTTP face of an engine (`cadence serve`): what a worker lends a verifiers environment
+    "serve": {"types", "engine", "models"},
     # the policy acting (workers, episodes, evaluation): above what it acts with, below what
     # carries it to processes (backend) and what runs training (pipeline)
-    "rollout": {"types", "engine", "envs", "metrics", "models", "rewards"},
+    "rollout": {"types", "engine", "envs", "metrics", "models", "rewards", "serve"},
     # engines only as what weights load into (EngineWeights); rewards for the reward stage
     "backend": {"types", "dataplane", "engine", "metrics", "models", "rewards", "rollout"},
     "pipeline": {

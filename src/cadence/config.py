@@ -7,11 +7,19 @@ builder see the whole config; components take plain keyword arguments.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -155,7 +163,9 @@ class DataConfig(_Section):
         False,
         description="true: render every prompt with the tokenizer's chat template (system_prompt, "
         "then the user's message, then the assistant's turn begins); a path: a Jinja template "
-        "file to use instead of the tokenizer's; false: prompt_template as plain text.",
+        "file to use instead of the tokenizer's; false: prompt_template as plain text. With "
+        "env.kind 'verifiers': true renders every turn with verifiers' renderer for the model, "
+        "false with cadence's plain one (texts concatenated, <call> syntax for tools).",
     )
     system_prompt: str | None = Field(
         None, description="chat_template: a system message put before every prompt's messages."
@@ -802,7 +812,7 @@ RAY_ONLY = (
 
 
 class EnvConfig(_Section):
-    kind: Literal["single_turn", "tool", "class", "openenv"] = Field(
+    kind: Literal["single_turn", "tool", "class", "openenv", "verifiers"] = Field(
         "single_turn",
         description="single_turn: one prompt, one response; tool: multi-turn episodes in which "
         "the policy calls tools with <call>NAME: ARGUMENT</call> and reads <result>...</result> "
@@ -810,8 +820,10 @@ class EnvConfig(_Section):
         "environment class on TRL's environment_factory contract (env.factory or "
         "env.factories), its methods the tools, called and answered in the model's chat "
         "template; openenv: an OpenEnv Environment class run in the rollout worker, no server "
-        "(env.factory; the 'openenv' extra). class and openenv need data.chat_template "
-        "(docs/envs.md).",
+        "(env.factory; the 'openenv' extra). class and openenv need data.chat_template; "
+        "verifiers: the episodes of a verifiers environment (env.factory), run by verifiers "
+        "against cadence's own endpoint in each rollout worker (the 'verifiers' extra; "
+        "docs/envs.md).",
     )
     tools: list[str] = Field(
         default_factory=lambda: ["calculator"],
@@ -825,7 +837,10 @@ class EnvConfig(_Section):
         "and an Args: docstring), optional get_reward() -> float (TRL's environment_factory "
         "contract; 'cadence.envs.calculator:Calculator' ships). kind 'openenv': an OpenEnv "
         "Environment class (an MCPEnvironment's tools are called in the chat format; any other "
-        "gets the policy's text as its action).",
+        "gets the policy's text as its action). kind 'verifiers': 'module:function' returning "
+        "the environment (a verifiers.v1.Env, as an environment package's load_environment "
+        "does), importable where the workers run; prompts come from its taskset, rewards from "
+        "its tasks' rubric.",
     )
     factories: dict[str, str] | None = Field(
         None,
@@ -853,6 +868,24 @@ class EnvConfig(_Section):
         "this many seconds is cut off; the policy reads an error (counted as tool_timeouts), "
         "the run goes on.",
     )
+
+    @field_validator("factory")
+    @classmethod
+    def _module_and_attribute(cls, factory: str | None) -> str | None:
+        if factory is not None and not _FACTORY.fullmatch(factory):
+            raise ValueError(
+                f"{factory!r} is not 'module:name' (a dotted module path, a colon, a name)"
+            )
+        return factory
+
+    @model_validator(mode="after")
+    def _factory_for_verifiers(self) -> EnvConfig:
+        if self.kind == "verifiers" and self.factory is None:
+            raise ValueError(
+                "env.kind = 'verifiers' needs env.factory = 'module:function' returning the "
+                "verifiers environment"
+            )
+        return self
 
     @model_validator(mode="after")
     def _keys_of_the_kind(self) -> EnvConfig:
@@ -882,12 +915,13 @@ class EnvConfig(_Section):
 EPISODES = ("tool", "class", "openenv")  # the kinds whose samples are multi-turn episodes
 ENV_KEYS = {  # key -> the kinds it applies to
     "tools": ("tool",),
-    "factory": ("class", "openenv"),
+    "factory": ("class", "openenv", "verifiers"),
     "factories": ("class",),
     "max_turns": EPISODES,
     "max_total_tokens": EPISODES,
     "tool_timeout_s": EPISODES,
 }
+_FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
 class SFTConfig(_Section):
@@ -963,8 +997,8 @@ class Config(_Section):
     )
     env: EnvConfig = Field(
         default_factory=EnvConfig,
-        description="What a sample is: one response, or a multi-turn episode with tools "
-        "(docs/envs.md).",
+        description="What a sample is: one response, a multi-turn episode with tools, or an "
+        "episode of a verifiers environment (docs/envs.md).",
     )
     sft: SFTConfig = Field(
         default_factory=SFTConfig,
@@ -1069,6 +1103,30 @@ class Config(_Section):
             raise ValueError(
                 f"learner.ranks = {ranks.ranks} with model.lora: the ranks shard a full model; "
                 "train a LoRA adapter with learner.ranks = 1"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _verifiers_env(self) -> Config:
+        """A verifiers environment brings its tasks, prompts and rewards: the keys that would
+        choose them otherwise are refused rather than ignored."""
+        if self.env.kind != "verifiers":
+            return self
+        if self.data.task != DataConfig.model_fields["task"].default:
+            raise ValueError(
+                "env.kind = 'verifiers' takes its tasks from the environment's taskset: leave "
+                "data.task out"
+            )
+        if isinstance(self.data.chat_template, str):
+            raise ValueError(
+                "env.kind = 'verifiers': data.chat_template = true renders with the model's own "
+                "template (verifiers' renderer for it), false with cadence's plain renderer; a "
+                "template file is not supported"
+            )
+        if self.reward.stage == "separate":
+            raise ValueError(
+                "env.kind = 'verifiers' scores each episode with the environment's rubric in "
+                "the rollout worker: set reward.stage = 'worker'"
             )
         return self
 

@@ -53,7 +53,10 @@ def _many_ids(n):
         ({"prompt_token_ids": [-1]}, "prompt_token_ids[0] = -1 is not a token"),
         ({"prompt_token_ids": []}, "the prompt is empty"),
         ({"prompt_token_ids": [5, 1.5]}, "prompt_token_ids.1: Input should be a valid integer"),
-        ({**_many_ids(1025), "max_tokens": 1}, "exceeds the model's context length of 1024"),
+        (
+            {**_many_ids(1025), "max_tokens": 1},
+            "exceeds the model's maximum context length of 1024",
+        ),
         ({**_many_ids(1000), "max_tokens": 64}, "1000 tokens + max_tokens 64 = 1064 exceeds"),
         ({"messages": []}, "messages: at least one message"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),

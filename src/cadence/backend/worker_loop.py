@@ -44,6 +44,12 @@ class WorkerLoop:
         self.spans: list[tuple[str, float, float]] = []  # tool calls not yet reported
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.worker.close()  # what its episodes hold: threads, an environment's servers
+
+    def _run(self) -> None:
         parent = os.getppid()
         self.outbox.put(("ready", self.wid, None))
         while True:

@@ -5,10 +5,12 @@ contract, OpenEnv environments in-process, and deterministic fakes.
 `env.kind = "single_turn"` (the default) is one prompt and one response, as ever; `"tool"` lets
 the policy call tools in cadence's syntax over up to `env.max_turns` turns; `"class"` and
 `"openenv"` run environment classes (TRL's `environment_factory` contract, OpenEnv's
-`Environment`) whose calls and replies are written in the model's own chat template. The
-rollout worker runs the episodes (rollout/episodes.py); this package only decides what the
-environment says. Heavy imports (transformers' schema maker, openenv-core) wait for the kinds
-that use them.
+`Environment`) whose calls and replies are written in the model's own chat template;
+`"verifiers"` runs a verifiers environment (`env.factory`), whose adapter lives in
+`cadence.envs.verifiers` (imported on use). The rollout worker runs the episodes
+(rollout/episodes.py, rollout/verifiers.py); this package only decides what the environment
+says. Heavy imports (transformers' schema maker, openenv-core, verifiers) wait for the kinds that
+use them.
 """
 
 from cadence.envs.base import KINDS, Budget, Environment, EnvReply, Episode
@@ -30,7 +32,7 @@ from cadence.envs.classes import (
 )
 from cadence.envs.fake import ScriptedEnv, SingleTurnEnv, replies
 from cadence.envs.openenv import OpenEnvEnv, load_openenv, observation_text
-from cadence.envs.spec import CHAT_KINDS, EnvSpec, check_env, make_env
+from cadence.envs.spec import CHAT_KINDS, EnvSpec, VerifiersEnv, check_env, make_env
 from cadence.envs.syntax import (
     CALL_END,
     CALL_START,
@@ -88,6 +90,7 @@ __all__ = [
     "ToolEnv",
     "ToolEpisode",
     "ToolThreads",
+    "VerifiersEnv",
     "calculator",
     "call_text",
     "check_env",

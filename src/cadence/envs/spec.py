@@ -3,6 +3,10 @@
 `check_env` loads and checks what a spec names (tools, environment classes) without building
 anything, so a bad name fails before a run starts; `make_env` builds the environment in the
 worker, with the worker's tokenizer (chat-format environments render with its template).
+
+A verifiers environment (`kind = "verifiers"`) is only named here (`VerifiersEnv`): its library
+runs its own episodes, which the rollout worker drives (rollout/verifiers.py); nothing here
+imports verifiers.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class EnvSpec:
     factory: str = ""  # "class", "openenv": "package.module:Class"
     factories: tuple[tuple[str, str], ...] = ()  # "class": (name, "module:Class"), by row
     chat_template: str | None = None  # chat kinds: Jinja text in place of the tokenizer's own
+    renderer: str = "plain"  # "verifiers": "plain" (cadence's) or "model" (the chat template's)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -36,6 +41,19 @@ class EnvSpec:
             raise ValueError("env kind 'class' needs a factory or factories, not both")
         if self.kind == "openenv" and not self.factory:
             raise ValueError("env kind 'openenv' needs a factory")
+        if self.kind == "verifiers" and not self.factory:
+            raise ValueError("env kind 'verifiers' needs a factory: 'module:function'")
+        if self.renderer not in ("plain", "model"):
+            raise ValueError(f"renderer {self.renderer!r} is unknown; allowed: plain, model")
+
+
+@dataclass(frozen=True)
+class VerifiersEnv:
+    """A verifiers environment by its factory, and how its turns are rendered to tokens."""
+
+    factory: str
+    renderer: str = "plain"
+    stop: tuple[str, ...] = ()  # the renderer's stops travel with each request instead
 
 
 def check_env(spec: EnvSpec) -> None:
@@ -51,12 +69,14 @@ def check_env(spec: EnvSpec) -> None:
         load_openenv(spec.factory)
 
 
-def make_env(spec: EnvSpec, tokenizer=None) -> Environment | None:
+def make_env(spec: EnvSpec, tokenizer=None) -> Environment | VerifiersEnv | None:
     """The environment `spec` describes; None for "single_turn" (the worker's one-turn path).
     The chat kinds need the worker's `tokenizer`; a template that cannot carry tool calls
     raises `ChatToolsError` with the reason."""
     if spec.kind == "single_turn":
         return None
+    if spec.kind == "verifiers":
+        return VerifiersEnv(spec.factory, spec.renderer)
     budget = Budget(spec.max_turns, spec.max_total_tokens)
     if spec.kind == "tool":
         return ToolEnv(load_tools(spec.tools), budget, timeout_s=spec.tool_timeout_s)

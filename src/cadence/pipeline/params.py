@@ -21,6 +21,7 @@ from cadence.algo import (
 from cadence.config import Config, ConfigError
 from cadence.data import (
     ChatRender,
+    DataError,
     DatasetChoice,
     Example,
     PlainRender,
@@ -35,6 +36,7 @@ from cadence.envs import (
     ChatToolsError,
     Environment,
     EnvSpec,
+    VerifiersEnv,
     check_env,
     demonstration,
     make_env,
@@ -57,6 +59,8 @@ def make_task(cfg: Config):
     split by `data.seed`. A reasoning-gym mix builds each of its datasets here, so a bad name or
     config key stops the run before it trains (a `DataError`, exit code 2)."""
     d = cfg.data
+    if cfg.env.kind == "verifiers":
+        return verifiers_tasks(cfg)
     if d.task == "reasoning_gym" and d.reasoning_gym is not None:
         rg = d.reasoning_gym
         return load_task(
@@ -93,9 +97,29 @@ def make_task(cfg: Config):
     )
 
 
+def verifiers_tasks(cfg: Config):
+    """A verifiers environment's taskset as the run's task (envs/verifiers/env.py): its last
+    `data.num_heldout` tasks held out, the rest shuffled per epoch by the run seed."""
+    try:
+        from cadence.envs.verifiers.env import TasksetTask
+    except ImportError as e:
+        raise ConfigError(
+            f"env.kind = 'verifiers' needs verifiers: pip install 'cadence[verifiers]' ({e})"
+        ) from None
+    try:
+        return TasksetTask(cfg.env.factory, cfg.train.seed, cfg.data.num_heldout)
+    except DataError:
+        raise
+    except ValueError as e:  # the factory cannot be imported or returns no environment
+        raise ConfigError(f"config key 'env.factory': {e}") from None
+
+
 def prompt_render(cfg: Config, tokenizer) -> Render:
-    """How every prompt of the run is rendered: `data.prompt_template`, or a chat template."""
+    """How every prompt of the run is rendered: `data.prompt_template`, or a chat template (a
+    verifiers environment renders its own: the prompt's text is the task's, as it is)."""
     d = cfg.data
+    if cfg.env.kind == "verifiers":
+        return PlainRender("{question}")
     if d.chat_template is False:
         return PlainRender(d.prompt_template)
     template = None
@@ -137,6 +161,8 @@ def prompt_filter(cfg: Config, tokenizer, max_positions: int | None = None) -> P
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    if cfg.env.kind == "verifiers":  # its endpoint refuses a rendered prompt that cannot fit
+        return PromptFilter(None)
     limit = max_prompt_tokens(cfg, max_positions)
     return PromptFilter(encode, limit, cfg.rollout.on_long_prompt)
 
@@ -323,6 +349,9 @@ def env_spec(cfg: Config) -> EnvSpec:
     e = cfg.env
     if e.kind == "single_turn":
         return EnvSpec()
+    if e.kind == "verifiers":
+        renderer = "model" if cfg.data.chat_template else "plain"
+        return EnvSpec(e.kind, factory=e.factory or "", renderer=renderer)
     template = None
     if e.kind in CHAT_KINDS and isinstance(cfg.data.chat_template, str):
         path = Path(cfg.data.chat_template)
@@ -347,7 +376,7 @@ def env_spec(cfg: Config) -> EnvSpec:
     return spec
 
 
-def environment(cfg: Config, tokenizer) -> Environment | None:
+def environment(cfg: Config, tokenizer) -> Environment | VerifiersEnv | None:
     """The run's environment, built with `tokenizer` (its chat template, for the chat kinds);
     a template that cannot carry tool calls is a config error naming the reason."""
     try:
@@ -364,7 +393,13 @@ def environment(cfg: Config, tokenizer) -> Environment | None:
 def sft_segments(cfg: Config):
     """How the warm start splits an answer into (text, trained) pieces: with the calculator among
     the tools, each worked step becomes a call (trained) and its result (not trained); else the
-    whole answer is trained."""
+    whole answer is trained. A verifiers taskset has no reference answers to train on."""
+    if cfg.env.kind == "verifiers":
+        raise ConfigError(
+            "cadence sft trains on a task's reference answers, and a verifiers taskset has none: "
+            "warm-start with the config of a cadence task in the same format (configs/"
+            "verifiers.toml warm-starts with configs/calculator.toml)"
+        )
     if cfg.env.kind == "tool" and "calculator" in cfg.env.tools:
         return lambda example: demonstration(example.answer)
     return lambda example: [(example.answer, True)]

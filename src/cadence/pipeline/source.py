@@ -126,6 +126,7 @@ class ColocatedSource:
 
     def close(self) -> None:
         self._pending = []
+        self.worker.close()
 
 
 class WorkerSource:

@@ -30,6 +30,7 @@ import concurrent.futures as cf
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from cadence.engine import Request, SamplingParams, StreamingEngine, derive_turn_seed
 from cadence.envs import Environment, Episode
@@ -73,7 +74,14 @@ class _Episode:
         )
 
 
-Finished = tuple[Hashable, list[Completion], list[float | None]]  # key, completions, env rewards
+class Finished(NamedTuple):
+    """A group's episodes, ended: their completions and the environment's rewards (None where
+    it gave none); `prompt_ids` when the environment rendered the prompt itself (verifiers)."""
+
+    key: Hashable
+    completions: list[Completion]
+    rewards: list[float | None]
+    prompt_ids: list[int] | None = None
 
 
 class EpisodeRunner:
@@ -210,7 +218,11 @@ class EpisodeRunner:
         if group.remaining == 0:
             del self._groups[group.key]
             completions = [e.completion() for e in group.episodes]
-            self._done.append((group.key, completions, [e.reward for e in group.episodes]))
+            self._done.append(Finished(group.key, completions, [e.reward for e in group.episodes]))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _executor(self) -> cf.ThreadPoolExecutor:
         if self._pool is None:

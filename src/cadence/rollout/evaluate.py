@@ -1,8 +1,9 @@
 """Held-out accuracy: greedy decoding, scored by the run's reward function.
 
 With an environment (`env.kind` other than "single_turn") each held-out problem is a greedy
-episode, tools and all, run and scored by the same rollout worker code that training uses (an
-environment's own reward where it gives one); without one, a single response.
+episode, tools and all, run by the same rollout worker code that training uses and scored as
+training scores it (the environment's own reward where it gives one: a class, an OpenEnv or a
+verifiers environment); without one, a single response.
 Either way a prompt is fed as training feeds it (`prompt_ids`: truncated where it was cut to fit).
 Prompts labelled with a task (a mix) also give the accuracy of each task. The answers are scored
 all at once through the reward runner (`reward.concurrency` calls in flight, each within
@@ -58,8 +59,12 @@ def _responses(engine, tokenizer, prompts, greedy) -> list[Completion]:
 
 
 def _episodes(engine, tokenizer, reward, prompts, greedy, env) -> list[Completion]:
+    """Greedy episodes, scored by the worker (the environment's reward, else `reward`)."""
     worker = RolloutWorker(engine, tokenizer, reward, greedy, 1, 0, env=env)
-    return [g.completions[0] for g in worker.rollout(prompts, 0, 0)]
+    try:
+        return [g.completions[0] for g in worker.rollout(prompts, 0, 0)]
+    finally:
+        worker.close()
 
 
 @dataclass

@@ -15,10 +15,11 @@ Two ways in: `rollout` generates a list of prompts and returns when all are done
 `poll` stream, for a worker process that keeps its engine's slots full across tasks and hands each
 group out the moment it is complete. The loaded weights must not change while `busy`.
 
-With an environment (cadence.envs) each sample is a multi-turn episode (rollout/episodes.py): a
-group is handed out once its G episodes have all ended, so `busy` covers every unfinished
-episode and weights never change inside one. Without one (`env.kind = "single_turn"`) a sample
-is one response, exactly as before.
+With an environment (cadence.envs) each sample is a multi-turn episode (rollout/episodes.py; a
+verifiers environment's own rollouts: rollout/verifiers.py): a group is handed out once its G
+episodes have all ended, so `busy` covers every unfinished episode and weights never change
+inside one. Without one (`env.kind = "single_turn"`) a sample is one response, exactly as before.
+`close` stops what the episodes hold (threads, a verifiers environment's endpoint and servers).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from cadence.engine import (
     Engine,
@@ -37,10 +39,28 @@ from cadence.engine import (
     as_streaming,
     derive_seed,
 )
-from cadence.envs import Environment
+from cadence.envs import Environment, VerifiersEnv
 from cadence.rewards import RewardCall, RewardFn, RewardResult, RewardRunner, as_runner
-from cadence.rollout.episodes import EpisodeRunner
+from cadence.rollout.episodes import EpisodeRunner, Finished
 from cadence.types import Completion, Group, Prompt
+
+
+class Episodes(Protocol):
+    """What runs a worker's multi-turn episodes on its engine."""
+
+    engine: StreamingEngine
+    spans: list[tuple[str, float, float]]
+
+    @property
+    def busy(self) -> bool: ...
+
+    def add(
+        self, key: Hashable, prompt: Prompt, prompt_ids: list[int], seeds: list[int]
+    ) -> list[int]: ...
+
+    def step(self) -> list[Finished]: ...
+
+    def close(self) -> None: ...
 
 
 def prompt_ids(prompt: Prompt, tokenizer) -> list[int]:
@@ -87,11 +107,11 @@ class RolloutWorker:
         sampling: SamplingParams,
         group_size: int,
         run_seed: int,
-        env: Environment | None = None,
+        env: Environment | VerifiersEnv | None = None,
     ) -> None:
         self._jobs: dict[Hashable, _Job] = {}  # by (task, position in task)
         self._scoring: deque[_Scoring] = deque()  # in the order the groups finished
-        self.episodes: EpisodeRunner | None = None
+        self.episodes: Episodes | None = None
         if env is not None:  # a turn ends at the environment's stop strings too
             missing = tuple(s for s in env.stop if s not in sampling.stop)
             sampling = replace(sampling, stop=sampling.stop + missing)
@@ -102,7 +122,7 @@ class RolloutWorker:
         self.group_size = group_size
         self.run_seed = run_seed
         if env is not None:
-            self.episodes = EpisodeRunner(self.engine, tokenizer, env, sampling)
+            self.episodes = _episodes(env, self.engine, tokenizer, sampling)
 
     @property
     def engine(self) -> StreamingEngine:
@@ -144,14 +164,21 @@ class RolloutWorker:
         """One engine step (or, with nothing to decode, a short wait on scores); the (task,
         group) of every group scored since, in the order the groups finished."""
         if self._jobs and self.episodes is not None:
-            for key, completions, env_rewards in self.episodes.step():
-                self._scoring.append(self._start_scoring(key, completions, env_rewards))
+            for done in self.episodes.step():
+                if done.prompt_ids is not None:  # the environment rendered the prompt itself
+                    self._jobs[done.key].prompt_ids = done.prompt_ids
+                self._scoring.append(self._start_scoring(done.key, done.completions, done.rewards))
         elif self._jobs:
             for key, completions in self.engine.step():
                 self._scoring.append(self._start_scoring(key, completions))
         if not self._jobs and self._scoring and (head := self._scoring[0].results) is not None:
             cf.wait([head], timeout=SCORE_WAIT_S)
         return self._scored()
+
+    def close(self) -> None:
+        """Stop what the episodes hold; the worker takes no more work."""
+        if self.episodes is not None:
+            self.episodes.close()
 
     def take_spans(self) -> list[tuple[str, float, float]]:
         """(name, start, end) of the tool calls since the last call (time.perf_counter())."""
@@ -214,3 +241,14 @@ class RolloutWorker:
             group.gen_s = time.perf_counter() - job.submitted
             out.append((job.task, group))
         return out
+
+
+def _episodes(
+    env: Environment | VerifiersEnv, engine: StreamingEngine, tokenizer, sampling: SamplingParams
+) -> Episodes:
+    """cadence's episode runner for its own environments; a verifiers environment runs its own."""
+    if isinstance(env, VerifiersEnv):
+        from cadence.rollout.verifiers import VerifiersRunner
+
+        return VerifiersRunner(env, engine, tokenizer, sampling)
+    return EpisodeRunner(engine, tokenizer, env, sampling)

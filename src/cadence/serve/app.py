@@ -1,7 +1,9 @@
 """`cadence serve`: an OpenAI-compatible HTTP endpoint over a rollout engine (FastAPI + uvicorn).
 
-Routes: POST /v1/chat/completions (chat.py has the schema), POST /tokenize ({"prompt": text} ->
-{"tokens": [...], "count": n}, as vLLM's), GET /v1/models, GET /health. Bound to 127.0.0.1 by
+Routes: POST /v1/chat/completions (chat.py has the schema), POST /inference/v1/generate (token ids
+in and out, vLLM's route that verifiers' training client samples through: generate.py), POST
+/tokenize ({"prompt": text} -> {"tokens": [...], "count": n}, as vLLM's), GET /v1/models (with
+`max_model_len`, as vLLM's), GET /health. Bound to 127.0.0.1 by
 default, where no token is needed; bound anywhere else it needs a token, and with a token every
 request must carry `Authorization: Bearer TOKEN`. Nothing else is listened to or fetched.
 FastAPI and uvicorn are imported here only (the `serve` extra).
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +32,7 @@ from typing import Any, TypeVar
 from cadence.engine import Request, SamplingParams
 from cadence.serve.chat import BadRequest, ChatRequest, Limits, check_prompt, render, response
 from cadence.serve.engine_loop import EngineBroken, EngineLoop, RequestFailed
+from cadence.serve.generate import GenerateRequest, generate_response
 
 MAX_TOKENS = 256  # a request's default and the server's ceiling, unless `cadence serve` sets it
 MAX_BODY_BYTES = 4 << 20  # a prompt at 128k positions is under 1 MiB as ids and as text
@@ -108,6 +112,31 @@ class Server:
             stop=tuple(request.stops),
         )
         return Job(Request(prompt, request.seeds(), max_new_tokens=limit), params)
+
+    async def generate(self, request: GenerateRequest) -> dict[str, Any]:
+        job = await self.off_loop(self.prepare_generate, request)
+        completions = await asyncio.wrap_future(self.loop.submit(job.request, job.params))
+        return generate_response(job.request.prompt_ids, completions)
+
+    def prepare_generate(self, request: GenerateRequest) -> Job:
+        """The prompt exactly as sent, checked as a chat prompt is; stop ids besides the
+        server's own (BadRequest for what the model cannot take or the engine cannot do)."""
+        request.check_supported()
+        s = request.sampling_params
+        limit = min(s.max_tokens or self.max_tokens, self.max_tokens)
+        check_prompt(request.token_ids, limit, self.limits, field="token_ids")
+        for token in s.stop_token_ids:
+            if not 0 <= token < self.limits.vocab_size:
+                raise BadRequest(f"sampling_params.stop_token_ids: {token} is not a token id")
+        params = replace(
+            self.params,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            stop=tuple(s.stops),
+            stop_token_ids=tuple(dict.fromkeys((*self.params.stop_token_ids, *s.stop_token_ids))),
+        )
+        seeds = request.seeds(secrets.randbits(62))
+        return Job(Request(list(request.token_ids), seeds, max_new_tokens=limit), params)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -208,6 +237,10 @@ def make_app(server: Server, token: str | None = None):
         # n = 4 x 16 tokens, against 0.3 ms for json.dumps)
         return JSONResponse(await server.chat(request))
 
+    @app.post("/inference/v1/generate")
+    async def generate(request: GenerateRequest):
+        return JSONResponse(await server.generate(request))
+
     @app.post("/v1/tokenize")
     @app.post("/tokenize")
     async def tokenize(body: dict[str, Any]) -> dict[str, Any]:
@@ -224,6 +257,7 @@ def make_app(server: Server, token: str | None = None):
             "object": "model",
             "created": int(time.time()),
             "owned_by": "cadence",
+            "max_model_len": server.max_positions,
         }
         return {"object": "list", "data": [model]}
 

@@ -128,23 +128,26 @@ def render(request: ChatRequest, tokenizer) -> list[int]:
     return ids
 
 
-def check_prompt(prompt_ids: list[int], max_new_tokens: int, limits: Limits) -> None:
+def check_prompt(
+    prompt_ids: list[int], max_new_tokens: int, limits: Limits, field: str = "prompt_token_ids"
+) -> None:
     """Refuse a prompt the model cannot take: empty, an id it has no embedding for, or too long
-    for `max_new_tokens` more (the message says "exceeds the model's context length", the words
-    OpenAI-API clients look for to tell an overlong prompt from other errors)."""
+    for `max_new_tokens` more (the message says "exceeds the model's maximum context length",
+    the words OpenAI-API clients, verifiers' harnesses among them, look for to tell an overlong
+    prompt from other errors)."""
     if not prompt_ids:
         raise BadRequest("the prompt is empty: send messages with content, or prompt_token_ids")
     total = len(prompt_ids) + max_new_tokens
     if total > limits.max_positions:
         raise BadRequest(
             f"a prompt of {len(prompt_ids)} tokens + max_tokens {max_new_tokens} = {total} "
-            f"exceeds the model's context length of {limits.max_positions} positions: shorten "
-            "the prompt or lower max_tokens"
+            f"exceeds the model's maximum context length of {limits.max_positions} positions: "
+            "shorten the prompt or lower max_tokens"
         )
     for i, token in enumerate(prompt_ids):
         if not 0 <= token < limits.vocab_size:
             raise BadRequest(
-                f"prompt_token_ids[{i}] = {token} is not a token of this model: ids are 0 to "
+                f"{field}[{i}] = {token} is not a token of this model: ids are 0 to "
                 f"{limits.vocab_size - 1} (POST /tokenize gives a text's ids)"
             )
 

@@ -1,0 +1,184 @@
+"""A verifiers environment seen from cadence: loading it, its tasks as cadence prompts, and its
+finished traces as cadence completions.
+
+`env.factory = "module:function"` names a function that returns a `verifiers.v1.Env` (what a
+verifiers environment package's `load_environment` does). The learner's process reads the env's
+taskset once for the prompt stream (`TasksetTask`); each prompt carries its task's wire data
+(`metadata["verifiers_task"]`, plain JSON, as prime-rl ships a task to its env server), so a
+worker builds the env from the same factory and runs the task without loading any data itself.
+
+A finished trace becomes one `Completion` token for token: its one branch (the tokens the engine
+saw, turn after turn) after the group's prompt, `loss_mask` 1 on the tokens the model sampled
+and 0 on everything the environment wrote (template scaffolding, tool results, user turns),
+behaviour log-probs as the engine returned them (0.0 on environment tokens), and the trace's
+reward (the sum of its weighted rubric rewards). A trace that failed keeps its tokens with
+reward 0 and the failure as its `reward_error` (counted against `reward.max_error_fraction`);
+one that failed before the model spoke, or that forked into several branches (a renderer that
+re-rendered sampled tokens), stops the run with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+from collections.abc import Iterator
+from itertools import count, islice
+from typing import Any
+
+import verifiers.v1 as vf
+
+from cadence.data import DataError, Example
+from cadence.data.base import stable_seed
+from cadence.types import Completion, EpisodeStats, Prompt
+
+TASK_KEY = "verifiers_task"  # Prompt.metadata key: the task's wire data
+
+
+def load_environment(factory: str) -> vf.Env:
+    """The environment `factory` ("module:function") returns; its errors name the fix."""
+    module_name, sep, attr = factory.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"env.factory {factory!r} must be 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"env.factory {factory!r}: cannot import {module_name!r}: {e}") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"env.factory {factory!r}: {module_name!r} has no function {attr!r}")
+    env = fn()
+    if not isinstance(env, vf.Env):
+        raise ValueError(
+            f"env.factory {factory!r} returned {type(env).__name__}, not a verifiers.v1.Env: "
+            "return vf.load_environment(config) or an Env you built"
+        )
+    return env
+
+
+class TasksetTask:
+    """The env's taskset as a cadence task: the last `num_heldout` tasks held out (the first of
+    an infinite taskset), the rest a shuffled stream, epoch after epoch, seeded like the data
+    sets' (`train_iter(k)` resumes after k examples)."""
+
+    num_skipped = 0
+
+    def __init__(self, factory: str, seed: int, num_heldout: int) -> None:
+        env = load_environment(factory)
+        self.seed = seed
+        if type(env.taskset).INFINITE:
+            raise DataError(
+                f"env.factory {factory!r}: the taskset is infinite; return an env whose taskset "
+                "yields a finite list of tasks (cadence shuffles them per epoch)"
+            )
+        tasks = [_example(task) for task in env.taskset]
+        if len(tasks) <= num_heldout:
+            raise DataError(
+                f"the taskset of env.factory {factory!r} has {len(tasks)} tasks: data.num_heldout"
+                f" = {num_heldout} leaves none to train on; lower data.num_heldout"
+            )
+        self._train, self._heldout = tasks[:-num_heldout], tasks[-num_heldout:]
+
+    def heldout(self) -> list[Example]:
+        return list(self._heldout)
+
+    def train_iter(self, start: int = 0) -> Iterator[Example]:
+        n = len(self._train)
+        epoch, pos = divmod(start, n)
+        for e in count(epoch):
+            order = list(range(n))
+            random.Random(stable_seed(f"{self.seed}:epoch:{e}")).shuffle(order)
+            for i in order[pos:]:
+                yield self._train[i]
+            pos = 0
+
+    def corpus(self, n: int) -> list[str]:
+        return [e.question for e in islice(self.train_iter(), n)]
+
+
+def _example(task: vf.Task) -> Example:
+    data = task.data.model_dump(mode="json")
+    return Example(task.data.prompt_text, "", metadata={TASK_KEY: data})
+
+
+def task_of(env: vf.Env, prompt: Prompt) -> vf.Task:
+    """The task a prompt stands for, rebuilt from its wire data with the env's task type."""
+    data = (prompt.metadata or {}).get(TASK_KEY)
+    if data is None:
+        raise ValueError(
+            f"prompt {prompt.uid!r} carries no verifiers task: with env.kind = 'verifiers' the "
+            "prompts come from the environment's taskset"
+        )
+    task_type = type(env.taskset).task_type()
+    return task_type(task_type.data_type().model_validate(data), env.taskset.config.task)
+
+
+def group_completions(
+    traces: list[vf.Trace], tokenizer
+) -> tuple[list[int], list[Completion], list[float]]:
+    """(the group's prompt ids, a completion per trace, their rewards): the prompt is the
+    leading tokens that no trace's model sampled and every trace shares."""
+    branches = [_branch(trace) for trace in traces]
+    prompt = _shared_prompt([b.token_ids for b in branches], [b.sampled_mask for b in branches])
+    out = [_completion(t, b, len(prompt), tokenizer) for t, b in zip(traces, branches, strict=True)]
+    return prompt, out, [c.reward for c in out]
+
+
+def _branch(trace: vf.Trace) -> vf.Branch:
+    branches = trace.branches
+    if not branches or not any(branches[0].sampled_mask):
+        why = trace.last_error.message if trace.last_error else "the model was never called"
+        raise RuntimeError(f"a verifiers rollout produced no model turn: {why}")
+    if len(branches) > 1:
+        raise RuntimeError(
+            f"a verifiers rollout forked into {len(branches)} branches: its renderer re-rendered "
+            "tokens the model sampled. Use a renderer that extends each turn's tokens "
+            "(data.chat_template = false, or a model-specific renderer that bridges turns)"
+        )
+    return branches[0]
+
+
+def _shared_prompt(ids: list[list[int]], masks: list[list[bool]]) -> list[int]:
+    first = [m.index(True) for m in masks]  # every branch has a sampled token (_branch)
+    n = min(first)
+    for i in range(n):
+        if any(seq[i] != ids[0][i] for seq in ids):
+            n = i
+            break
+    if n == 0:
+        raise RuntimeError("the rollouts of a verifiers group share no prompt token")
+    return ids[0][:n]
+
+
+def _completion(trace: vf.Trace, branch: vf.Branch, start: int, tokenizer) -> Completion:
+    ids, mask = branch.token_ids[start:], branch.sampled_mask[start:]
+    finish = "length" if trace.is_truncated else "stop"
+    if ids[-1] == tokenizer.eos_token_id and mask[-1]:
+        finish = "eos"
+    c = Completion(
+        token_ids=ids,
+        logprobs=branch.logprobs[start:],
+        text=tokenizer.decode(ids),
+        finish_reason=finish,
+        reward=trace.reward if trace.ok else 0.0,
+        loss_mask=[int(m) for m in mask],
+        episode=_stats(trace, mask),
+    )
+    if not trace.ok:
+        error = trace.last_error
+        c.reward_error = f"verifiers: {error.type}: {error.message}" if error else "verifiers"
+    return c
+
+
+def _stats(trace: vf.Trace, mask: list[bool]) -> EpisodeStats:
+    tools = trace.tool_messages
+    errors = sum(_text(m.content).lower().startswith("error") for m in tools)
+    return EpisodeStats(
+        turns=trace.num_turns,
+        tool_calls=len(tools),
+        tool_errors=errors,
+        env_tokens=len(mask) - sum(mask),
+    )
+
+
+def _text(content: Any) -> str:
+    return content if isinstance(content, str) else str(content or "")

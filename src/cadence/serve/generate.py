@@ -1,0 +1,116 @@
+"""Token in, token out: vLLM's `POST /inference/v1/generate`, the route verifiers' training
+client samples through.
+
+The client renders the conversation to token ids itself and sends them with vLLM's sampling
+parameters; the answer carries, per choice, the sampled `token_ids`, the log-prob of each under
+the sampling distribution (`logprobs.content[i] = {"token": "token_id:ID", "logprob": ...}`,
+the form vLLM gives with its tokens-as-ids option, which the client checks token by token) and
+the finish reason, with `prompt_token_ids` at the top. Nothing is detokenised or re-tokenised:
+what the engine sampled is what comes back.
+
+The sampling parameters that change what is sampled are honoured (`temperature`, `top_p`,
+`max_tokens`, `seed`, `n`, `stop`, `stop_token_ids`; stop ids end a completion besides EOS, as
+in vLLM); the rest of vLLM's, such as `skip_special_tokens` or `logprobs` (the sampled token's
+log-prob always comes back), are accepted and change nothing. One a cadence engine cannot do,
+`top_k` or a penalty other than none, is refused by name. Choice j is seeded by `seed + j`.
+Nothing here touches the engine or HTTP.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+
+from cadence.serve.chat import MAX_STOPS, MIN_TEMPERATURE, BadRequest
+from cadence.types import Completion
+
+NEUTRAL = {"top_k": (-1, 0), "min_p": (0.0,), "presence_penalty": (0.0,)}
+NEUTRAL |= {"frequency_penalty": (0.0,), "repetition_penalty": (1.0,)}
+
+
+class GenerateSampling(BaseModel):
+    """vLLM's `sampling_params`, the fields a cadence engine honours; others pass unread."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=64)
+    seed: int | None = Field(None, ge=0, lt=2**63)  # cadence's derived seeds are 63-bit
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=MAX_STOPS)
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_too_small(cls, t: float) -> float:
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {t}")
+        return t
+
+    @model_validator(mode="after")
+    def _seeds_fit(self) -> GenerateSampling:
+        if self.seed is not None and self.seed + self.n > 2**63:
+            raise ValueError("seed + n must be at most 2**63 (choice j is seeded by seed + j)")
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+
+    def check_supported(self) -> None:
+        """Refuse a sampling setting the engine would silently not apply."""
+        for name, neutral in NEUTRAL.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None and value not in neutral:
+                raise BadRequest(
+                    f"sampling_params.{name} = {value!r} is not supported by cadence's engines; "
+                    f"leave it out or set it to {neutral[0]!r}"
+                )
+
+
+class GenerateRequest(BaseModel):
+    """What /inference/v1/generate accepts (vLLM's body); multimodal fields are refused."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str = ""
+    token_ids: list[StrictInt] = Field(min_length=1)
+    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
+    features: Any = None
+    content_parts: Any = None
+
+    def check_supported(self) -> None:
+        if self.features is not None or self.content_parts is not None:
+            raise BadRequest("features / content_parts: cadence serves text models only")
+        self.sampling_params.check_supported()
+
+    def seeds(self, random_base: int) -> list[int]:
+        s = self.sampling_params
+        base = s.seed if s.seed is not None else random_base
+        return [base + j for j in range(s.n)]
+
+
+def generate_response(prompt_ids: list[int], completions: list[Completion]) -> dict[str, Any]:
+    """vLLM's generate answer: per choice the sampled ids, their log-probs and why it ended."""
+    choices = [
+        {
+            "index": j,
+            "token_ids": c.token_ids,
+            "logprobs": {
+                "content": [
+                    {"token": f"token_id:{t}", "logprob": lp}
+                    for t, lp in zip(c.token_ids, c.logprobs, strict=True)
+                ]
+            },
+            "finish_reason": "length" if c.finish_reason == "length" else "stop",
+        }
+        for j, c in enumerate(completions)
+    ]
+    return {
+        "request_id": f"gen-{uuid.uuid4().hex}",
+        "choices": choices,
+        "prompt_token_ids": prompt_ids,
+    }
