@@ -173,6 +173,7 @@ def ray_options(p: PipelineConfig) -> dict[str, Any]:
         "num_cpus": p.ray_num_cpus,
         "num_cpus_per_worker": p.num_cpus_per_worker,
         "num_gpus_per_worker": p.num_gpus_per_worker,
+        "custom_resources": p.ray_worker_resources,
         "weight_sync": p.weight_sync,
     }
 
@@ -341,7 +342,11 @@ def start_ranks(cfg: Config, model, pad_id: int, tracer: Tracer) -> RankedLearne
             spec,
             model,
             tracer,
-            resources={"CPU": cfg.learner.num_cpus_per_rank, "GPU": cfg.learner.num_gpus_per_rank},
+            resources={
+                "CPU": cfg.learner.num_cpus_per_rank,
+                "GPU": cfg.learner.num_gpus_per_rank,
+                **cfg.learner.ray_rank_resources,
+            },
             address=p.ray_address,
             num_cpus=p.ray_num_cpus,
         )
