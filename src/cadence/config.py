@@ -1003,6 +1003,33 @@ class Config(_Section):
             return r.max_new_tokens
         return min(e.max_turns * r.max_new_tokens, e.max_total_tokens)
 
+    @property
+    def response_budget(self) -> tuple[int, str]:
+        """(the most tokens after the prompt, the key that sets them): rollout.max_new_tokens, or
+        with an environment the whole episode (env.max_total_tokens: turns and tool replies)."""
+        if self.env.kind != "single_turn":
+            return self.env.max_total_tokens, "env.max_total_tokens"
+        return self.rollout.max_new_tokens, "rollout.max_new_tokens"
+
+    @model_validator(mode="after")
+    def _prompt_fits_vllm(self) -> Config:
+        """rollout.vllm.max_model_len caps prompt and response together: a response budget that
+        leaves no prompt room is refused here (the model's own positions once it is read)."""
+        r, cap = self.rollout, self.rollout.vllm.max_model_len
+        if not cap:
+            return self
+        reply, what = self.response_budget
+        where = f"rollout.vllm.max_model_len = {cap}"
+        if cap - reply < 1:
+            raise ValueError(f"{what} = {reply} leaves no room for a prompt in {where}: lower it")
+        if r.max_prompt_tokens > cap - reply:
+            raise ValueError(
+                f"rollout.max_prompt_tokens = {r.max_prompt_tokens} plus {what} = {reply} "
+                f"exceeds {where}: set rollout.max_prompt_tokens <= {cap - reply}, or 0 for "
+                "that limit"
+            )
+        return self
+
     @model_validator(mode="after")
     def _overlong_buffer_fits(self) -> Config:
         buffer, longest = self.reward.overlong_buffer, self.max_policy_tokens

@@ -39,7 +39,9 @@ from cadence.pipeline.params import (
     learner_params,
     learner_threads,
     make_task,
+    max_prompt_tokens,
     max_staleness,
+    model_positions,
     prompt_filter,
     prompt_render,
     rank_spec,
@@ -205,6 +207,7 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     """Every component of a run, wired; from `resume` on, if given (see pipeline/checkpoint.py)."""
     check_group_size(cfg)
     require_engine(cfg.rollout.engine)
+    max_prompt_tokens(cfg, model_positions(cfg.model.path))  # no room: refused before weights load
     set_threads(learner_threads(cfg))
     torch.manual_seed(cfg.train.seed)
     dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
