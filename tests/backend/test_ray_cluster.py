@@ -15,6 +15,7 @@ node is declared dead within seconds.
 
 from __future__ import annotations
 
+import re
 import secrets
 import shutil
 import sys
@@ -218,6 +219,9 @@ def test_a_worker_whose_resource_no_live_node_offers_stops_at_once_naming_it(clu
         with pytest.raises(WorkerDied) as died:
             while True:  # the actor's death reaches the driver once GCS declares the node dead
                 pool.poll(1.0)
+        assert re.search(
+            r"worker 0 \(Ray actor, pid \d+ on 127.0.0.1\) died: .*node", str(died.value)
+        )
         start = time.monotonic()
         with pytest.raises(WorkerDied, match=r"worker 0 .* cannot be replaced: .*'lonely'"):
             pool.replace(died.value.wid)
