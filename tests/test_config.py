@@ -170,6 +170,11 @@ RAY = ["pipeline.backend='ray'", "pipeline.placement='separate'"]
             [*RAY, "learner.ranks=2", "model.device='cuda'"],
             "set learner.num_gpus_per_rank > 0",
         ),
+        (["pipeline.ray_worker_resources={ rollout = 1 }"], "ray_worker_resources applies to"),
+        (["learner.ray_rank_resources={ trainer = 1 }"], "ray_rank_resources applies to"),
+        ([*RAY, "pipeline.ray_worker_resources={ GPU = 1 }"], "keys of their own"),
+        ([*RAY, "learner.ray_rank_resources={ CPU = 2 }"], "keys of their own"),
+        ([*RAY, "pipeline.ray_worker_resources={ rollout = 0 }"], "must be above 0"),
     ],
 )
 def test_bad_backend_keys_are_refused_with_the_reason(override, hint):
@@ -184,6 +189,21 @@ def test_ray_backend_keys_round_trip():
     again = tomllib.loads(to_toml(cfg))
     assert again["pipeline"]["weight_sync"] == "broadcast"
     assert "ray_address" not in again["pipeline"]  # unset: start a Ray for the run
+
+
+def test_custom_ray_resources_round_trip_whatever_their_names():
+    resources = '{ rollout = 1, "accelerator_type:A100" = 0.5 }'  # Ray's own name has a colon
+    cfg = load_config(
+        None,
+        [
+            *RAY,
+            f"pipeline.ray_worker_resources={resources}",
+            f"learner.ray_rank_resources={resources}",
+        ],
+    )
+    want = {"rollout": 1.0, "accelerator_type:A100": 0.5}
+    assert cfg.pipeline.ray_worker_resources == want == cfg.learner.ray_rank_resources
+    assert Config.model_validate(tomllib.loads(to_toml(cfg))) == cfg
 
 
 VLLM = ["rollout.engine='vllm'"]

@@ -679,6 +679,13 @@ class LearnerConfig(_Section):
         description="ray: GPUs each learner rank actor reserves; above 0 the ranks train on "
         "their GPU over NCCL.",
     )
+    ray_rank_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="ray: custom Ray resources each learner rank actor reserves besides its CPUs "
+        "and GPUs, e.g. { trainer = 1 }: the ranks then run only on nodes started with that "
+        "resource (`ray start --resources='{\"trainer\": 2}'`). Names a node's role; {}: any "
+        "node with the CPUs and GPUs.",
+    )
 
 
 class PipelineConfig(_Section):
@@ -763,6 +770,14 @@ class PipelineConfig(_Section):
         description="ray: GPUs each worker actor reserves (Ray's num_gpus); above 0 the worker "
         "generates on its GPU.",
     )
+    ray_worker_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="ray: custom Ray resources each worker actor reserves besides its CPUs and "
+        "GPUs, e.g. { rollout = 1 }: workers then run only on nodes started with that resource "
+        "(`ray start --resources='{\"rollout\": 4}'`), and a worker that dies is replaced on "
+        "such a node; none left alive stops the run naming the resource. {}: any node with the "
+        "CPUs and GPUs.",
+    )
     weight_sync: Literal["object_store", "broadcast"] = Field(
         "object_store",
         description="ray: how a new version reaches the workers: object_store (put once into "
@@ -789,11 +804,13 @@ class PipelineConfig(_Section):
             )
         if self.backend == "local":
             for key in RAY_ONLY:
-                if getattr(self, key) != PipelineConfig.model_fields[key].default:
+                default = PipelineConfig.model_fields[key].get_default(call_default_factory=True)
+                if getattr(self, key) != default:
                     raise ValueError(
                         f"pipeline.{key} applies to pipeline.backend = 'ray' only: set the "
                         f"backend or leave pipeline.{key} out"
                     )
+        check_custom_resources("pipeline.ray_worker_resources", self.ray_worker_resources)
         if self.ray_address and self.ray_num_cpus:
             raise ValueError(
                 "pipeline.ray_num_cpus sizes the Ray started for the run; a cluster joined with "
@@ -808,7 +825,23 @@ RAY_ONLY = (
     "num_cpus_per_worker",
     "num_gpus_per_worker",
     "weight_sync",
+    "ray_worker_resources",
 )
+
+# Ray's own resources, which have keys of their own (num_cpus_per_worker, num_gpus_per_rank...)
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def check_custom_resources(key: str, resources: dict[str, float]) -> None:
+    """Custom Ray resources: a name Ray does not own, an amount above 0."""
+    for name, amount in resources.items():
+        if name in RAY_BUILTIN_RESOURCES or name.startswith("node:"):
+            raise ValueError(
+                f"{key}.{name} is a resource Ray defines itself: CPUs and GPUs have keys of their "
+                "own (num_cpus_per_*, num_gpus_per_*); name a custom resource of your nodes"
+            )
+        if not amount > 0:
+            raise ValueError(f"{key}.{name} = {amount}: a resource amount must be above 0")
 
 
 class EnvConfig(_Section):
@@ -1067,6 +1100,33 @@ class Config(_Section):
             return r.max_new_tokens
         return min(e.max_turns * r.max_new_tokens, e.max_total_tokens)
 
+    @property
+    def response_budget(self) -> tuple[int, str]:
+        """(the most tokens after the prompt, the key that sets them): rollout.max_new_tokens, or
+        with an environment the whole episode (env.max_total_tokens: turns and tool replies)."""
+        if self.env.kind != "single_turn":
+            return self.env.max_total_tokens, "env.max_total_tokens"
+        return self.rollout.max_new_tokens, "rollout.max_new_tokens"
+
+    @model_validator(mode="after")
+    def _prompt_fits_vllm(self) -> Config:
+        """rollout.vllm.max_model_len caps prompt and response together: a response budget that
+        leaves no prompt room is refused here (the model's own positions once it is read)."""
+        r, cap = self.rollout, self.rollout.vllm.max_model_len
+        if not cap:
+            return self
+        reply, what = self.response_budget
+        where = f"rollout.vllm.max_model_len = {cap}"
+        if cap - reply < 1:
+            raise ValueError(f"{what} = {reply} leaves no room for a prompt in {where}: lower it")
+        if r.max_prompt_tokens > cap - reply:
+            raise ValueError(
+                f"rollout.max_prompt_tokens = {r.max_prompt_tokens} plus {what} = {reply} "
+                f"exceeds {where}: set rollout.max_prompt_tokens <= {cap - reply}, or 0 for "
+                "that limit"
+            )
+        return self
+
     @model_validator(mode="after")
     def _overlong_buffer_fits(self) -> Config:
         buffer, longest = self.reward.overlong_buffer, self.max_policy_tokens
@@ -1086,12 +1146,14 @@ class Config(_Section):
     def _learner_ranks(self) -> Config:
         ranks, backend = self.learner, self.pipeline.backend
         if backend != "ray":
-            for key in ("num_cpus_per_rank", "num_gpus_per_rank"):
-                if getattr(ranks, key) != LearnerConfig.model_fields[key].default:
+            for key in ("num_cpus_per_rank", "num_gpus_per_rank", "ray_rank_resources"):
+                default = LearnerConfig.model_fields[key].get_default(call_default_factory=True)
+                if getattr(ranks, key) != default:
                     raise ValueError(
                         f"learner.{key} applies to pipeline.backend = 'ray' only: set the "
                         f"backend or leave learner.{key} out"
                     )
+        check_custom_resources("learner.ray_rank_resources", ranks.ray_rank_resources)
         on_gpu = self.model.device.startswith("cuda")
         if ranks.ranks > 1 and backend == "ray" and on_gpu and ranks.num_gpus_per_rank == 0:
             raise ValueError(
@@ -1207,16 +1269,27 @@ def to_toml(cfg: Config) -> str:
 def _toml_table(name: str, values: dict[str, Any], out: list[str]) -> None:
     """`[name]` with its plain keys, then each nested table as `[name.key]`."""
     out.append(f"[{name}]")
-    out.extend(f"{k} = {_toml_value(v)}" for k, v in values.items() if not isinstance(v, dict))
+    plain = (k for k, v in values.items() if not isinstance(v, dict))
+    out.extend(f"{_toml_key(k)} = {_toml_value(values[k])}" for k in plain)
     out.append("")
     for k, v in values.items():
         if isinstance(v, dict):
-            _toml_table(f"{name}.{k}", v, out)
+            _toml_table(f"{name}.{_toml_key(k)}", v, out)
+
+
+def _toml_key(key: str) -> str:
+    """A bare key where TOML allows one, else a quoted one (a Ray resource such as
+    'accelerator_type:A100')."""
+    if key and all(c.isascii() and (c.isalnum() or c in "_-") for c in key):
+        return key
+    import json
+
+    return json.dumps(key)
 
 
 def _toml_value(v: Any) -> str:
     if isinstance(v, dict):  # a sub-table (model.lora), inline
-        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int | float):

@@ -24,7 +24,8 @@ def test_importing_cadence_does_not_import_ray():
     code = (
         "import sys, cadence, cadence.cli, cadence.pipeline, cadence.pipeline.build, "
         "cadence.backend, cadence.backend.ray_pool, cadence.backend.ray_store, "
-        "cadence.backend.ray_weights, cadence.backend.ray_ranks, cadence.learner.driver; "
+        "cadence.backend.ray_weights, cadence.backend.ray_ranks, cadence.backend.ray_cluster, "
+        "cadence.learner.driver; "
         "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

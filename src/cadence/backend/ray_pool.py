@@ -9,35 +9,33 @@ so every message carries a sequence number and `send` restores the order. `RayPo
 
 Weights travel once per version (`ray_weights`): through the object store, or broadcast with
 torch.distributed. An actor that dies fails its pending `drain`: the next poll raises
-`WorkerDied` naming it and its prompts in flight. `close()` kills the actors and shuts down the
-Ray that the pool started (not one it joined).
+`WorkerDied` naming it and its prompts in flight; its replacement asks for the same resources
+(custom ones pin workers to the nodes that offer them), and when no live node has them the run
+stops at once naming the missing resource (`ray_cluster.missing`) instead of waiting for a node
+that will not come. `close()` kills the actors and shuts down the Ray that the pool started (not
+one it joined).
 
 Ray is imported only inside functions: a Ray started for the run must have its environment set
-before Ray is first imported (every listener on loopback, an authentication token that lives in
-the environment and not in ~/.ray, no usage statistics). The loop runs outside the actor's main
-thread, so the math reward calls math-verify without its signal-based timeouts there.
+before Ray is first imported (`ray_cluster`). The loop runs outside the actor's main thread, so
+the math reward calls math-verify without its signal-based timeouts there.
 """
 
 from __future__ import annotations
 
 import collections
-import logging
 import os
 import queue
-import secrets
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-import cadence.backend.ray_reaper as ray_reaper
 from cadence.backend.pool import InFlight, Lost, TaskResult
 from cadence.backend.procs import WorkerDied, WorkerError
+from cadence.backend.ray_cluster import missing, ray_request, shutdown_ray, start_ray
 from cadence.backend.ray_weights import (
     BroadcastReceiver,
     BroadcastWeights,
@@ -50,67 +48,9 @@ from cadence.rollout import WorkerSpec, build_worker
 from cadence.types import Prompt
 
 _DRAIN_S = 1.0  # longest a `drain` call waits for a message before returning none
-_reaper: subprocess.Popen | None = None  # of the Ray this process started (ray_reaper.py)
-
-
-def _local_ray_env() -> None:
-    """Settings a Ray started for the run must see (an imported Ray is made to read them again)."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Ray's single-machine mode: its node address, and so every listener, is 127.0.0.1.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    if not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys():
-        # Token authentication, with a token of this run's own instead of ~/.ray/auth_token.
-        os.environ["RAY_AUTH_MODE"] = "token"
-        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-        if "ray" in sys.modules:  # imported already (vLLM imports Ray): it read the old mode
-            _reload_ray_auth()
-
-
-def _reload_ray_auth() -> None:
-    """Make an imported Ray read its authentication settings from the environment again (the
-    order Ray's own tests use: the config first, then the token cache)."""
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
-
-
-def start_ray(address: str | None = None, num_cpus: int = 0) -> bool:
-    """Join the cluster at `address`, or start a Ray on this machine (`num_cpus`, 0: all cores).
-
-    Returns False when this process is already connected to a Ray (the caller must then leave
-    it running), True when this call started or joined one (the caller shuts it down)."""
-    if not address:
-        _local_ray_env()
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)
-        return True
-    global _reaper
-    context = ray.init(
-        address="local",
-        num_cpus=num_cpus or os.cpu_count() or 1,
-        include_dashboard=False,
-        _temp_dir=os.path.join(tempfile.gettempdir(), f"cadence-ray-{os.getuid()}"),
-        logging_level=logging.WARNING,
-    )
-    session_dir = cast(Any, context).address_info["session_dir"]  # a RayContext, locally
-    _reaper = ray_reaper.start(session_dir, os.path.dirname(ray.__file__))
-    return True
-
-
-def shutdown_ray() -> None:
-    """Shut down the Ray that `start_ray` started or joined (the reaper then sweeps up any
-    straggler of a local one)."""
-    global _reaper
-    import ray
-
-    ray.shutdown()
-    ray_reaper.stop(_reaper)
-    _reaper = None
+_RESOURCE_KEYS = (
+    "pipeline.num_cpus_per_worker, pipeline.num_gpus_per_worker, pipeline.ray_worker_resources"
+)
 
 
 class _Outbox:
@@ -219,8 +159,11 @@ class RayPool:
         num_cpus: int = 0,
         num_cpus_per_worker: float = 1.0,
         num_gpus_per_worker: float = 0.0,
+        custom_resources: dict[str, float] | None = None,
         weight_sync: str = "object_store",
     ) -> None:
+        """`custom_resources`: Ray resources each actor reserves besides its CPUs and GPUs
+        (`pipeline.ray_worker_resources`), which pin workers to the nodes that offer them."""
         self.timeout_s = timeout_s
         self.weights: RayWeights
         broadcast: str | None = None  # the collective's backend, if weights are broadcast
@@ -233,7 +176,8 @@ class RayPool:
         self._closed = False
         self._started = start_ray(address, num_cpus)
         try:
-            resources = {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker}
+            custom = custom_resources or {}
+            resources = ray_request(num_cpus_per_worker, num_gpus_per_worker, custom)
             self._start_actors(spec, num_workers, resources, broadcast)
             if isinstance(self.weights, BroadcastWeights):
                 self._form_group(self.weights, address)
@@ -247,7 +191,12 @@ class RayPool:
         import ray
 
         self._spec, self._resources, self._broadcast = spec, resources, broadcast
-        self._remote = ray.remote(RayWorker).options(**resources, max_concurrency=4)
+        self._remote = ray.remote(RayWorker).options(
+            num_cpus=resources.get("CPU", 0),
+            num_gpus=resources.get("GPU", 0),
+            resources={k: v for k, v in resources.items() if k not in ("CPU", "GPU")},
+            max_concurrency=4,
+        )
         self._actors = [
             self._remote.remote(wid, spec, broadcast, list(sys.path)) for wid in range(num_workers)
         ]
@@ -260,17 +209,19 @@ class RayPool:
         self._await_ready(resources, set(range(num_workers)))
 
     def _await_ready(self, resources: dict, pending: set[int]) -> None:
-        """Wait for 'ready' from the actors in `pending`; other messages are kept for `poll`."""
+        """Wait for 'ready' from the actors in `pending`; other messages are kept for `poll`.
+        Actors that no live node can hold stop the wait at once (`_check_placeable`)."""
         import ray
 
         others: list = []
         deadline = time.monotonic() + self.timeout_s
         while pending:
+            self._check_placeable(resources, pending)
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"Ray workers {sorted(pending)} did not start within {self.timeout_s:.0f}s: "
-                    f"does the cluster have {resources} free for each (pipeline."
-                    "num_cpus_per_worker, pipeline.num_gpus_per_worker; `ray status`)?"
+                    f"does the cluster have {resources} free for each ({_RESOURCE_KEYS}; "
+                    "`ray status`)?"
                 )
             message = self._next(min(1.0, self.timeout_s))
             if message is None:
@@ -290,6 +241,16 @@ class RayPool:
             self._where[wid] = (ip, pid)
             if node != driver:  # another machine's clock: place its spans on ours
                 self._clock_offset[wid] = (before + time.perf_counter()) / 2 - clock
+
+    def _check_placeable(self, resources: dict, pending: set[int]) -> None:
+        """Raise `WorkerError` when no live node has `resources`: Ray would keep the actors
+        pending for ever (a worker node lost with the only nodes that offered them)."""
+        lack = missing(resources)
+        if lack is not None:
+            raise WorkerError(
+                f"Ray workers {sorted(pending)} cannot start: each needs {resources} and {lack} "
+                f"({_RESOURCE_KEYS}; `ray status`)"
+            )
 
     def _form_group(self, weights: BroadcastWeights, address: str | None) -> None:
         import ray
@@ -332,6 +293,14 @@ class RayPool:
             raise WorkerDied(
                 f"worker {wid} cannot be replaced with pipeline.weight_sync = 'broadcast' (a new "
                 "actor cannot join the running collective group); use 'object_store'",
+                wid,
+            )
+        lack = missing(self._resources)
+        if lack is not None:  # its node is gone, and with it the last that offered them
+            ip, pid = self._where[wid]
+            raise WorkerDied(
+                f"worker {wid} (Ray actor, pid {pid} on {ip}) cannot be replaced: a worker needs "
+                f"{self._resources} and {lack} ({_RESOURCE_KEYS}; `ray status`)",
                 wid,
             )
         ray.kill(self._actors[wid])

@@ -8,8 +8,9 @@ the rank's traceback (`WorkerError`); an actor that died fails it with `RayActor
 (`WorkerDied`, naming the rank, its pid and node).
 
 The placement group holds one bundle of `resources` per rank (PACK: on as few nodes as fit), so
-all ranks start together or not at all. Ray is imported only inside functions (see
-`backend.ray_pool`).
+all ranks start together or not at all; custom resources among them pin the ranks to the nodes
+that offer them, and a bundle no live node can hold is refused at once. Ray is imported only
+inside functions (see `backend.ray_cluster`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from typing import Any
 
 from cadence.backend.procs import WorkerDied, WorkerError
 from cadence.backend.ranks import BUILD, Calls, Factory
-from cadence.backend.ray_pool import start_ray
+from cadence.backend.ray_cluster import missing, start_ray
+
+_KEYS = "learner.num_cpus_per_rank, learner.num_gpus_per_rank, learner.ray_rank_resources"
 
 
 class RankActor:
@@ -82,12 +85,14 @@ class RayRanks:
         self._started = start_ray(address, num_cpus)
         bundle = {"CPU": 1.0} | {k: v for k, v in (resources or {}).items() if v}
         try:
+            lack = missing(bundle)
+            if lack is not None:  # Ray would wait for such a node for ever
+                raise WorkerError(f"{name}s cannot start: each needs {bundle} and {lack} ({_KEYS})")
             self._group = placement_group([dict(bundle) for _ in range(num_ranks)], "PACK")
             if not self._group.wait(timeout_seconds=timeout_s):
                 raise TimeoutError(
                     f"{num_ranks} {name}s of {bundle} each did not fit the Ray cluster within "
-                    f"{timeout_s:.0f}s (learner.num_cpus_per_rank, learner.num_gpus_per_rank; "
-                    "`ray status`)"
+                    f"{timeout_s:.0f}s ({_KEYS}; `ray status`)"
                 )
             remote = ray.remote(RankActor)
             self._actors = [

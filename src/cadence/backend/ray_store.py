@@ -1,6 +1,7 @@
 """The run's sample store in a Ray actor, for the Ray backend: the same `SampleStore` class,
 constructed by the actor, behind a handle with the methods the pipeline calls. Nothing of the
-store is written twice. Ray is imported only inside methods (see `ray_pool`)."""
+store is written twice. The actor lives on the driver's node, whatever custom resources pin the
+workers elsewhere. Ray is imported only inside methods (see `ray_cluster`)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,14 @@ class ActorStore:
     def __init__(self, **kwargs: Any) -> None:
         import ray
 
+        from cadence.backend.ray_cluster import on_driver_node
         from cadence.dataplane import SampleStore
 
-        remote = ray.remote(SampleStore).options(num_cpus=0, max_concurrency=64)
+        # on the learner's node: a worker node that is lost must not take the store with it
+        strategy = on_driver_node()
+        remote = ray.remote(SampleStore).options(
+            num_cpus=0, max_concurrency=64, scheduling_strategy=strategy
+        )
         self._actor = remote.remote(**kwargs)
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -39,7 +39,9 @@ from cadence.pipeline.params import (
     learner_params,
     learner_threads,
     make_task,
+    max_prompt_tokens,
     max_staleness,
+    model_positions,
     prompt_filter,
     prompt_render,
     rank_spec,
@@ -173,6 +175,7 @@ def ray_options(p: PipelineConfig) -> dict[str, Any]:
         "num_cpus": p.ray_num_cpus,
         "num_cpus_per_worker": p.num_cpus_per_worker,
         "num_gpus_per_worker": p.num_gpus_per_worker,
+        "custom_resources": p.ray_worker_resources,
         "weight_sync": p.weight_sync,
     }
 
@@ -205,6 +208,7 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     """Every component of a run, wired; from `resume` on, if given (see pipeline/checkpoint.py)."""
     check_group_size(cfg)
     require_engine(cfg.rollout.engine)
+    max_prompt_tokens(cfg, model_positions(cfg.model.path))  # no room: refused before weights load
     set_threads(learner_threads(cfg))
     torch.manual_seed(cfg.train.seed)
     dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
@@ -342,7 +346,11 @@ def start_ranks(cfg: Config, model, pad_id: int, tracer: Tracer) -> RankedLearne
             spec,
             model,
             tracer,
-            resources={"CPU": cfg.learner.num_cpus_per_rank, "GPU": cfg.learner.num_gpus_per_rank},
+            resources={
+                "CPU": cfg.learner.num_cpus_per_rank,
+                "GPU": cfg.learner.num_gpus_per_rank,
+                **cfg.learner.ray_rank_resources,
+            },
             address=p.ray_address,
             num_cpus=p.ray_num_cpus,
         )

@@ -5,6 +5,7 @@ a run themselves. Only the CLI, the builder and these helpers read the config tr
 
 from __future__ import annotations
 
+import json
 import os
 from itertools import islice
 from pathlib import Path
@@ -180,7 +181,7 @@ def max_prompt_tokens(cfg: Config, max_positions: int | None) -> int:
     positions, where = _engine_positions(cfg, max_positions)
     if positions is None:
         return r.max_prompt_tokens
-    reply, what = _response_budget(cfg)
+    reply, what = cfg.response_budget
     room = positions - reply
     if room < 1:
         raise ConfigError(f"{what} = {reply} leaves no room for a prompt in {where}: lower it")
@@ -201,11 +202,14 @@ def _engine_positions(cfg: Config, max_positions: int | None) -> tuple[int | Non
     return max_positions, model
 
 
-def _response_budget(cfg: Config) -> tuple[int, str]:
-    """(the most tokens after the prompt, the key that sets them)."""
-    if cfg.env.kind != "single_turn":
-        return cfg.env.max_total_tokens, "env.max_total_tokens"
-    return cfg.rollout.max_new_tokens, "rollout.max_new_tokens"
+def model_positions(path: str | Path) -> int | None:
+    """The positions the model in `path` takes, read from its config.json alone (no weights):
+    None when it states none, or when `path` holds a LoRA adapter (its base's are checked once
+    the model is loaded)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("max_position_embeddings")
 
 
 def algo_params(cfg: Config) -> AlgoParams:
