@@ -31,18 +31,47 @@ RAY_OR_VLLM = {
 }
 
 
+# The units that take longest (minutes each on a busy 2-core machine), longest first: started
+# first, so that the two workers end at about the same time. The rest follow in file order.
+LONGEST_FIRST = [
+    "ray-vllm",
+    "tests/pipeline/test_periodic.py",
+    "tests/pipeline/test_resume.py",
+    "tests/pipeline/test_end_to_end.py",
+    "tests/pipeline/test_bad_input.py",
+    "tests/pipeline/test_calculator_task.py",
+    "tests/pipeline/test_interrupt.py",
+    "tests/backend/test_reward_stage.py",
+    "tests/pipeline/test_real_models.py",
+    "tests/learner/test_sharded_state.py",
+    "tests/learner/test_rank_learner.py",
+    "tests/study/test_seeds.py",
+]
+
+
+def _unit(nodeid: str) -> str:
+    """What pytest-xdist hands a worker at once: a module, or all the Ray and vLLM modules."""
+    module = nodeid.split("::", 1)[0]
+    return "ray-vllm" if module in RAY_OR_VLLM else module
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:  # the order work is handed out in
+        rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(rank)))  # stable
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without pytest-xdist
 def pytest_xdist_make_scheduler(config, log):
-    """Whole modules as units of work, as `--dist loadfile` makes them, with the modules that
-    start Ray or vLLM as one unit."""
-    from xdist.scheduler import LoadFileScheduling
+    """Units of work as `_unit` says, handed out in collection order (not largest count first)."""
+    from xdist.scheduler import LoadScopeScheduling
 
-    class ModuleScheduling(LoadFileScheduling):
+    class UnitScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = super()._split_scope(nodeid)
-            return "ray-vllm" if module in RAY_OR_VLLM else module
+            return _unit(nodeid)
 
-    return ModuleScheduling(config, log)
+    config.option.loadscopereorder = False
+    return UnitScheduling(config, log)
 
 
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
