@@ -49,8 +49,10 @@ run: $(STAMP) runs/base/config.json
 	$(CADENCE) sft $(CONFIG)
 	$(CADENCE) train $(CONFIG) --out runs/default
 
+# Two pytest-xdist workers: most tests wait on one core (a spawned process importing torch, a
+# timeout), so two at a time fill both; tests/conftest.py keeps each module on one worker.
 test: $(STAMP) $(VLLM_STAMP) runs/smollm2/config.json
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

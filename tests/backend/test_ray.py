@@ -7,16 +7,15 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from cadence.backend import WorkerDied
-from cadence.config import load_config
 from cadence.metrics import MemorySink
 from cadence.models import load_model
 from cadence.pipeline import build_run, train
+from runs import TWO_WORKERS, processes, run_config, train_run
 from updates import assert_same_update, capture_grads, max_relative_diff
 
 
@@ -56,45 +55,16 @@ def ray_cluster():
 
 
 def _cfg(model_dir, mode, *extra, backend="ray"):
-    return load_config(
-        None,
-        [
-            f"model.path='{model_dir}'",
-            f"pipeline.mode='{mode}'",
-            "pipeline.placement='separate'",
-            f"pipeline.backend='{backend}'",
-            "train.iterations=3",
-            "train.prompts_per_iteration=6",
-            "train.micro_batch_groups=2",
-            "train.lr=1e-3",
-            "rollout.group_size=4",
-            "rollout.max_new_tokens=10",
-            "data.num_heldout=4",
-            "algo.kl_coef=0.05",
-            "metrics.progress=false",
-            "reward.function='fixtures_rewards:even_length'",
-            *extra,
-        ],
-    )
-
-
-def _train(cfg, out, grads=None, sink=None):
-    run = build_run(cfg)
-    if grads is not None:
-        capture_grads(run.learner, grads)
-    sink = sink or MemorySink()
-    train(run, out, extra_sinks=[sink])
-    return run, sink.records
-
-
-_TWO = ("pipeline.num_workers=2", "pipeline.prompts_per_task=1")
+    where = ("pipeline.placement='separate'", f"pipeline.backend='{backend}'")
+    return run_config(model_dir, f"pipeline.mode='{mode}'", *where, *extra)
 
 
 @pytest.fixture(scope="module")
 def ray_sync_run(ray_cluster, model_dir, tmp_path_factory):
     """One sync run on Ray, the reference for the periodic runs below."""
     grads: list = []
-    run, records = _train(_cfg(model_dir, "sync", *_TWO), tmp_path_factory.mktemp("s"), grads)
+    cfg = _cfg(model_dir, "sync", *TWO_WORKERS)
+    run, records, _ = train_run(cfg, tmp_path_factory.mktemp("s"), grads)
     return run.learner.model, records, grads
 
 
@@ -111,7 +81,7 @@ def _assert_same_update_as_sync(ray_sync_run, run, records, grads):
 @pytest.mark.slow
 def test_periodic_update_equals_sync_update_on_ray(ray_sync_run, model_dir, tmp_path):
     grads: list = []
-    run, records = _train(_cfg(model_dir, "periodic", *_TWO), tmp_path, grads)
+    run, records, _ = train_run(_cfg(model_dir, "periodic", *TWO_WORKERS), tmp_path, grads)
     _assert_same_update_as_sync(ray_sync_run, run, records, grads)
     assert all(r["policy_version"] == r["iteration"] for r in records)
     assert _max_diff(load_model(model_dir), run.learner.model) > 1e-4  # it really trained
@@ -146,7 +116,7 @@ _DETERMINISTIC = (
 @pytest.fixture(scope="module")
 def local_offpolicy_run(model_dir, tmp_path_factory):
     cfg = _cfg(model_dir, "offpolicy", *_DETERMINISTIC, backend="local")
-    run, records = _train(cfg, tmp_path_factory.mktemp("local"))
+    run, records, _ = train_run(cfg, tmp_path_factory.mktemp("local"))
     return run.learner.model, records
 
 
@@ -157,7 +127,7 @@ def test_ray_run_ends_with_the_local_run_parameters(
 ):
     local_model, local_records = local_offpolicy_run
     cfg = _cfg(model_dir, "offpolicy", *_DETERMINISTIC, f"pipeline.weight_sync='{weight_sync}'")
-    run, records = _train(cfg, tmp_path)
+    run, records, _ = train_run(cfg, tmp_path)
     assert [r["staleness_hist"] for r in records] == [[6, 0], [0, 6], [0, 6]]
     assert [r["reward_mean"] for r in records] == [r["reward_mean"] for r in local_records]
     assert _max_diff(run.learner.model, local_model) <= 1e-6
@@ -217,7 +187,7 @@ def test_killed_actor_is_replaced_and_the_update_equals_sync(
 ):
     # killed mid-iteration: the replacement loads the current version and regenerates the
     # prompts the dead actor had not returned, with the same seeds: the very update of sync
-    run = build_run(_cfg(model_dir, "periodic", *_TWO))
+    run = build_run(_cfg(model_dir, "periodic", *TWO_WORKERS))
     grads = capture_grads(run.learner)
     killer = _KillOnFirstGroups(run.source.pool, ray_cluster)
     run.source.pool.poll = killer
@@ -251,40 +221,36 @@ def test_worker_exception_reaches_the_driver_with_its_traceback(ray_cluster, mod
 
 
 def _processes(sid: int | None = None) -> list[str]:
-    """Command lines of live processes, of session `sid` if given (field 6 of /proc/PID/stat)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if fields[0] != "Z" and (sid is None or int(fields[3]) == sid):
-            found.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
-    return found
+    """Command lines of live processes, of session `sid` if given."""
+    return [p.cmdline for p in processes() if p.state != "Z" and sid in (None, p.sid)]
 
 
-@pytest.mark.slow
-def test_cli_run_on_ray_leaves_no_ray_process(model_dir, tmp_path):
+def _cli_run_on_ray(model_dir, out, iterations: int) -> subprocess.Popen:
+    """`cadence train` on a Ray it starts itself, in a session of its own."""
     overrides = [
         f"model.path='{model_dir}'",
         "pipeline.placement='separate'",
         "pipeline.backend='ray'",
         "pipeline.mode='periodic'",
         "pipeline.ray_num_cpus=2",
-        "train.iterations=2",
+        f"train.iterations={iterations}",
         "train.prompts_per_iteration=4",
         "rollout.max_new_tokens=8",
         "data.num_heldout=2",
         "metrics.progress=false",
     ]
     args = [sys.executable, "-m", "cadence.cli", "train", "configs/default.toml"]
-    args += ["--out", str(tmp_path)] + [a for o in overrides for a in ("--set", o)]
+    args += ["--out", str(out)] + [a for o in overrides for a in ("--set", o)]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
-    seen: list[str] = []
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         args, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
+
+
+@pytest.mark.slow
+def test_cli_run_on_ray_leaves_no_ray_process(model_dir, tmp_path):
+    seen: list[str] = []
+    proc = _cli_run_on_ray(model_dir, tmp_path, iterations=2)
     while proc.poll() is None:  # note the Ray processes the run starts, to check them after
         seen += [c for c in _processes(proc.pid) if c not in seen]
         time.sleep(0.5)
@@ -301,24 +267,7 @@ def test_cli_run_on_ray_leaves_no_ray_process(model_dir, tmp_path):
 def test_a_sigkilled_learner_leaves_no_ray_process_behind(model_dir, tmp_path):
     # Before: Ray's dashboard and runtime-env agents outlived the learner by 60-95 s, waiting on
     # a timeout of Ray's to report the raylet's death to a GCS that had died with it.
-    overrides = [
-        f"model.path='{model_dir}'",
-        "pipeline.placement='separate'",
-        "pipeline.backend='ray'",
-        "pipeline.mode='periodic'",
-        "pipeline.ray_num_cpus=2",
-        "train.iterations=1000",
-        "train.prompts_per_iteration=4",
-        "rollout.max_new_tokens=8",
-        "data.num_heldout=2",
-        "metrics.progress=false",
-    ]
-    args = [sys.executable, "-m", "cadence.cli", "train", "configs/default.toml"]
-    args += ["--out", str(tmp_path)] + [a for o in overrides for a in ("--set", o)]
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.Popen(
-        args, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    proc = _cli_run_on_ray(model_dir, tmp_path, iterations=1000)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 180
     while not metrics.exists() or not metrics.stat().st_size:
@@ -377,7 +326,7 @@ def test_nccl_broadcast_run_between_gpus(ray_cluster, model_dir, tmp_path):
         "pipeline.num_gpus_per_worker=1",
         "pipeline.weight_sync='broadcast'",
     )
-    _, records = _train(cfg, tmp_path)
+    _, records, _ = train_run(cfg, tmp_path)
     assert [r["policy_version"] for r in records] == [0, 1, 2]
 
 

@@ -8,13 +8,11 @@ metrics.jsonl and on the timeline.
 
 import json
 import multiprocessing
-import os
 import time
 
 import pytest
 
 from cadence.backend import RewardSpec, RewardStage, WorkerDied, WorkerError
-from cadence.config import load_config
 from cadence.data import DEFAULT_TEMPLATE, ArithmeticTask
 from cadence.dataplane import LEARNER, TRAIN, SampleStore, batch_groups, group_rows
 from cadence.metrics import MemorySink, Tracer
@@ -24,6 +22,7 @@ from cadence.rewards.model import RewardModel
 from cadence.rewards.model_recipe import train_reward_model
 from cadence.types import Completion, Group, Prompt
 from fixtures_rewards import flaky
+from runs import local_pids, pids_alive, run_config
 from updates import assert_same_update, capture_grads
 
 pytestmark = pytest.mark.slow
@@ -38,44 +37,25 @@ def reward_model_dir(tmp_path_factory, model_dir):
     return out
 
 
+_BASE = (
+    "pipeline.mode='periodic'",
+    "pipeline.placement='separate'",
+    "pipeline.num_workers=1",
+    "pipeline.prompts_per_task=1",
+    "train.iterations=2",
+    "train.prompts_per_iteration=4",
+    "train.micro_batch_groups=2",
+    "train.lr=1e-3",
+    "train.checkpoint_every=0",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=8",
+    "data.num_heldout=4",
+    "metrics.progress=false",
+)
+
+
 def _cfg(model_dir, *extra):
-    return load_config(
-        None,
-        [
-            f"model.path='{model_dir}'",
-            "pipeline.mode='periodic'",
-            "pipeline.placement='separate'",
-            "pipeline.num_workers=1",
-            "pipeline.prompts_per_task=1",
-            "train.iterations=2",
-            "train.prompts_per_iteration=4",
-            "train.micro_batch_groups=2",
-            "train.lr=1e-3",
-            "train.checkpoint_every=0",
-            "rollout.group_size=4",
-            "rollout.max_new_tokens=8",
-            "data.num_heldout=4",
-            "metrics.progress=false",
-            *extra,
-        ],
-    )
-
-
-def _pids_alive(pids):
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
-    return alive
-
-
-def _pids(run):
-    source = run.source
-    stage = source.reward_stage.procs if source.reward_stage is not None else []
-    return [p.process.pid for p in source.pool.procs + stage]
+    return run_config(model_dir, *extra, base=_BASE)
 
 
 def _train(cfg, out, grads=None):
@@ -90,10 +70,10 @@ def _train(cfg, out, grads=None):
         return train_iteration((trained.append(s.group) or s for s in scored), num_groups)
 
     run.learner.train_iteration = capture
-    pids = _pids(run)
+    pids = local_pids(run, cfg)
     sink = MemorySink()
     train(run, out, extra_sinks=[sink], evaluate=False)
-    assert not _pids_alive(pids) and not multiprocessing.active_children()
+    assert not pids_alive(pids) and not multiprocessing.active_children()
     return run, sink.records, trained
 
 
@@ -195,12 +175,12 @@ def test_a_reward_worker_that_dies_stops_the_run_and_leaves_no_process(model_dir
         "reward.function='fixtures_rewards:exit_in_reward_worker'",
     )
     run = build_run(cfg)
-    pids = _pids(run)
+    pids = local_pids(run, cfg)
     start = time.monotonic()
     with pytest.raises(WorkerDied, match=r"reward worker 0 \(pid \d+\) exited with code 3"):
         train(run, tmp_path, evaluate=False)
     assert time.monotonic() - start < 60
-    assert not _pids_alive(pids) and not multiprocessing.active_children()
+    assert not pids_alive(pids) and not multiprocessing.active_children()
 
 
 def test_a_reward_worker_that_cannot_load_its_reward_fails_the_build_with_its_traceback(

@@ -1,9 +1,12 @@
 """Sharded learner state (DCP, safetensors): written by N ranks, read back by M."""
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from fixtures_ranks import sharded_state_rank
+
+pytestmark = pytest.mark.slow  # five spawned rank processes
 
 
 def _ranks(world, mode, tmp_path, model_dir, out):

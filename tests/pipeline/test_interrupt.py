@@ -10,19 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from runs import processes
+
 pytestmark = pytest.mark.slow
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:  # field 4 of /proc/PID/stat: the parent's pid
-            kids.append(int(stat.parent.name))
-    return kids
 
 
 def _alive(pid: int) -> bool:
@@ -35,11 +25,7 @@ def _alive(pid: int) -> bool:
 
 
 def _workers(pid: int) -> list[int]:
-    return [
-        kid
-        for kid in _children(pid)
-        if "spawn_main" in Path(f"/proc/{kid}/cmdline").read_bytes().decode(errors="replace")
-    ]
+    return [p.pid for p in processes() if p.ppid == pid and "spawn_main" in p.cmdline]
 
 
 @contextlib.contextmanager
@@ -85,6 +71,12 @@ def test_ctrl_c_stops_learner_and_workers_and_prints_one_line(model_dir, tmp_pat
         "train.eval_every=0",
         "--set",
         "data.num_heldout=2",
+        "--set",  # small iterations: the first ends (and training is under way) sooner
+        "train.prompts_per_iteration=4",
+        "--set",
+        "rollout.group_size=4",
+        "--set",
+        "rollout.max_new_tokens=8",
         "--set",
         "metrics.progress=false",
     ]

@@ -3,73 +3,36 @@
 import json
 import math
 import multiprocessing
-import os
 
 import pytest
 
 from cadence.backend import WorkerDied, WorkerError
-from cadence.config import load_config
-from cadence.metrics import MemorySink
 from cadence.models import load_model
 from cadence.pipeline import StaleGroupError, WorkerSource, build_run, train
-from updates import assert_same_update, capture_grads, max_relative_diff
+from runs import TWO_WORKERS, pids_alive, run_config, train_run
+from updates import assert_same_update, max_relative_diff
 
 pytestmark = pytest.mark.slow
 
 
 def _cfg(model_dir, mode, *extra):
-    return load_config(
-        None,
-        [
-            f"model.path='{model_dir}'",
-            f"pipeline.mode='{mode}'",
-            "pipeline.placement='separate'",
-            "pipeline.num_workers=2",
-            "pipeline.prompts_per_task=1",
-            "train.iterations=3",
-            "train.prompts_per_iteration=6",
-            "train.micro_batch_groups=2",
-            "train.lr=1e-3",
-            "rollout.group_size=4",
-            "rollout.max_new_tokens=10",
-            "data.num_heldout=4",
-            "algo.kl_coef=0.05",
-            "metrics.progress=false",
-            "reward.function='fixtures_rewards:even_length'",
-            *extra,
-        ],
-    )
+    separate = "pipeline.placement='separate'"
+    return run_config(model_dir, f"pipeline.mode='{mode}'", separate, *TWO_WORKERS, *extra)
 
 
-def _pids_alive(pids):
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
-    return alive
+@pytest.fixture(scope="module")
+def sync_reference(model_dir, tmp_path_factory):
+    """The synchronous run of `_cfg`, two worker processes: the update the periodic runs below
+    must make (run, records, every step's gradients)."""
+    grads: list = []
+    run, records, _ = train_run(_cfg(model_dir, "sync"), tmp_path_factory.mktemp("sync"), grads)
+    return run, records, grads
 
 
-def _train(cfg, out, grads=None):
-    run = build_run(cfg)
-    if grads is not None:
-        capture_grads(run.learner, grads)
-    pids = (
-        [p.process.pid for p in run.source.pool.procs]
-        if cfg.pipeline.placement == "separate"
-        else []
-    )
-    sink = MemorySink()
-    train(run, out, extra_sinks=[sink])
-    return run, sink.records, pids
-
-
-def test_periodic_update_equals_sync_update(model_dir, tmp_path):
-    sync_grads, per_grads = [], []
-    sync_run, sync_records, _ = _train(_cfg(model_dir, "sync"), tmp_path / "sync", sync_grads)
-    per_run, per_records, pids = _train(
+def test_periodic_update_equals_sync_update(model_dir, sync_reference, tmp_path):
+    sync_run, sync_records, sync_grads = sync_reference
+    per_grads: list = []
+    per_run, per_records, pids = train_run(
         _cfg(model_dir, "periodic"), tmp_path / "periodic", per_grads
     )
     # Groups reach the periodic learner in completion order, so its sums run in another order:
@@ -93,12 +56,12 @@ def test_periodic_update_equals_sync_update(model_dir, tmp_path):
         for a, b in zip(fresh.parameters(), per_run.learner.model.parameters(), strict=True)
     )
     assert moved > 1e-4
-    assert not _pids_alive(pids) and not multiprocessing.active_children()
+    assert not pids_alive(pids) and not multiprocessing.active_children()
 
 
 def test_learner_trains_before_the_last_group_is_generated(model_dir, tmp_path):
     cfg = _cfg(model_dir, "periodic", "train.micro_batch_groups=1", "pipeline.tasks_in_flight=1")
-    run, records, _ = _train(cfg, tmp_path)
+    run, records, _ = train_run(cfg, tmp_path)
     spans = run.tracer.spans
     for k in range(1, 3):  # iterations after the first (warm caches)
         starts = [s.start for s in spans if s.name == "weight_sync"]
@@ -162,27 +125,27 @@ def test_a_worker_that_keeps_dying_stops_the_run_and_leaves_no_process(model_dir
         r"time\(s\) already \(pipeline.max_worker_restarts = 1\)",
     ):
         train(run, tmp_path)
-    assert not _pids_alive(pids) and not multiprocessing.active_children()  # replacements too
+    assert not pids_alive(pids) and not multiprocessing.active_children()  # replacements too
 
 
 def test_a_worker_killed_mid_iteration_is_replaced_and_the_update_equals_sync(
-    model_dir, tmp_path, monkeypatch
+    model_dir, sync_reference, tmp_path, monkeypatch
 ):
     # the worker process exits while scoring a group; its replacement loads the current version
     # and regenerates the prompts it had not returned, with the same seeds: the run makes the
     # very update of the synchronous run (nothing lost, nothing trained twice, nothing stale)
     monkeypatch.setenv("CADENCE_TEST_EXIT_ONCE", str(tmp_path / "exited"))
-    sync_grads, per_grads = [], []
-    sync_run, _, _ = _train(_cfg(model_dir, "sync"), tmp_path / "sync", sync_grads)
+    sync_run, _, sync_grads = sync_reference
+    per_grads: list = []
     cfg = _cfg(model_dir, "periodic", "reward.function='fixtures_rewards:exit_once'")
-    per_run, records, pids = _train(cfg, tmp_path / "periodic", per_grads)
+    per_run, records, pids = train_run(cfg, tmp_path / "periodic", per_grads)
     assert (tmp_path / "exited").exists()
     assert [r["worker_restarts"] for r in records][-1] == 1
     assert all(r["staleness_max"] == 0 and r["optimizer_steps"] == 1 for r in records)
     assert_same_update(
         per_run.learner.model, sync_run.learner.model, per_grads, sync_grads, grad_rtol=5e-5
     )
-    assert not _pids_alive(pids) and not multiprocessing.active_children()  # replacements too
+    assert not pids_alive(pids) and not multiprocessing.active_children()  # replacements too
 
 
 def test_worker_exception_reaches_the_learner_with_its_traceback(model_dir, tmp_path):
@@ -197,7 +160,7 @@ def test_one_step_offpolicy_run_end_to_end(model_dir, tmp_path, loss):
     extra = ["pipeline.max_staleness=1", f"algo.loss='{loss}'"]
     if loss == "online_dpo":
         extra.append("algo.kl_coef=0.0")
-    _, records, pids = _train(_cfg(model_dir, "offpolicy", *extra), tmp_path)
+    _, records, pids = train_run(_cfg(model_dir, "offpolicy", *extra), tmp_path)
     assert [r["staleness_hist"] for r in records] == [[6, 0], [0, 6], [0, 6]]
     assert [r["staleness_max"] for r in records] == [0, 1, 1]
     assert all(r["dropped_groups"] == 0 and r["optimizer_steps"] == 1 for r in records)
@@ -205,17 +168,17 @@ def test_one_step_offpolicy_run_end_to_end(model_dir, tmp_path, loss):
     assert all(math.isfinite(r["loss"]) for r in records)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["staleness_hist"] == [0, 6]
-    assert not _pids_alive(pids) and not multiprocessing.active_children()
+    assert not pids_alive(pids) and not multiprocessing.active_children()
 
 
 def test_periodic_update_equals_sync_update_with_dynamic_sampling(model_dir, tmp_path):
     # two samples per prompt make constant groups common; each is replaced by the next prompt
     extra = ("pipeline.filter_groups='zero_variance'", "rollout.group_size=2")
     sync_grads, per_grads = [], []
-    sync_run, sync_records, _ = _train(
+    sync_run, sync_records, _ = train_run(
         _cfg(model_dir, "sync", *extra), tmp_path / "sync", sync_grads
     )
-    per_run, per_records, pids = _train(
+    per_run, per_records, pids = train_run(
         _cfg(model_dir, "periodic", *extra), tmp_path / "periodic", per_grads
     )
     figures = [(r["filtered_groups"], r["oversampled_prompts"]) for r in sync_records]
@@ -225,10 +188,10 @@ def test_periodic_update_equals_sync_update_with_dynamic_sampling(model_dir, tmp
     assert_same_update(
         per_run.learner.model, sync_run.learner.model, per_grads, sync_grads, grad_rtol=5e-5
     )
-    assert not _pids_alive(pids) and not multiprocessing.active_children()
+    assert not pids_alive(pids) and not multiprocessing.active_children()
     # generating in the learner's thread draws and keeps the same groups, round by round
     colocated = _cfg(model_dir, "sync", *extra, "pipeline.placement='colocated'")
-    _, col_records, _ = _train(colocated, tmp_path / "colocated")
+    _, col_records, _ = train_run(colocated, tmp_path / "colocated")
     assert figures == [(r["filtered_groups"], r["oversampled_prompts"]) for r in col_records]
     assert [r["reward_mean"] for r in col_records] == [r["reward_mean"] for r in sync_records]
 
@@ -242,10 +205,10 @@ def test_periodic_update_equals_sync_update_for_multi_turn_episodes(calculator_m
         "rollout.max_new_tokens=16",
     ]  # the reward stays even_length: the transcripts' lengths vary, so every step has a gradient
     sync_grads, per_grads = [], []
-    sync_run, sync_records, _ = _train(
+    sync_run, sync_records, _ = train_run(
         _cfg(calculator_model_dir, "sync", *tool), tmp_path / "sync", sync_grads
     )
-    per_run, per_records, pids = _train(
+    per_run, per_records, pids = train_run(
         _cfg(calculator_model_dir, "periodic", *tool), tmp_path / "periodic", per_grads
     )
     assert all(r["turns_mean"] > 1 and r["tool_calls"] > 0 for r in per_records)
@@ -262,4 +225,4 @@ def test_periodic_update_equals_sync_update_for_multi_turn_episodes(calculator_m
     assert tools and all(
         s.track.startswith("worker-") and s.track.endswith(" tools") for s in tools
     )
-    assert not _pids_alive(pids) and not multiprocessing.active_children()
+    assert not pids_alive(pids) and not multiprocessing.active_children()

@@ -20,48 +20,40 @@ import time
 import pytest
 
 from cadence.backend import WorkerDied
-from cadence.config import load_config
 from cadence.metrics import MemorySink
 from cadence.models import load_model
 from cadence.pipeline import build_run, train
-from updates import assert_same_params, capture_grads
+from runs import pids_alive, run_config, train_run
+from updates import assert_same_params
 
 pytestmark = pytest.mark.slow
 
 
+_BASE = (
+    "pipeline.placement='separate'",
+    "pipeline.num_workers=1",
+    "pipeline.prompts_per_task=1",
+    "pipeline.learner_threads=2",
+    "train.iterations=3",
+    "train.prompts_per_iteration=9",
+    "train.micro_batch_groups=2",
+    "train.mini_batches=2",
+    "train.lr=1e-3",
+    "train.checkpoint_every=0",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=8",
+    "algo.kl_coef=0.05",
+    "metrics.progress=false",
+    "reward.function='fixtures_rewards:even_length'",
+)
+
+
 def _cfg(model_dir, mode="sync", *extra):
-    return load_config(
-        None,
-        [
-            f"model.path='{model_dir}'",
-            f"pipeline.mode='{mode}'",
-            "pipeline.placement='separate'",
-            "pipeline.num_workers=1",
-            "pipeline.prompts_per_task=1",
-            "pipeline.learner_threads=2",
-            "train.iterations=3",
-            "train.prompts_per_iteration=9",
-            "train.micro_batch_groups=2",
-            "train.mini_batches=2",
-            "train.lr=1e-3",
-            "train.checkpoint_every=0",
-            "rollout.group_size=4",
-            "rollout.max_new_tokens=8",
-            "algo.kl_coef=0.05",
-            "metrics.progress=false",
-            "reward.function='fixtures_rewards:even_length'",
-            *extra,
-        ],
-    )
+    return run_config(model_dir, f"pipeline.mode='{mode}'", *extra, base=_BASE)
 
 
-def _train(cfg, out, grads=None, sink=None):
-    run = build_run(cfg)
-    if grads is not None:
-        capture_grads(run.learner, grads)
-    sink = sink or MemorySink()
-    train(run, out, extra_sinks=[sink], evaluate=False)
-    return run, sink.records
+def _train(cfg, out, grads=None):
+    return train_run(cfg, out, grads, evaluate=False)
 
 
 def _params(model):
@@ -72,19 +64,8 @@ def _params(model):
 def one_process(model_dir, tmp_path_factory):
     """The reference: one learner process, sync mode; its parameters and every step's grads."""
     grads: list = []
-    run, records = _train(_cfg(model_dir), tmp_path_factory.mktemp("one"), grads)
+    run, records, _ = _train(_cfg(model_dir), tmp_path_factory.mktemp("one"), grads)
     return _params(run.learner.model), records, grads
-
-
-def _pids_alive(pids):
-    alive = []
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-            alive.append(pid)
-        except ProcessLookupError:
-            pass
-    return alive
 
 
 @pytest.fixture(scope="module")
@@ -99,10 +80,9 @@ def ranked(model_dir, tmp_path_factory):
             if backend == "ray":
                 sets.append("pipeline.backend='ray'")
             out = tmp_path_factory.mktemp("-".join(key))
-            run, records = _train(_cfg(model_dir, mode, *sets), out)
+            run, records, pids = _train(_cfg(model_dir, mode, *sets), out)
             trace = json.loads((out / "trace.json").read_text())["traceEvents"]
             tracks = {e["args"]["name"] for e in trace if e["name"] == "thread_name"}
-            pids = [d["pid"] for d in run.learner.described]
             runs[key] = _params(run.learner.model), records, tracks, pids
         return runs[key]
 
@@ -126,7 +106,7 @@ def test_two_ranks_make_the_one_process_update(one_process, ranked, model_dir, s
     fresh = load_model(model_dir).named_parameters()
     assert max((got[k] - p).abs().max().item() for k, p in fresh) > 1e-4  # it really trained
     assert {"learner", "learner-0", "learner-1"} <= tracks  # one timeline track per rank
-    assert not _pids_alive(pids) and not multiprocessing.active_children()
+    assert not pids_alive(pids) and not multiprocessing.active_children()
 
 
 def test_ranks_on_ray_end_with_the_local_ranks_parameters(ranked):
@@ -175,5 +155,5 @@ def test_a_killed_rank_stops_the_run_naming_it_and_leaves_no_process(model_dir, 
     assert time.monotonic() - killed_at[0] < 60  # the next round finds it (and the closing)
     assert isinstance(error[0], WorkerDied) and error[0].wid == 1, error
     assert f"learner rank 1 (pid {pids[1]}) exited with code -9" in str(error[0])
-    assert not _pids_alive(pids + workers) and not multiprocessing.active_children()
+    assert not pids_alive(pids + workers) and not multiprocessing.active_children()
     assert not (tmp_path / "final").exists()

@@ -1,8 +1,10 @@
 """Exact resume: a run killed with SIGKILL mid-iteration, then resumed, ends where an
 uninterrupted run with the same seed ends, and writes each iteration's metrics once."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ import torch
 from cadence.cli import main
 from cadence.models import load_model
 from cadence.pipeline.checkpoint import list_checkpoints
+from runs import session_alive
 
 pytestmark = pytest.mark.slow
 
@@ -64,27 +67,33 @@ def _sets(model_dir, mode):
     return [a for s in common + MODES[mode][0] for a in ("--set", s)]
 
 
-def _cadence(args, env):
-    return subprocess.Popen(
-        [sys.executable, "-m", "cadence.cli", *args],
-        env=env,
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+class _Cadence:
+    """`cadence ARGS` in a session of its own, its stderr in a file (two may run at once: a pipe
+    nobody reads could fill and stall one)."""
 
+    def __init__(self, args, env, marker: Path, log: Path) -> None:
+        self.log = log
+        with open(log, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "cadence.cli", *args],
+                env=env | {"CADENCE_TEST_KILL_MARKER": str(marker)},
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
+        self.pid = self.proc.pid
 
-def _session_alive(sid: int) -> list[int]:
-    """Processes of session `sid` still running (field 6 of /proc/PID/stat: the session id)."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            alive.append(int(stat.parent.name))
-    return alive
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """After a failed check: leave no run behind."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
 
 
 def _iterations(run_dir: Path) -> list[int]:
@@ -94,33 +103,37 @@ def _iterations(run_dir: Path) -> list[int]:
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_run_killed_mid_iteration_resumes_to_the_same_parameters(model_dir, tmp_path, mode):
-    marker = tmp_path / "killed"
+    marker, never = tmp_path / "killed", tmp_path / "never-killed"
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join(sys.path),
         "CADENCE_TEST_KILL_AT": str(MODES[mode][1]),
-        "CADENCE_TEST_KILL_MARKER": str(marker),
     }
     sets = ["train", "configs/default.toml", *_sets(model_dir, mode)]
     full, killed = tmp_path / "full", tmp_path / "killed-run"
 
-    marker.touch()  # the uninterrupted run: nothing is killed
-    proc = _cadence([*sets, "--out", str(full)], env)
-    assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()
-    marker.unlink()
-
-    proc = _cadence([*sets, "--out", str(killed)], env)
-    assert proc.wait(timeout=300) == -9, proc.stderr.read().decode()  # SIGKILL, mid-iteration 3
+    # The uninterrupted run and the one killed mid-iteration are independent: they run at the
+    # same time. The uninterrupted one finds its marker taken, so it kills nothing.
+    never.touch()
+    full_proc = _Cadence([*sets, "--out", str(full)], env, never, tmp_path / "full.err")
+    proc = _Cadence([*sets, "--out", str(killed)], env, marker, tmp_path / "killed.err")
+    try:
+        assert full_proc.wait(timeout=300) == 0, full_proc.stderr()
+        assert proc.wait(timeout=300) == -9, proc.stderr()  # SIGKILL, mid-iteration 3
+    except BaseException:  # only then: the check below wants the workers to exit on their own
+        full_proc.stop()
+        proc.stop()
+        raise
     assert marker.exists()
     deadline = time.monotonic() + 10  # its workers notice the learner is gone and exit
-    while _session_alive(proc.pid) and time.monotonic() < deadline:
+    while session_alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _session_alive(proc.pid)
+    assert not session_alive(proc.pid)
     assert _iterations(killed) == [0, 1, 2]  # iteration 2 ran past the checkpoint taken after 1
     assert [p.name for p in list_checkpoints(killed)] == ["iter-000002"]
     assert not (killed / "final").exists()
 
-    proc = _cadence(["train", "--resume", str(killed)], env)
-    assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()
+    proc = _Cadence(["train", "--resume", str(killed)], env, marker, tmp_path / "resume.err")
+    assert proc.wait(timeout=300) == 0, proc.stderr()
     assert _iterations(killed) == [0, 1, 2, 3, 4]  # each exactly once
     assert [p.name for p in list_checkpoints(killed)] == ["iter-000005"]  # the newest kept
     assert not list((killed / "checkpoints").glob(".*"))  # no temporary directory left

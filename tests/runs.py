@@ -1,0 +1,113 @@
+"""Helpers for the tests that build and train whole runs, and check what processes they leave.
+
+One config builder on top of a small base run, one trainer that records metrics (and, if asked,
+every optimizer step's gradients), and the process checks the fault tests share: pids of a run's
+local processes, which of them are alive, and the processes of a session or children of a pid as
+/proc lists them. Nothing here asserts: each test states its own claim.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+from cadence.config import Config, load_config
+from cadence.metrics import MemorySink
+from cadence.pipeline import build_run, train
+from updates import capture_grads
+
+# Three iterations of six prompts, groups of four, ten new tokens, KL to the reference: every
+# "X makes the sync update" run (pipeline, Ray, reward stage) builds on it. Files add the
+# placement, mode and worker settings of what they test.
+SMALL_RUN = (
+    "train.iterations=3",
+    "train.prompts_per_iteration=6",
+    "train.micro_batch_groups=2",
+    "train.lr=1e-3",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=10",
+    "data.num_heldout=4",
+    "algo.kl_coef=0.05",
+    "metrics.progress=false",
+    "reward.function='fixtures_rewards:even_length'",
+)
+
+TWO_WORKERS = ("pipeline.num_workers=2", "pipeline.prompts_per_task=1")  # a task per prompt
+
+
+def run_config(model_dir, *sets: str, base: tuple[str, ...] = SMALL_RUN) -> Config:
+    """`base`, then `sets` (later keys win), on the model in `model_dir`."""
+    return load_config(None, [f"model.path='{model_dir}'", *base, *sets])
+
+
+class Trained(NamedTuple):
+    run: object  # the built `Run`: its learner holds the trained model
+    records: list[dict]  # metrics.jsonl's records, one per iteration
+    pids: list[int]  # the run's local processes, taken before it trained
+
+
+def train_run(
+    cfg: Config, out: Path, grads: list | None = None, sink=None, evaluate: bool = True
+) -> Trained:
+    """Build and train `cfg` into `out`; each optimizer step's gradients go to `grads` if given."""
+    run = build_run(cfg)
+    if grads is not None:
+        capture_grads(run.learner, grads)
+    pids = local_pids(run, cfg)
+    sink = sink or MemorySink()
+    train(run, out, extra_sinks=[sink], evaluate=evaluate)
+    return Trained(run, sink.records, pids)
+
+
+def local_pids(run, cfg: Config) -> list[int]:
+    """Pids of the processes a run started on this machine: rollout workers, reward workers and
+    learner ranks (none for a colocated run or Ray actors)."""
+    if cfg.pipeline.backend != "local":
+        return []
+    pids = [d["pid"] for d in run.learner.described] if cfg.learner.ranks > 1 else []
+    if cfg.pipeline.placement == "separate":
+        source = run.source
+        stage = source.reward_stage.procs if source.reward_stage is not None else []
+        pids += [p.process.pid for p in source.pool.procs + stage]
+    return pids
+
+
+def pids_alive(pids: list[int]) -> list[int]:
+    """Those of `pids` that still exist (a zombie counts: it was not reaped)."""
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+class ProcInfo(NamedTuple):
+    pid: int
+    state: str  # "R", "S", "Z", ... (field 3 of /proc/PID/stat)
+    ppid: int
+    sid: int
+    cmdline: str
+
+
+def processes() -> list[ProcInfo]:
+    """Every process /proc shows now (those that end while it is read are left out)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        text = cmdline.replace(b"\0", b" ").decode(errors="replace")
+        pid = int(stat.parent.name)
+        found.append(ProcInfo(pid, fields[0], int(fields[1]), int(fields[3]), text))
+    return found
+
+
+def session_alive(sid: int) -> list[ProcInfo]:
+    """Live (not zombie) processes of session `sid`."""
+    return [p for p in processes() if p.sid == sid and p.state != "Z"]
