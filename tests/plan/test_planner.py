@@ -98,6 +98,8 @@ def test_empirical_lengths_from_a_run(tmp_path):
         ("hardware.flops=-1", "hardware.flops"),
         ("plan.modes=['fast']", "plan.modes"),
         ("plan.modes=['offpolicy-0']", "plan.modes"),
+        ("plan.modes=['offpolicy-1-recompute']", "plan.modes"),
+        ("plan.modes=['partial-0']", "plan.modes"),
         ("workload.response.kind='empirical'", "workload.response.path"),
         ("workload.response.kind='fixed'", "workload.response.tokens"),  # 512 > 256 cap below
         ("cluster.devices=[]", "cluster.devices"),
@@ -136,3 +138,18 @@ def test_the_learner_gets_as_many_training_devices_as_its_memory_needs():
                 None, [*SMALL, *LLAMA_70B, "cluster.devices=[24]", "cluster.learner_strategy=ddp"]
             )
         )
+
+
+def test_partial_modes_are_planned_next_to_offpolicy():
+    spec = load_spec(
+        None,
+        [
+            "workload.max_new_tokens=256",
+            "cluster.devices=[4]",
+            "plan.modes=['offpolicy-1', 'partial-1', 'partial-1-recompute']",
+        ],
+    )
+    (cluster,) = plan(spec).clusters
+    assert set(cluster.best) == {"offpolicy-1", "partial-1", "partial-1-recompute"}
+    assert cluster.best["partial-1"].shape.partial == "keep"
+    assert cluster.best["partial-1-recompute"].shape.partial == "recompute"

@@ -145,3 +145,51 @@ def test_rejects_a_colocated_mode_other_than_sync():
     work = Workload(4, 2, prompt_tokens=1, micro_batch_groups=1)
     with pytest.raises(ValueError, match="colocated"):
         simulate(Shape("periodic", "colocated", 2, 2), work, _cost(), _fixed(3, 4, 2, 5))
+
+
+def test_partial_rollouts_change_nothing_when_no_version_arrives_mid_sequence():
+    # Learner-bound (a micro-batch takes 5000 s, generation of an iteration far less): every
+    # engine is empty when a version is published, so partial rollouts have nothing to carry on.
+    work = Workload(16, 4, prompt_tokens=32, micro_batch_groups=4, max_num_seqs=16)
+    cost = _cost(microbatch_s=5000.0, decode_per_seq_s=0.01)
+    lengths = _long_tail(8)
+    off = simulate(Shape("offpolicy", "separate", 2, 2, staleness=1), work, cost, lengths)
+    for kv in ("keep", "recompute"):
+        shape = Shape("offpolicy", "separate", 2, 2, staleness=1, partial=kv)
+        part = simulate(shape, work, cost, lengths)
+        assert part.iteration_ends == pytest.approx(off.iteration_ends, rel=1e-9)
+        assert part.staleness_by_iteration == off.staleness_by_iteration
+
+
+def test_partial_rollouts_fill_the_tail_of_a_generation_bound_run():
+    # Generation-bound on a long tail: without partial rollouts an engine finishes an old
+    # version's stragglers nearly alone before it may load the next; with them, the next
+    # iteration's samples fill the free slots at once. Re-prefilling the prefixes costs time.
+    work = Workload(16, 4, prompt_tokens=32, micro_batch_groups=4, max_num_seqs=16)
+    cost = _cost(microbatch_s=5.0, decode_per_seq_s=0.01, prefill_per_token_s=0.001)
+    lengths = _long_tail(10)
+    results = {
+        kv: simulate(
+            Shape("offpolicy", "separate", 2, 2, staleness=1, partial=kv), work, cost, lengths
+        )
+        for kv in ("", "keep", "recompute")
+    }
+    assert results["keep"].wall_s < 0.9 * results[""].wall_s
+    assert results["keep"].wall_s < results["recompute"].wall_s
+    assert results["keep"].slot_utilization > results[""].slot_utilization
+    for r in results.values():
+        assert max(r.staleness_by_iteration) <= 1
+    assert results["keep"].shape.label == "partial-1"
+    assert results["recompute"].shape.label == "partial-1-recompute"
+
+
+def test_partial_rollouts_need_offpolicy_and_continuous_batching():
+    work = Workload(4, 2, prompt_tokens=1, micro_batch_groups=1)
+    with pytest.raises(ValueError, match="offpolicy"):
+        simulate(
+            Shape("periodic", "separate", 1, 1, partial="keep"), work, _cost(), _fixed(3, 4, 2, 5)
+        )
+    static = Workload(4, 2, prompt_tokens=1, micro_batch_groups=1, batching="static")
+    shape = Shape("offpolicy", "separate", 1, 1, staleness=1, partial="keep")
+    with pytest.raises(ValueError, match="continuous"):
+        simulate(shape, static, _cost(), _fixed(5, 4, 2, 5))

@@ -1,6 +1,7 @@
 """The simulated inference engines: continuous batching (vLLM-like) and static batching (the
 local worker backend). Both take work from the simulation's queue, switch weights only when
-empty, and report finished samples or groups back; `sim.py` owns the clock and the rules.
+empty (the continuous engine with partial rollouts: at its next decode step), and report
+finished samples or groups back; `sim.py` owns the clock and the rules.
 Must not: decide when an iteration starts (the producer in sim.py does).
 """
 
@@ -13,11 +14,15 @@ from typing import Any, Protocol
 
 from cadence.plan.costs import Throughput
 
+PARTIAL_CHUNK = 16  # decode steps between version checks with partial rollouts
+
 
 class Simulation(Protocol):
     """What an engine reads and calls of the simulation that hosts it (`sim.Simulation`)."""
 
     work: Any  # the workload: prompt_tokens, group_size, ...
+    shape: Any  # the mode: partial ("", "keep", "recompute")
+    published: int  # the newest policy version
     cost: Throughput
     slots: int  # sequences an engine decodes at once
     now: float
@@ -54,9 +59,14 @@ class ContinuousEngine:
             return
         sim, active, steps = self.sim, self.active, self.steps
         queue, lengths = sim.queue, sim.lengths
+        if sim.shape.partial and sim.published > self.version:
+            self._load(sim.published)  # any in flight go on under the new weights
+            return
         while len(active) < sim.slots and queue:
             k, i, j = queue[0]
-            if sim.versions[k] != self.version:
+            if sim.shape.partial and sim.versions[k] < self.version:
+                pass  # an older iteration's sample starts on the newer weights
+            elif sim.versions[k] != self.version:
                 if not active:
                     self._load(sim.versions[k])
                     return
@@ -73,6 +83,8 @@ class ContinuousEngine:
     def _load(self, version: int) -> None:
         self.running = True
         end = self.sim.now + self.sim.cost.load_s
+        if self.sim.shape.partial == "recompute":  # the prefixes in flight, prefilled again
+            self.stall += self.sim.cost.prefill_per_token_s * self._context()
         self.busy.append((self.sim.now, end, 0))
         self.sim.at(end, self._loaded, version)
 
@@ -83,11 +95,17 @@ class ContinuousEngine:
     def _decode(self) -> None:
         sim, b = self.sim, len(self.active)
         steps = self.active[0][0] - self.steps  # until the next sequence finishes
-        context = b * (sim.work.prompt_tokens + self.steps) - self.admitted_at
+        if sim.shape.partial:  # look for a newer version every PARTIAL_CHUNK steps
+            steps = min(steps, PARTIAL_CHUNK)
+        context = self._context()
         duration = self.stall + sim.cost.decode_time(b, context, steps)
         self.stall, self.running = 0.0, True
         self.busy.append((sim.now, sim.now + duration, b))
         sim.at(sim.now + duration, self._decoded, steps)
+
+    def _context(self) -> int:
+        """Tokens the active sequences attend to: their prompts and their tokens so far."""
+        return len(self.active) * (self.sim.work.prompt_tokens + self.steps) - self.admitted_at
 
     def _decoded(self, steps: int) -> None:
         self.steps += steps

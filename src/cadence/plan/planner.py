@@ -185,7 +185,12 @@ def plan_cluster(
         notes.append(_memory_note(profile, devices, strategy, least))
     measured, most = spec.plan.iterations, _max_staleness(spec)
     for name in spec.plan.modes:
-        mode, placement, n = parse_mode(name)
+        mode, placement, n, partial = parse_mode(name)
+        if partial and work.batching != "continuous":
+            note = f"{name}: partial rollouts need continuous batching; skipped"
+            if note not in notes:
+                notes.append(note)
+            continue
         if placement == "colocated":
             if devices % work.devices_per_engine("colocated"):
                 notes.append(f"{devices} devices: no whole number of colocated engines; skipped")
@@ -207,8 +212,8 @@ def plan_cluster(
 
         mine = _lengths_for(lengths, n, measured, most)
 
-        def run(i: int, mode=mode, n=n, mine=mine) -> SimResult:
-            shape = Shape(mode, "separate", i, devices - i, staleness=n)
+        def run(i: int, mode=mode, n=n, partial=partial, mine=mine) -> SimResult:
+            shape = Shape(mode, "separate", i, devices - i, staleness=n, partial=partial)
             return simulate(shape, work, profile.separate, mine, profile.tpspd_devices)
 
         found = search_splits(candidates, run, exhaustive=bool(spec.plan.splits))

@@ -11,7 +11,10 @@ It follows the pipeline's rules (pipeline/loop.py, producer.py, backend/, docs/p
   a group is complete when its G samples are. `static` batching (the local worker backend): an
   engine takes a task of `prompts_per_task` prompts as one batch (at most `max_num_seqs` rows at a
   time), finished rows leave the batch, and the task's groups are handed over when it ends.
-  An engine changes weights only when empty: it finishes its older sequences, then loads.
+  An engine changes weights only when empty: it finishes its older sequences, then loads;
+  with partial rollouts (`Shape.partial`, `pipeline.partial_rollout`) it loads a newer version
+  at its next decode step, its sequences in flight go on under the new weights ("recompute":
+  after re-prefilling their prompts and tokens so far), and newer samples fill its free slots.
 - Learner. Trains iteration k's groups in completion order, `micro_batch_groups` at a time as they
   arrive (`sync`: only once all are in), takes one optimizer step after the last, then publishes
   version k+1. With several training devices (the learner's ranks) a micro-batch is a round:
@@ -37,6 +40,8 @@ from cadence.plan.costs import Throughput
 from cadence.plan.engines import ContinuousEngine, StaticEngine
 
 MODES = ("sync", "periodic", "offpolicy")
+PARTIAL_KV = ("", "keep", "recompute")  # "": no partial rollouts
+
 BATCHING = ("continuous", "static")
 
 
@@ -49,6 +54,7 @@ class Shape:
     num_inference: int
     num_training: int
     staleness: int = 0  # N, offpolicy only
+    partial: str = ""  # offpolicy only: "keep" | "recompute" (partial rollouts), "" off
 
     @property
     def num_devices(self) -> int:
@@ -60,6 +66,9 @@ class Shape:
     def label(self) -> str:
         if self.placement == "colocated":
             return "sync-colocated"
+        if self.partial:
+            kv = "-recompute" if self.partial == "recompute" else ""
+            return f"partial-{self.staleness}{kv}"
         return f"offpolicy-{self.staleness}" if self.mode == "offpolicy" else self.mode
 
 
@@ -138,6 +147,10 @@ def _check(shape: Shape, work: Workload, lengths: np.ndarray) -> None:
         raise ValueError(f"unknown mode {shape.mode!r}; allowed: {MODES}")
     if work.batching not in BATCHING:
         raise ValueError(f"unknown batching {work.batching!r}; allowed: {BATCHING}")
+    if shape.partial not in PARTIAL_KV:
+        raise ValueError(f"unknown partial {shape.partial!r}; allowed: keep, recompute, ''")
+    if shape.partial and (shape.mode != "offpolicy" or work.batching != "continuous"):
+        raise ValueError("partial rollouts need offpolicy mode and continuous batching")
     if shape.placement == "colocated" and shape.mode != "sync":
         raise ValueError("colocated placement runs only in sync mode")
     if shape.num_inference < work.devices_per_engine(shape.placement) or shape.num_training < 1:
@@ -207,6 +220,9 @@ class Simulation:
     def publish(self, version: int) -> None:
         self.published = version
         self.produce()
+        if self.shape.partial:  # an idle engine loads it now, a busy one at its next step
+            for e in self.engines:
+                self.at(self.now, e.wake)
 
     def produce(self) -> None:
         """Start the next iteration if its prompts may go out (see the module docstring)."""

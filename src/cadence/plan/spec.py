@@ -130,7 +130,10 @@ class ClusterSpec(_Section):
         return v
 
 
-_MODE = re.compile(r"^(sync-colocated|sync|periodic|offpolicy-([1-9][0-9]*))$")
+_MODE = re.compile(
+    r"^(sync-colocated|sync|periodic|(offpolicy|partial)-([1-9][0-9]*)(-recompute)?)$"
+)
+MODE_NAMES = "sync-colocated, sync, periodic, offpolicy-N, partial-N, partial-N-recompute"
 
 
 class PlanSettings(_Section):
@@ -142,7 +145,9 @@ class PlanSettings(_Section):
             "offpolicy-1",
             "offpolicy-2",
         ],
-        description="Modes to simulate: sync-colocated, sync, periodic, offpolicy-N (N >= 1).",
+        description="Modes to simulate: sync-colocated, sync, periodic, offpolicy-N (N >= 1), "
+        "partial-N (offpolicy-N with partial rollouts, keeping the KV cache) and "
+        "partial-N-recompute (re-prefilling it).",
     )
     iterations: int = Field(
         5, ge=1, description="Iterations measured per mode and split, after the pipeline fills."
@@ -156,11 +161,9 @@ class PlanSettings(_Section):
     @field_validator("modes")
     @classmethod
     def _known(cls, v: list[str]) -> list[str]:
-        bad = [m for m in v if not _MODE.match(m)]
+        bad = [m for m in v if not _known(m)]
         if bad or not v:
-            raise ValueError(
-                f"unknown mode(s) {bad}; allowed: sync-colocated, sync, periodic, offpolicy-N"
-            )
+            raise ValueError(f"unknown mode(s) {bad}; allowed: {MODE_NAMES}")
         return v
 
 
@@ -222,13 +225,20 @@ def load_spec(
         raise ConfigError(_format_error(e)) from None
 
 
-def parse_mode(name: str) -> tuple[str, str, int]:
-    """A mode name as (mode, placement, N): 'offpolicy-2' -> ('offpolicy', 'separate', 2)."""
+def _known(name: str) -> bool:
     m = _MODE.match(name)
-    if m is None:
-        raise ConfigError(f"plan key 'plan.modes': unknown mode {name!r}")
+    return m is not None and not (m.group(2) == "offpolicy" and m.group(4))  # no offpolicy-1-rec.
+
+
+def parse_mode(name: str) -> tuple[str, str, int, str]:
+    """A mode name as (mode, placement, N, partial): 'offpolicy-2' -> ('offpolicy', 'separate',
+    2, ''); 'partial-1-recompute' -> ('offpolicy', 'separate', 1, 'recompute')."""
+    m = _MODE.match(name)
+    if m is None or not _known(name):
+        raise ConfigError(f"plan key 'plan.modes': unknown mode {name!r}; allowed: {MODE_NAMES}")
     if name == "sync-colocated":
-        return "sync", "colocated", 0
+        return "sync", "colocated", 0, ""
     if m.group(2):
-        return "offpolicy", "separate", int(m.group(2))
-    return name, "separate", 0
+        partial = ("recompute" if m.group(4) else "keep") if m.group(2) == "partial" else ""
+        return "offpolicy", "separate", int(m.group(3)), partial
+    return name, "separate", 0, ""
