@@ -1,13 +1,16 @@
 """The planner: every mode on the splits worth trying, and a recommendation that is the best."""
 
+import io
 import json
 from types import SimpleNamespace
 
 import pytest
+from rich.console import Console
 
 from cadence.config import ConfigError
 from cadence.plan import load_spec, plan
 from cadence.plan.planner import TIE, recommend, search_splits
+from cadence.plan.report import print_plan
 
 SMALL = [
     "workload.prompts_per_iteration=16",
@@ -149,7 +152,12 @@ def test_partial_modes_are_planned_next_to_offpolicy():
             "plan.modes=['offpolicy-1', 'partial-1', 'partial-1-recompute']",
         ],
     )
-    (cluster,) = plan(spec).clusters
+    result = plan(spec)
+    (cluster,) = result.clusters
     assert set(cluster.best) == {"offpolicy-1", "partial-1", "partial-1-recompute"}
+    out = io.StringIO()
+    print_plan(result, Console(file=out, width=160))
+    rows = [line.split()[1] for line in out.getvalue().splitlines() if "-1" in line[:30]]
+    assert rows[:3] == ["offpolicy-1", "partial-1", "partial-1-recompute"]
     assert cluster.best["partial-1"].shape.partial == "keep"
     assert cluster.best["partial-1-recompute"].shape.partial == "recompute"

@@ -156,8 +156,9 @@ def _draw_cluster(ax, cluster: ClusterPlan, hardware: str) -> None:
     ax.legend(fontsize=8)
 
 
-def _mode_order(label: str) -> tuple[int, int]:
+def _mode_order(label: str) -> tuple[int, int, int]:
     order = {"sync-colocated": 0, "sync": 1, "periodic": 2}
     if label in order:
-        return order[label], 0
-    return 3, int(label.rsplit("-", 1)[1])
+        return order[label], 0, 0
+    kind, n, *kv = label.split("-")  # offpolicy-N, partial-N, partial-N-recompute
+    return 3, int(n), (kind == "partial") + bool(kv)
