@@ -546,7 +546,7 @@ class AlgoConfig(_Section):
         "of rho = pi_old / pi_behaviour (see correction_proximal), band [lo, hi] = "
         "[correction_clip_min, correction_clip_max]. token_truncate: clip(rho_t, lo, hi); "
         "token_mask: rho_t inside the band, else 0; icepop: the same as token_mask (IcePop's "
-        "name; its paper's band is [0.5, 5]); sequence_truncate / sequence_mask: the same with "
+        "name, from the Ring-1T report); sequence_truncate / sequence_mask: the same with "
         "the sequence's product of token ratios; geometric_mask: 1 if the geometric mean of the "
         "sequence's token ratios is inside the band, else 0 (verl's Geo-RS). TRL's default is "
         "sequence_mask with hi = 3. Formulas, defaults and verl/TRL names: docs/corrections.md.",

@@ -12,7 +12,7 @@ token's policy-gradient term:
   none               1                                   -
   token_truncate     clip(rho_t, lo, hi)                 TRL token_truncate; verl rollout_is=token
   token_mask         rho_t if lo <= rho_t <= hi, else 0  TRL token_mask
-  icepop             the same as token_mask              IcePop (Ring-1T; its band: [0.5, 5])
+  icepop             the same as token_mask              IcePop, M(k) of the Ring-1T report
   sequence_truncate  clip(R_i, lo, hi)                   TRL sequence_truncate; verl rollout_is=seq.
   sequence_mask      R_i if lo <= R_i <= hi, else 0      TRL sequence_mask (its default, hi = 3)
   geometric_mask     1 if lo <= G_i <= hi, else 0        verl Geo-RS (rollout_rs=seq_mean_k1)
