@@ -541,12 +541,53 @@ class AlgoConfig(_Section):
         "seq-sum-norm divides by the number of sequences times the episode's cap on policy "
         "tokens (see reward.overlong_buffer).",
     )
+    rollout_correction: Literal[
+        "none",
+        "token_truncate",
+        "token_mask",
+        "sequence_truncate",
+        "sequence_mask",
+        "geometric_mask",
+        "icepop",
+    ] = Field(
+        "none",
+        description="Correct for the gap between the engine that sampled (its behaviour "
+        "log-probs) and the learner: each token's policy-gradient term is multiplied by a weight "
+        "of rho = pi_old / pi_behaviour (see correction_proximal), band [lo, hi] = "
+        "[correction_clip_min, correction_clip_max]. token_truncate: clip(rho_t, lo, hi); "
+        "token_mask: rho_t inside the band, else 0; icepop: the same as token_mask (IcePop's "
+        "name, from the Ring-1T report); sequence_truncate / sequence_mask: the same with "
+        "the sequence's product of token ratios; geometric_mask: 1 if the geometric mean of the "
+        "sequence's token ratios is inside the band, else 0 (verl's Geo-RS). TRL's default is "
+        "sequence_mask with hi = 3. Formulas, defaults and verl/TRL names: docs/corrections.md.",
+    )
+    correction_clip_min: float = Field(
+        0.0,
+        ge=0.0,
+        description="rollout_correction: the band's lower end (0: no lower bound, TRL's "
+        "default); the band must hold 1.",
+    )
+    correction_clip_max: float = Field(
+        3.0,
+        gt=0.0,
+        description="rollout_correction: the band's upper end (TRL's default, 3); the band must "
+        "hold 1.",
+    )
+    correction_proximal: Literal["decoupled", "bypass"] = Field(
+        "decoupled",
+        description="The proximal policy. decoupled: old log-probs are the learner's policy at "
+        "the iteration's start and the correction weighs by pi_old / pi_behaviour on top of the "
+        "loss's pi / pi_old. bypass: old log-probs are the engine's behaviour log-probs (no old "
+        "pass, no frozen old copy, for every row), the correction acts on pi / pi_behaviour, and "
+        "a loss with a ratio (ppo_clip, gspo, cispo) takes only its mask (verl's bypass_mode).",
+    )
     tis_cap: float = Field(
         0.0,
         ge=0.0,
-        description="Truncated importance sampling: weigh each token's policy-gradient term by "
-        "min(pi_old / pi_behaviour, tis_cap), pi_old the policy at the iteration's start and "
-        "pi_behaviour the one that sampled; 0 turns it off, else >= 1.",
+        description="The older name of rollout_correction = 'token_truncate' with "
+        "correction_clip_max = tis_cap (min(pi_old / pi_behaviour, tis_cap) per token; the same "
+        "numbers); 0 leaves it unset, else >= 1. Not together with the rollout_correction and "
+        "correction_* keys.",
     )
     dpo_beta: float = Field(
         0.1, gt=0.0, description="online_dpo: beta of DPO (tau of IPO), the pull to the reference."
@@ -585,11 +626,17 @@ class AlgoConfig(_Section):
                 f"algo.tis_cap must be 0 (off) or >= 1 (a cap below 1 shrinks the weight of "
                 f"on-policy tokens); got {self.tis_cap}"
             )
-        if self.loss == "online_dpo" and (self.kl_coef > 0 or self.tis_cap > 0):
+        corrects = self.tis_cap > 0 or self.rollout_correction != "none"
+        if self.loss == "online_dpo" and (
+            self.kl_coef > 0 or corrects or self.correction_proximal != "decoupled"
+        ):
             raise ValueError(
-                "algo.loss = 'online_dpo' takes no algo.kl_coef or algo.tis_cap (dpo_beta pulls "
-                "towards the reference; there is no importance ratio): set both to 0"
+                "algo.loss = 'online_dpo' takes no algo.kl_coef or algo.tis_cap, nor a rollout "
+                "correction (dpo_beta pulls towards the reference; there is no importance ratio): "
+                "set both to 0, algo.rollout_correction = 'none' and algo.correction_proximal = "
+                "'decoupled'"
             )
+        self._check_correction()
         if self.clip_ratio_c != 0 and self.clip_ratio_c <= 1:
             raise ValueError(
                 f"algo.clip_ratio_c must be 0 (off) or > 1 (the dual clip bounds the loss of a "
@@ -606,6 +653,42 @@ class AlgoConfig(_Section):
                 "set algo.mask_truncated = false (or reward.overlong_buffer to penalise length)"
             )
         return self
+
+    def _check_correction(self) -> None:
+        # compared with the defaults, not by what was set: a written-out config sets every key
+        newer = [
+            k
+            for k in ("rollout_correction", "correction_clip_min", "correction_clip_max")
+            if getattr(self, k) != type(self).model_fields[k].default
+        ]
+        if self.tis_cap > 0 and newer:
+            raise ValueError(
+                f"algo.tis_cap = {self.tis_cap} is the older name of algo.rollout_correction = "
+                f"'token_truncate' with algo.correction_clip_max = {self.tis_cap}: set "
+                f"{', '.join('algo.' + k for k in newer)} or algo.tis_cap, not both"
+            )
+        low, high = self.correction_clip_min, self.correction_clip_max
+        if low > high:
+            raise ValueError(
+                f"algo.correction_clip_min = {low} is above algo.correction_clip_max = {high}: "
+                "the band [correction_clip_min, correction_clip_max] would be empty"
+            )
+        if not low <= 1.0 <= high:
+            raise ValueError(
+                f"the band [algo.correction_clip_min, algo.correction_clip_max] = [{low}, {high}] "
+                "must hold 1: a token the learner's own policy sampled has ratio 1, and a band "
+                "without it would cut or shrink every on-policy token"
+            )
+        truncate = self.rollout_correction in ("token_truncate", "sequence_truncate")
+        ratio_loss = self.loss in ("ppo_clip", "gspo", "cispo")
+        if self.correction_proximal == "bypass" and truncate and ratio_loss:
+            raise ValueError(
+                f"algo.rollout_correction = '{self.rollout_correction}' with "
+                f"algo.correction_proximal = 'bypass' and algo.loss = '{self.loss}' would change "
+                "nothing: the loss's own ratio pi / pi_behaviour is the importance weight "
+                "(clipped by clip_low / clip_high). Use a *_mask mode, correction_proximal = "
+                "'decoupled', or algo.loss = 'pg' or 'rloo'"
+            )
 
 
 class TrainConfig(_Section):
@@ -1077,6 +1160,19 @@ class Config(_Section):
                 f"env.kind = '{self.env.kind}' writes tool calls and replies in the model's chat "
                 "template: set data.chat_template = true (the tokenizer's, if it renders tools) "
                 "or to a Jinja file that does (configs/chat-tools.jinja)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _correction_needs_sampled_logprobs(self) -> Config:
+        mode = self.algo.rollout_correction
+        if self.rollout.temperature == 0 and (mode != "none" or self.algo.tis_cap > 0):
+            raise ValueError(
+                f"algo.rollout_correction = '{mode if mode != 'none' else 'token_truncate'}' "
+                "weighs by pi_old / pi_behaviour, but with rollout.temperature = 0 the engine "
+                "decodes greedily: the log-probs it records are not those of the policy that "
+                "chose the tokens (greedy gives each probability 1). Sample (rollout.temperature "
+                "> 0) or set algo.rollout_correction = 'none' and algo.tis_cap = 0"
             )
         return self
 

@@ -8,6 +8,7 @@ from torch.testing import assert_close
 
 from cadence.algo import AlgoParams
 from cadence.algo.aggregation import AGG_MODES, normaliser, token_weights
+from cadence.algo.correction import tis_weights
 from cadence.algo.losses import (
     TOKEN_METRICS,
     PolicyBatch,
@@ -17,7 +18,6 @@ from cadence.algo.losses import (
     pg_loss,
     ppo_clip_loss,
     rloo_loss,
-    tis_weights,
 )
 
 # --- PPO clip ---------------------------------------------------------------------------------

@@ -70,7 +70,16 @@ def test_inserting_into_losses_registers_a_new_loss(monkeypatch: pytest.MonkeyPa
 
 def test_public_surface_is_exactly_all():
     public = {name for name in vars(algo) if not name.startswith("_")}
-    modules = {"advantages", "aggregation", "dpo", "losses", "params", "registry", "shaping"}
+    modules = {
+        "advantages",
+        "aggregation",
+        "correction",
+        "dpo",
+        "losses",
+        "params",
+        "registry",
+        "shaping",
+    }
     assert public - modules == set(algo.__all__)
 
 

@@ -3,11 +3,12 @@
 DPO's pair normaliser and a rank that has no group for a whole optimizer step."""
 
 import copy
+import math
 from dataclasses import replace
 
 import pytest
 
-from cadence.algo import AlgoParams
+from cadence.algo import CORRECTION_FIGURES, AlgoParams
 from cadence.engine import HFEngine, SamplingParams
 from cadence.learner import Learner, LearnerParams, score
 from cadence.learner.driver import start_local_ranks
@@ -78,6 +79,34 @@ def test_two_ranks_make_the_one_process_update_with_a_batch_wide_advantage(model
     want_params = {k: v.detach() for k, v in one.model.named_parameters()}
     got_params = {k: v.detach() for k, v in ranked.model.named_parameters()}
     assert_same_params(got_params, want_params, grads)
+
+
+def test_two_ranks_report_the_rollout_correction_figures_of_one_process(model_dir, tokenizer):
+    # each rank sums its tokens' ratios and keeps its largest; the ranks add and compare them,
+    # so the figures are those of the whole batch, not a mean of the ranks' own
+    model = load_model(model_dir)
+    groups = _groups(model, tokenizer, n=4)
+    for g, delta in zip(groups, (0.5, 1.0, 0.2, 0.8), strict=True):
+        for c in g.completions:  # as if older weights had sampled: rho = e^delta
+            c.logprobs = [lp - delta for lp in c.logprobs]
+    algo = AlgoParams(
+        max_policy_tokens=10, kl_coef=0.0, rollout_correction="token_mask", correction_clip_max=2.0
+    )
+    scored = score(groups, algo)
+    params = LearnerParams(lr=1e-3, micro_batch_groups=1)
+    one = Learner(copy.deepcopy(model), params, algo, tokenizer.pad_token_id)
+    spec = RankSpec(str(model_dir), params, algo, tokenizer.pad_token_id, 2)
+    ranked = start_local_ranks(spec, copy.deepcopy(model), "cpu", Tracer())
+    try:
+        want = one.train_iteration(iter(scored), len(scored))
+        got = ranked.train_iteration(iter(scored), len(scored))
+    finally:
+        ranked.close()
+    assert want["rollout_is_min"] == pytest.approx(math.exp(0.2), rel=1e-5)
+    assert want["rollout_is_max"] == pytest.approx(math.e, rel=1e-5)
+    assert 0 < want["rollout_rs_masked_fraction"] < 1  # e^1 is outside [0, 2], e^0.8 inside
+    for name in CORRECTION_FIGURES:
+        assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-7), name
 
 
 def frozen(model):

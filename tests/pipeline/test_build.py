@@ -13,6 +13,23 @@ def test_algo_params_carry_the_loss_and_shaping_keys():
     assert algo_params(cfg) == AlgoParams(loss="online_dpo", dpo_beta=0.3, dpo_loss="ipo", **CAP)
     algo = algo_params(load_config(None, ["algo.tis_cap=2.5", "algo.clip_high=0.28"]))
     assert algo == AlgoParams(clip_high=0.28, tis_cap=2.5, **CAP)
+    # the older key is the newer mode with the same number
+    newer = ["algo.rollout_correction='token_truncate'", "algo.correction_clip_max=2.5"]
+    assert algo == algo_params(load_config(None, [*newer, "algo.clip_high=0.28"]))
+    correction = [
+        "algo.rollout_correction='icepop'",
+        "algo.correction_clip_min=0.5",
+        "algo.correction_clip_max=5",
+        "algo.correction_proximal='bypass'",
+    ]
+    algo = algo_params(load_config(None, correction))
+    assert algo == AlgoParams(
+        rollout_correction="icepop",
+        correction_clip_min=0.5,
+        correction_clip_max=5.0,
+        correction_proximal="bypass",
+        **CAP,
+    )
     shaping = [
         "reward.overlong_buffer=8",
         "reward.overlong_penalty=0.5",

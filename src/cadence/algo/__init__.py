@@ -12,6 +12,19 @@ from cadence.algo.advantages import (
     rloo_advantages,
 )
 from cadence.algo.aggregation import AGG_MODES, normaliser, token_weights
+from cadence.algo.correction import (
+    CORRECTION_FIGURES,
+    CORRECTION_MAXIMA,
+    CORRECTION_MODES,
+    CORRECTION_SUMS,
+    LARGEST_FIGURES,
+    PROXIMAL_POLICIES,
+    SMALLEST_FIGURES,
+    correction_figures,
+    correction_sums,
+    correction_weights,
+    tis_weights,
+)
 from cadence.algo.dpo import online_dpo_loss, preference_pairs
 from cadence.algo.losses import (
     COUNT_METRICS,
@@ -24,9 +37,8 @@ from cadence.algo.losses import (
     pg_loss,
     ppo_clip_loss,
     rloo_loss,
-    tis_weights,
 )
-from cadence.algo.params import DPO_LOSSES, KL_ESTIMATORS, AlgoParams
+from cadence.algo.params import DPO_LOSSES, KL_ESTIMATORS, RATIO_LOSSES, AlgoParams
 from cadence.algo.registry import (
     ADVANTAGES,
     BATCH_ADVANTAGES,
@@ -47,12 +59,20 @@ __all__ = [
     "ADVANTAGES",
     "AGG_MODES",
     "BATCH_ADVANTAGES",
+    "CORRECTION_FIGURES",
+    "CORRECTION_MAXIMA",
+    "CORRECTION_MODES",
+    "CORRECTION_SUMS",
     "COUNT_METRICS",
     "DPO_LOSSES",
     "KL_ESTIMATORS",
+    "LARGEST_FIGURES",
     "LOG_RATIO_CLAMP",
     "LOSSES",
     "PAIR_LOSSES",
+    "PROXIMAL_POLICIES",
+    "RATIO_LOSSES",
+    "SMALLEST_FIGURES",
     "STD_EPS",
     "STD_MODES",
     "TOKEN_METRICS",
@@ -62,6 +82,9 @@ __all__ = [
     "LossFn",
     "PolicyBatch",
     "cispo_loss",
+    "correction_figures",
+    "correction_sums",
+    "correction_weights",
     "get_advantage",
     "get_loss",
     "grpo_advantages",

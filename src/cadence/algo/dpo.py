@@ -68,10 +68,12 @@ def online_dpo_loss(batch: PolicyBatch, params: AlgoParams) -> tuple[Tensor, dic
     """
     if batch.ref_logprobs is None:
         raise ValueError("online_dpo needs ref_logprobs from a frozen reference model; got None")
-    if params.kl_coef > 0 or params.tis_cap > 0:
+    if params.kl_coef > 0 or params.corrects:
         raise ValueError(
-            f"online_dpo takes no kl_coef or tis_cap (beta regularises towards the reference and "
-            f"there is no importance ratio); got kl_coef={params.kl_coef}, tis_cap={params.tis_cap}"
+            f"online_dpo takes no kl_coef or tis_cap, nor a rollout correction (beta regularises "
+            f"towards the reference and there is no importance ratio); got "
+            f"kl_coef={params.kl_coef}, rollout_correction={params.rollout_correction!r}, "
+            f"correction_proximal={params.correction_proximal!r}"
         )
     if batch.rewards is None or batch.group_ids is None:
         raise ValueError("online_dpo needs rewards and group_ids, one per response; got None")

@@ -12,19 +12,21 @@ normaliser.
 
 Padding is masked by selection (`torch.where`), never by multiplying with zero, so a padded
 position holding a huge or infinite log-prob cannot turn the loss or its gradient into NaN.
-A log-ratio that is exponentiated (the policy ratio pi / pi_old, GSPO's sequence ratio, the TIS
-weight pi_old / pi_behaviour, k3's pi_ref / pi) is first clamped to [-LOG_RATIO_CLAMP,
+A log-ratio that is exponentiated (the policy ratio pi / pi_old, GSPO's sequence ratio, the
+rollout correction's pi_old / pi_behaviour, k3's pi_ref / pi) is first clamped to [-LOG_RATIO_CLAMP,
 LOG_RATIO_CLAMP] = [-20, 20] (verl's bounds), so exp() stays finite (at most e^20 = 4.85e8) and a
 stale token whose behaviour log-prob is far below the policy's gives a finite loss and a finite
 gradient instead of NaN: the clamp's gradient is zero outside the bounds, so a clamped token
 contributes nothing to the gradient through its ratio. k3 itself can also be capped at
 `kl_clamp` (verl caps it at 10; 0, the default, leaves it uncapped as TRL does), where its
 gradient is zero too. `ratio_clamped_frac` counts tokens whose policy ratio's or k3's log-ratio
-was clamped (the TIS weight's clamp changes nothing: its cap is far below e^20),
+was clamped (the correction weight's clamp is not counted: its band ends far below e^20),
 `kl_clamped_frac` tokens whose k3 was capped.
 
 Policy-gradient losses may read `behaviour_logprobs` (what the inference engine recorded when it
-sampled) for truncated importance sampling; `rloo_loss` reads each response's reward and group.
+sampled) for the rollout correction (`algo.rollout_correction`, correction.py), which multiplies
+each token's policy-gradient term (not the KL term) by a weight; `rloo_loss` reads each
+response's reward and group.
 This module must not know about models, optimisers or configs.
 """
 
@@ -36,6 +38,7 @@ import torch
 from torch import Tensor
 
 from cadence.algo.advantages import rloo_advantages
+from cadence.algo.correction import TRUNCATE_MODES, correction_sums, correction_weights
 from cadence.algo.params import KL_ESTIMATORS, AlgoParams, check_choice
 
 # Metrics that are counts, summed over a step (online DPO's).
@@ -140,39 +143,6 @@ def _count(flags: Tensor, mask: Tensor) -> Tensor:
     return (flags & mask).sum().to(torch.float32)  # ()
 
 
-def tis_weights(
-    old_logprobs: Tensor, behaviour_logprobs: Tensor, loss_mask: Tensor, cap: float
-) -> tuple[Tensor, Tensor]:
-    """Truncated importance weights min(pi_old / pi_behaviour, cap) per token, and where they cut.
-
-    pi_old is the policy at the iteration's start as the learner computes it, pi_behaviour the
-    policy the inference engine sampled with (an older version for stale data, and even for fresh
-    data not bit-identical: other kernels, batch shapes, precision). Truncating the ratio from
-    above (Ionides 2008) bounds the variance at the cost of a small bias. Weights are detached:
-    they rescale the gradient, they are not trained through. 1 on padding. The log-ratio is
-    clamped to [-20, 20] before exp() like every other (the cap cuts far below e^20 anyway).
-    """
-    mask = loss_mask != 0  # (B, T)
-    log_ratio = _masked_log_ratio(old_logprobs.detach(), behaviour_logprobs, mask)  # (B, T)
-    raw = _clamped_exp(log_ratio)[0]  # (B, T)
-    return raw.clamp(max=cap), raw > cap  # (B, T), (B, T)
-
-
-def _truncated_is(
-    pg_per_token: Tensor, batch: PolicyBatch, params: AlgoParams
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Multiplies the policy-gradient term by the TIS weights when `tis_cap` > 0."""
-    if params.tis_cap == 0:
-        return pg_per_token, {}
-    if batch.behaviour_logprobs is None:
-        raise ValueError(f"tis_cap={params.tis_cap} > 0 needs behaviour_logprobs; got None")
-    mask = batch.loss_mask != 0  # (B, T)
-    weights = batch.token_weights * batch.loss_mask  # (B, T)
-    w, cut = tis_weights(batch.old_logprobs, batch.behaviour_logprobs, mask, params.tis_cap)
-    metrics = {"tis_weight": _weighted_sum(w, weights, mask), "tis_trunc_frac": _count(cut, mask)}
-    return w * pg_per_token, metrics  # (B, T)
-
-
 @dataclass
 class _Terms:
     """What a policy-gradient loss hands to `_finish`, all (B, T)."""
@@ -181,6 +151,45 @@ class _Terms:
     ratio: Tensor  # the importance ratio it used (reported)
     clipped: Tensor  # bool: where clipping cut the ratio (`clip_frac`)
     clamped: Tensor  # bool: where the ratio's log was clamped (`ratio_clamped_frac`)
+    ratio_in_loss: bool = True  # whether pg_per_token holds pi / pi_old (params.RATIO_LOSSES)
+
+
+def _corrected(
+    terms: _Terms, batch: PolicyBatch, params: AlgoParams
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The policy-gradient term times the rollout correction's factor, and its metrics.
+
+    Decoupled: the mode's weights of pi_old / pi_behaviour. Bypass (old_logprobs are the
+    behaviour ones): the mode acts on pi / pi_behaviour, the policy's log-probs detached (verl's
+    bypass); a loss whose term holds the ratio pi / pi_old takes only the mode's mask, since that
+    ratio already is the importance weight (verl: "would be double-counting"), a loss without
+    one (pg, rloo) the whole weight. Metrics: `CORRECTION_SUMS` and `CORRECTION_MAXIMA`, and
+    `tis_weight` (the factor, weighted like the loss) and `tis_trunc_frac` (tokens a truncate
+    mode clipped), as `tis_cap` reported them.
+    """
+    if not params.corrects:
+        return terms.pg_per_token, {}
+    mode = params.rollout_correction
+    if batch.behaviour_logprobs is None:
+        raise ValueError(f"rollout_correction={mode!r} needs behaviour_logprobs; got None")
+    bypass = params.correction_proximal == "bypass"
+    if bypass and terms.ratio_in_loss and mode in TRUNCATE_MODES:
+        raise ValueError(f"{mode!r} with the bypass adds nothing to a loss with a ratio")
+    mask = batch.loss_mask != 0  # (B, T)
+    target = batch.logprobs if bypass else batch.old_logprobs  # (B, T)
+    log_ratio = _masked_log_ratio(target.detach(), batch.behaviour_logprobs, mask)  # (B, T)
+    corr = correction_weights(
+        log_ratio, mask, mode, params.correction_clip_min, params.correction_clip_max
+    )
+    factor = corr.weights  # (B, T)
+    if bypass and terms.ratio_in_loss:
+        factor = torch.where(corr.rejected, 0.0, 1.0)  # (B, T)
+    weights = batch.token_weights * batch.loss_mask  # (B, T)
+    metrics = correction_sums(corr, log_ratio, mask) | {
+        "tis_weight": _weighted_sum(factor, weights, mask),
+        "tis_trunc_frac": _count(corr.truncated, mask),
+    }
+    return factor * terms.pg_per_token, metrics  # (B, T)
 
 
 def _kl_term(
@@ -206,10 +215,11 @@ def _kl_term(
 def _finish(
     terms: _Terms, batch: PolicyBatch, params: AlgoParams, extra: dict[str, Tensor] | None = None
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Applies TIS, adds the optional KL term, reduces to weighted sums and builds the metrics."""
+    """Applies the rollout correction, adds the optional KL term, reduces to weighted sums and
+    builds the metrics."""
     mask = batch.loss_mask != 0  # (B, T)
     weights = batch.token_weights * batch.loss_mask  # (B, T)
-    pg_per_token, tis_metrics = _truncated_is(terms.pg_per_token, batch, params)  # (B, T)
+    pg_per_token, tis_metrics = _corrected(terms, batch, params)  # (B, T)
     kl, kl_clamped, kl_metrics = _kl_term(batch, params)
     per_token = pg_per_token  # (B, T)
     if kl is not None and params.kl_coef > 0:
@@ -247,13 +257,14 @@ def ppo_clip_loss(batch: PolicyBatch, params: AlgoParams) -> tuple[Tensor, dict[
     far above 1 under a negative advantage has a bounded loss and no gradient. Counted in
     `dual_clip_frac`. verl applies it with c = 3 by default; here it is off unless set.
 
-    With `tis_cap` > 0 each token's clipped term is multiplied by the truncated importance weight
-    w_t = min(pi_old_t / pi_behaviour_t, tis_cap) (`tis_weights`): old_logprobs are then the
-    *proximal* policy (the policy at the iteration's start) that the trust region is drawn around,
-    and w_t corrects for the samples having come from pi_behaviour. This is the TIS form of Yao et
-    al. 2025 ("Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", blog,
-    PPO with min(pi_old / pi_sampler, C)), which is also the decoupled PPO objective of AReaL (Fu
-    et al. 2025, arXiv 2505.24298) with its behaviour weight truncated at C.
+    With a `rollout_correction` (decoupled) each token's clipped term is multiplied by the mode's
+    weight of pi_old_t / pi_behaviour_t (correction.py): old_logprobs are then the *proximal*
+    policy (the policy at the iteration's start) that the trust region is drawn around, and the
+    weight corrects for the samples having come from pi_behaviour. `token_truncate`,
+    min(pi_old / pi_behaviour, C), is the TIS form of Yao et al. 2025 ("Your Efficient RL
+    Framework Secretly Brings You Off-Policy RL Training", blog), which is also the decoupled PPO
+    objective of AReaL (Fu et al. 2025, arXiv 2505.24298) with its behaviour weight truncated at
+    C. With the bypass, old_logprobs are the behaviour ones and only the mode's mask applies.
     """
     ratio, clamped = _policy_ratio(batch)  # (B, T), (B, T)
     adv = batch.advantages.unsqueeze(-1)  # (B, 1)
@@ -274,16 +285,17 @@ def pg_loss(batch: PolicyBatch, params: AlgoParams) -> tuple[Tensor, dict[str, T
     """Vanilla policy-gradient loss, per token, as a weighted sum.
 
     REINFORCE (Williams 1992): loss_t = -A * logprobs_t, whose gradient is -A * grad log pi_t;
-    plus kl_coef * KL_t when kl_coef > 0. Only valid on-policy (old == current policy) unless
-    `tis_cap` > 0, which multiplies each term by w_t = min(pi_old_t / pi_behaviour_t, tis_cap),
-    the truncated importance weight of the sampled token (see `ppo_clip_loss`). Same return
+    plus kl_coef * KL_t when kl_coef > 0. Only valid on-policy (old == current policy) unless a
+    `rollout_correction` multiplies each term by the mode's importance weight of the sampled
+    token: of pi_old / pi_behaviour (decoupled) or pi / pi_behaviour (bypass). Same return
     convention as `ppo_clip_loss`; `clip_frac` is 0 and `ratio` reports
     exp(logprobs - old_logprobs) to show how off-policy the batch was.
     """
     ratio, clamped = _policy_ratio(batch)  # (B, T), (B, T)
     adv = batch.advantages.unsqueeze(-1)  # (B, 1)
     pg_per_token = -adv * batch.logprobs  # (B, T)
-    return _finish(_Terms(pg_per_token, ratio, torch.zeros_like(clamped), clamped), batch, params)
+    unclipped = torch.zeros_like(clamped)  # (B, T)
+    return _finish(_Terms(pg_per_token, ratio, unclipped, clamped, False), batch, params)
 
 
 def gspo_loss(batch: PolicyBatch, params: AlgoParams) -> tuple[Tensor, dict[str, Tensor]]:

@@ -3,7 +3,8 @@ shaping are, and their hyper-parameters.
 
 `AlgoParams` is the `algo` section of the config plus the shaping keys of `reward` and the
 episode's cap, as the components take them: the Scorer (learner/scorer.py) reads the shaping
-and advantage settings, a loss function reads its clipping, KL, TIS or DPO settings, and the
+and advantage settings, a loss function reads its clipping, KL, rollout-correction or DPO
+settings, and the
 learner reads the aggregation and the cap. Each reads the fields it uses; none branches on
 another's. How the optimizer steps, how groups are micro-batched and laid out is not algorithm
 but learner (`learner.LearnerParams`).
@@ -19,9 +20,13 @@ from dataclasses import dataclass
 
 from cadence.algo.advantages import STD_EPS, STD_MODES
 from cadence.algo.aggregation import AGG_MODES
+from cadence.algo.correction import CORRECTION_MODES, PROXIMAL_POLICIES, TRUNCATE_MODES
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 DPO_LOSSES = ("sigmoid", "ipo", "ipo_token_mean")
+# Losses whose per-token term holds the ratio pi / pi_old: under the bypass (old = behaviour) that
+# ratio is already the importance weight, so a rollout correction adds only its mask to them.
+RATIO_LOSSES = frozenset({"ppo_clip", "gspo", "cispo"})
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,16 @@ class AlgoParams:
     kl_coef: float = 0.0  # weight of the per-token KL(pi || ref) penalty; 0 turns it off
     kl_estimator: str = "k3"  # one of KL_ESTIMATORS
     kl_clamp: float = 0.0  # cap on each token's k3 estimate (verl's: 10); 0: no cap
-    tis_cap: float = 0.0  # truncated importance sampling cap (>= 1); 0 turns it off
+    # rollout correction (algo/correction.py): a mode of CORRECTION_MODES, its band, and whether
+    # the ratio's target is the learner's old policy ("decoupled") or the policy itself, the
+    # behaviour log-probs then being the old ones ("bypass")
+    rollout_correction: str = "none"
+    correction_clip_min: float = 0.0  # lower end of the band; 0: none
+    correction_clip_max: float = 3.0  # upper end of the band (TRL's default)
+    correction_proximal: str = "decoupled"  # one of PROXIMAL_POLICIES
+    # the older name: tis_cap = c > 0 is rollout_correction "token_truncate" with
+    # correction_clip_max c, and is stored so (tis_cap then reads 0); 0: unset
+    tis_cap: float = 0.0
     dpo_beta: float = 0.1  # DPO's beta (IPO's tau): strength of the pull towards the reference
     dpo_loss: str = "sigmoid"  # one of DPO_LOSSES
     # the most tokens the policy writes in one episode (a multi-turn episode's, not one turn's):
@@ -56,11 +70,8 @@ class AlgoParams:
             raise ValueError(f"kl_coef must be >= 0; got {self.kl_coef}")
         if self.kl_clamp < 0.0:
             raise ValueError(f"kl_clamp must be >= 0 (0: no cap); got {self.kl_clamp}")
-        if self.tis_cap != 0.0 and not self.tis_cap >= 1.0:
-            raise ValueError(
-                f"tis_cap must be 0 (off) or >= 1 (a cap below 1 would shrink the weight of "
-                f"on-policy tokens); got {self.tis_cap}"
-            )
+        self._map_tis_cap()
+        self._check_correction()
         if not self.dpo_beta > 0.0:
             raise ValueError(f"dpo_beta must be > 0; got {self.dpo_beta}")
         for name, allowed in (
@@ -68,6 +79,8 @@ class AlgoParams:
             ("dpo_loss", DPO_LOSSES),
             ("std", STD_MODES),
             ("loss_agg", AGG_MODES),
+            ("rollout_correction", CORRECTION_MODES),
+            ("correction_proximal", PROXIMAL_POLICIES),
         ):
             check_choice(name, getattr(self, name), allowed)
         self._check_shaping()
@@ -81,6 +94,50 @@ class AlgoParams:
             raise ValueError(
                 f"clip_ratio_c must be 0 (off) or > 1 (dual-clip bounds the loss of a negative "
                 f"advantage at -A * clip_ratio_c); got {self.clip_ratio_c}"
+            )
+
+    @property
+    def corrects(self) -> bool:
+        """Whether the loss reads behaviour log-probs: a correction mode, or the bypass."""
+        return self.rollout_correction != "none" or self.correction_proximal == "bypass"
+
+    def _map_tis_cap(self) -> None:
+        if self.tis_cap == 0.0:
+            return
+        if not self.tis_cap >= 1.0:
+            raise ValueError(
+                f"tis_cap must be 0 (off) or >= 1 (a cap below 1 would shrink the weight of "
+                f"on-policy tokens); got {self.tis_cap}"
+            )
+        if self.rollout_correction != "none":
+            raise ValueError(
+                f"tis_cap={self.tis_cap} is the older name of rollout_correction="
+                f"'token_truncate' with correction_clip_max={self.tis_cap}; got it together with "
+                f"rollout_correction={self.rollout_correction!r}: set one of them"
+            )
+        # frozen: the record is normalised once, here, to the name that runs
+        object.__setattr__(self, "rollout_correction", "token_truncate")
+        object.__setattr__(self, "correction_clip_max", self.tis_cap)
+        object.__setattr__(self, "tis_cap", 0.0)
+
+    def _check_correction(self) -> None:
+        low, high = self.correction_clip_min, self.correction_clip_max
+        if low > high:
+            raise ValueError(f"correction_clip_min ({low}) must be <= correction_clip_max ({high})")
+        if not 0.0 <= low <= 1.0 <= high:
+            raise ValueError(
+                f"the correction band [correction_clip_min, correction_clip_max] must hold 1 "
+                f"(a token sampled by the learner's own policy has ratio 1) and start at >= 0; "
+                f"got [{low}, {high}]"
+            )
+        bypass = self.correction_proximal == "bypass"
+        if bypass and self.rollout_correction in TRUNCATE_MODES and self.loss in RATIO_LOSSES:
+            raise ValueError(
+                f"rollout_correction={self.rollout_correction!r} with correction_proximal="
+                f"'bypass' and loss={self.loss!r} would change nothing: the loss's own ratio "
+                f"pi / pi_behaviour is the importance weight (clipped by clip_low/clip_high); use "
+                f"a *_mask mode, correction_proximal='decoupled', or a loss without a ratio "
+                f"(pg, rloo)"
             )
 
     def _check_shaping(self) -> None:

@@ -23,9 +23,13 @@ and advantages are the Scorer's: the learner never computes them.
 Stale data: a group whose `policy_version` is older than the learner's `version` was sampled by
 older weights, so the policy at the iteration's start is not its behaviour policy. For such a row
 `old_logprobs` are the behaviour log-probs the engine recorded at sampling time (chosen per row:
-a micro-batch may mix fresh and stale groups). With `tis_cap` > 0 every row keeps the
-iteration-start log-probs as `old_logprobs` and the loss weighs each token by
-min(pi_old / pi_behaviour, tis_cap) instead (truncated importance sampling, algo/losses.py).
+a micro-batch may mix fresh and stale groups). With a rollout correction
+(`algo.rollout_correction`, algo/correction.py) every row keeps the iteration-start log-probs as
+`old_logprobs` and the loss weighs each token by the mode's weight of pi_old / pi_behaviour
+instead (decoupled); with `correction_proximal = "bypass"` every row, fresh or stale, takes the
+behaviour log-probs as `old_logprobs`, and no old pass or frozen old copy is ever needed. The
+correction's sums and largest values are added up over the step like the loss's, and the step
+reports verl's figures from them (`correction_figures`).
 """
 
 from __future__ import annotations
@@ -43,10 +47,13 @@ from typing import Any
 import torch
 
 from cadence.algo import (
+    CORRECTION_MAXIMA,
+    CORRECTION_SUMS,
     COUNT_METRICS,
     TOKEN_METRICS,
     AlgoParams,
     PolicyBatch,
+    correction_figures,
     get_loss,
     is_pair_loss,
     needs_reference,
@@ -163,8 +170,10 @@ class Learner:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup)
         )
         self.layout = self._choose_layout()
+        self.bypass = algo.correction_proximal == "bypass"  # old log-probs: the behaviour ones
         after_a_step = params.mini_batches > 1 or not params.reuse_old_logprobs
-        needs_old = after_a_step and not self.pair_loss  # pair losses read no old log-probs
+        # pair losses read no old log-probs; the bypass reads the behaviour ones
+        needs_old = after_a_step and not (self.pair_loss or self.bypass)
         old_copy = (collective and collective.old_copy) or frozen_copy
         self.old_model = old_copy(model) if needs_old else None
         self.frozen_copies_bytes = model_bytes(ref_model) + model_bytes(self.old_model)
@@ -294,6 +303,8 @@ class Learner:
         on_policy = mask * ~resp.stale[:, None] if first else torch.zeros_like(mask)  # (B, T)
         behaviour, maxima = behaviour_sums(logprobs, resp.behaviour_logprobs, on_policy)
         loss_metrics = {"loss": loss.item(), **{k: v.item() for k, v in metrics.items()}}
+        correction = {k: loss_metrics.pop(k) for k in CORRECTION_SUMS if k in loss_metrics}
+        maxima |= {k: loss_metrics.pop(k) for k in CORRECTION_MAXIMA if k in loss_metrics}
         own = {
             "entropy_sum": float((entropy * mask).sum()),
             "num_stale_tokens": float(mask[resp.stale].sum()),
@@ -304,6 +315,7 @@ class Learner:
             "forward_passes": float(passes),
             "micro_batches": 1.0,
             **behaviour,
+            **correction,
         }
         if idle:  # every name a real pass records (the ranks add their sums up by name), as 0
             loss_metrics, own = dict.fromkeys(loss_metrics, 0.0), dict.fromkeys(own, 0.0)
@@ -318,17 +330,18 @@ class Learner:
         """`old_logprobs` per row, and the forward passes they cost (0 or 1).
 
         Fresh rows: the policy at the iteration's start (the policy itself, detached, before the
-        iteration's first step). Stale rows: the behaviour log-probs, unless TIS is on, which
-        keeps the iteration-start policy as the trust region's anchor and weighs by
-        pi_old / pi_behaviour in the loss. Pair losses read no old log-probs: the behaviour ones
-        (the policy that sampled the tokens) are passed, free.
+        iteration's first step). Stale rows: the behaviour log-probs, unless a rollout correction
+        is on, which keeps the iteration-start policy as the trust region's anchor and weighs by
+        pi_old / pi_behaviour in the loss. The bypass, and pair losses (which read no old
+        log-probs), take the behaviour ones (the policy that sampled the tokens) for every row,
+        free.
         """
         behaviour = resp.behaviour_logprobs  # (B, T)
-        tis = self.algo.tis_cap > 0
-        use_behaviour = torch.zeros_like(resp.stale) if tis else resp.stale  # (B,)
+        decoupled = self.algo.rollout_correction != "none"
+        use_behaviour = torch.zeros_like(resp.stale) if decoupled else resp.stale  # (B,)
         # ranks run the same passes whatever their rows: a pass of a sharded model is a collective
         all_behaviour = self.collective is None and bool(use_behaviour.all())
-        if self.pair_loss or all_behaviour:
+        if self.pair_loss or self.bypass or all_behaviour:
             return behaviour, 0
         if self.old_model is None or (
             self._steps_this_iteration == 0 and self.params.reuse_old_logprobs
@@ -403,6 +416,8 @@ class Learner:
         out["grad_norm"] = float(grad_norm)
         out["skipped_steps"] = float(bad)
         out["num_response_tokens"] = sums["num_response_tokens"]
+        if self.algo.corrects:
+            out |= correction_figures(sums.values, sums.maxima)
         return out | behaviour_figures(sums) | {k: sums[k] for k in TOTALS}
 
     def _count_bad_step(self, bad: bool) -> None:

@@ -22,7 +22,7 @@ import resource
 
 import torch
 
-from cadence.algo import COUNT_METRICS
+from cadence.algo import COUNT_METRICS, LARGEST_FIGURES, SMALLEST_FIGURES
 
 # figures summed over an iteration's optimizer steps (the others are averaged)
 TOTALS = ("num_tokens", "tokens_computed", "forward_passes", "micro_batches")
@@ -81,13 +81,16 @@ def behaviour_figures(sums: StepSums) -> dict[str, float]:
 
 def iteration_stats(steps: list[dict[str, float]], frozen_copies_bytes: int) -> dict[str, float]:
     """One iteration's figures from its optimizer steps' outputs: counts and totals add up over
-    the steps, the behaviour figures are the first step's, every other figure is their mean."""
+    the steps, the behaviour figures are the first step's, a largest (smallest) value is the
+    steps' largest (smallest), every other figure is their mean."""
     totals = {k: sum(s[k] for s in steps) for k in TOTALS}
     counts = (*COUNT_METRICS, "skipped_steps")
-    summed = {*TOTALS, *counts, *BEHAVIOUR_FIGURES}
+    summed = {*TOTALS, *counts, *BEHAVIOUR_FIGURES, *LARGEST_FIGURES, *SMALLEST_FIGURES}
     return (
         {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k not in summed}
         | {k: steps[0][k] for k in BEHAVIOUR_FIGURES if k in steps[0]}
+        | {k: max(s[k] for s in steps) for k in LARGEST_FIGURES if k in steps[0]}
+        | {k: min(s[k] for s in steps) for k in SMALLEST_FIGURES if k in steps[0]}
         | {k: sum(s[k] for s in steps) for k in counts if k in steps[0]}
         | {
             "num_tokens": totals["num_tokens"],
