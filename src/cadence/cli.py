@@ -172,6 +172,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench_trl,
         parse_modes,
     )
+    from cadence.bench.modes import PARTIAL_SUITE
     from cadence.pipeline.params import set_threads
 
     if args.repeats < 1:
@@ -180,6 +181,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"--iterations must be >= 0 (0: the config's); got {args.iterations}")
     if args.cells is not None and args.suite != "ablation":
         raise ConfigError(f"--cells applies to --suite ablation, not '{args.suite}'")
+    if args.modes is not None and args.suite not in ("modes", "partial"):
+        raise ConfigError(f"--modes applies to --suite modes or partial, not '{args.suite}'")
+    if args.config is None:
+        longtail = args.suite == "partial"
+        args.config = "configs/bench-longtail.toml" if longtail else "configs/default.toml"
     load_config(args.config, args.set)  # fail early on a bad config, before any run starts
     if args.suite == "engine":
         set_threads(load_config(args.config, args.set).train.threads)
@@ -205,8 +211,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             bench_ablation(args.config, overrides, args.repeats, Path(args.out), args.cells)
         print((Path(args.out) / "bench.md").read_text())
         return 0
+    default = PARTIAL_SUITE if args.suite == "partial" else "sync-colocated,sync,periodic,offpolicy"
     try:
-        names = parse_modes(args.modes)
+        names = parse_modes(args.modes or default)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     rows = bench(args.config, overrides, names, args.repeats, Path(args.out))
@@ -403,12 +410,14 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--suite",
         default="modes",
-        choices=["modes", "shared-prompt", "engine", "trl", "ablation", "ranks"],
+        choices=["modes", "shared-prompt", "engine", "trl", "ablation", "ranks", "partial"],
         help="modes: the RL workload in each pipeline mode; shared-prompt: one training "
         "iteration with the prompt shared or not; engine: static vs continuous batching vs "
         "model.generate on long-tailed and uniform response lengths; trl: cadence and TRL's "
         "GRPOTrainer on the same workload; ablation: pipeline x shared prompt x old-logprob "
-        "reuse, plus TRL; ranks: one learner process against learner.ranks ranks (time, memory)",
+        "reuse, plus TRL; ranks: one learner process against learner.ranks ranks (time, memory); "
+        "partial: a long-tailed workload (configs/bench-longtail.toml) in sync, periodic, "
+        "offpolicy and offpolicy with partial rollouts",
     )
     sp.add_argument(
         "--model",
@@ -417,13 +426,20 @@ def parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--modes",
-        default="sync-colocated,sync,periodic,offpolicy",
-        help="comma-separated: sync-colocated, sync, periodic, offpolicy (suite 'modes')",
+        default=None,
+        help="comma-separated: sync-colocated, sync, periodic, offpolicy, partial, "
+        "partial-recompute (suite 'modes', default: the first four; suite 'partial', default: "
+        "sync, periodic, offpolicy, partial)",
     )
     sp.add_argument(
         "--out", required=True, help="output directory (bench.json, bench.md; ablation: bench.png)"
     )
-    sp.add_argument("--config", default="configs/default.toml", help="workload config")
+    sp.add_argument(
+        "--config",
+        default=None,
+        help="workload config (default: configs/bench-longtail.toml for suite 'partial', "
+        "configs/default.toml for the others)",
+    )
     sp.add_argument("--repeats", type=int, default=3, help="repeats per mode (median)")
     sp.add_argument(
         "--iterations",

@@ -1,4 +1,5 @@
-"""`cadence bench --suite modes`: the same workload in several pipeline modes, side by side.
+"""`cadence bench --suite modes`: the same workload in several pipeline modes, side by side;
+`--suite partial`: the same on a long-tailed workload, partial rollouts next to the modes.
 
 Modes are interleaved across repeats (mode A, B, C, then A, B, C again) so that machine drift hits
 all of them alike, and each figure is the median over repeats. Worker start-up is not timed; the
@@ -17,8 +18,18 @@ MODES: dict[str, tuple[str, str]] = {
     "sync": ("sync", "separate"),
     "periodic": ("periodic", "separate"),
     "offpolicy": ("offpolicy", "separate"),  # pipeline.max_staleness from the config (default 1)
+    "partial": ("offpolicy", "separate"),  # offpolicy with partial rollouts, the KV cache kept
+    "partial-recompute": ("offpolicy", "separate"),  # the prefixes re-prefilled
 }
-FIGURES = ("tpspd", "wall_s", "gen_busy_s", "train_busy_s", "pipeline_efficiency")
+EXTRA: dict[str, list[str]] = {  # name -> the keys that set it apart from its mode
+    "partial": ["pipeline.partial_rollout=true", "pipeline.partial_rollout_kv='keep'"],
+    "partial-recompute": [
+        "pipeline.partial_rollout=true",
+        "pipeline.partial_rollout_kv='recompute'",
+    ],
+}
+PARTIAL_SUITE = "sync,periodic,offpolicy,partial"
+FIGURES = ("tpspd", "wall_s", "gen_busy_s", "train_busy_s", "pipeline_efficiency", "learner_idle")
 
 
 def parse_modes(text: str) -> list[str]:
@@ -38,6 +49,7 @@ def run_once(config: str | None, overrides: list[str], name: str, out: Path) -> 
         config,
         [
             *overrides,
+            *EXTRA.get(name, []),
             f"pipeline.mode='{mode}'",
             f"pipeline.placement='{placement}'",
             "metrics.progress=false",
@@ -51,6 +63,7 @@ def run_once(config: str | None, overrides: list[str], name: str, out: Path) -> 
         "gen_busy_s": summary["gen_s"],
         "train_busy_s": summary["train_s"],
         "pipeline_efficiency": summary["pipeline_efficiency"],
+        "learner_idle": 1.0 - summary["train_s"] / summary["wall_s"],  # what overlap can fill
         "mode": mode,
         "placement": placement,
     }
@@ -90,17 +103,20 @@ def bench(
 def markdown_table(rows: list[dict]) -> str:
     base = {r["name"]: r["tpspd"] for r in rows}
     ref = base.get("sync-colocated") or rows[0]["tpspd"]
-    same = base.get("sync")
+    same, off = base.get("sync"), base.get("offpolicy")
     lines = [
         "| name | mode | placement | TPSPD | x sync-colocated | x sync (same placement) "
-        "| wall s | gen busy s | train busy s | pipeline efficiency |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| x offpolicy | wall s | gen busy s | train busy s | learner idle "
+        "| pipeline efficiency |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         vs_same = f"{r['tpspd'] / same:.2f}" if same and r["placement"] == "separate" else "-"
+        vs_off = f"{r['tpspd'] / off:.2f}" if off and r["placement"] == "separate" else "-"
         lines.append(
             f"| {r['name']} | {r['mode']} | {r['placement']} | {r['tpspd']:,.0f} "
-            f"| {r['tpspd'] / ref:.2f} | {vs_same} | {r['wall_s']:.1f} | {r['gen_busy_s']:.1f} "
-            f"| {r['train_busy_s']:.1f} | {r['pipeline_efficiency']:.2f} |"
+            f"| {r['tpspd'] / ref:.2f} | {vs_same} | {vs_off} | {r['wall_s']:.1f} "
+            f"| {r['gen_busy_s']:.1f} | {r['train_busy_s']:.1f} | {r['learner_idle']:.2f} "
+            f"| {r['pipeline_efficiency']:.2f} |"
         )
     return "\n".join(lines)
