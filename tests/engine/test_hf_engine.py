@@ -75,6 +75,21 @@ def test_sampling_follows_the_distribution_and_greedy_takes_the_argmax():
     assert ids.item() == 1
 
 
+def test_sampled_logprobs_keep_a_large_vocabularys_tail():
+    # a peaked row over a 49,152-token vocabulary (SmolLM2's) with a long tail: the learner's
+    # logits - logsumexp keeps the tail's mass, and the engine must too. torch.log_softmax in
+    # float32 on CPU loses it (measured: every log-prob about 1.4e-5 too high)
+    logits = 3 * torch.randn(4, 49152, generator=torch.Generator().manual_seed(0))  # (R, V)
+    logits[:, 7] = 20.0
+    exact = logits.double().log_softmax(-1)[:, 7]  # (R,)
+    for temperature in (0.0, 1.0):
+        ids, logp = sample_tokens(
+            logits, torch.full((4,), 0.5, dtype=torch.float64), temperature, 1.0
+        )
+        assert ids.tolist() == [7] * 4
+        assert (logp.double() - exact).abs().max().item() <= 3e-6
+
+
 def test_step_uniforms_are_uniform_and_independent_of_neighbours():
     seeds = torch.tensor([derive_seed(0, 0, i, 0) for i in range(4000)], dtype=torch.int64)
     u = step_uniforms(seeds, 3)
