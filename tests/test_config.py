@@ -256,9 +256,15 @@ def test_a_verifiers_env_is_named_by_its_factory():
     ("overrides", "reason"),
     [
         (["env.kind='verifiers'"], "needs env.factory = 'module:function'"),
-        ([*VERIFIERS[:1], "env.factory='my-envs'"], "is not 'module:function'"),
-        (["env.factory='my_envs:load'"], "env.factory applies to env.kind = 'verifiers' only"),
-        ([*VERIFIERS, "env.max_turns=2"], "env.max_turns applies to env.kind = 'tool' only"),
+        ([*VERIFIERS[:1], "env.factory='my-envs'"], "is not 'module:name'"),
+        (
+            ["env.factory='my_envs:load'"],
+            "env.factory applies to env.kind = 'class', 'openenv' or 'verifiers' only",
+        ),
+        (
+            [*VERIFIERS, "env.max_turns=2"],
+            "env.max_turns applies to env.kind = 'tool', 'class' or 'openenv' only",
+        ),
         ([*VERIFIERS, "data.task='gsm8k'", "data.path='x'"], "leave data.task out"),
         ([*VERIFIERS, "data.chat_template='t.jinja'"], "a template file is not supported"),
         (

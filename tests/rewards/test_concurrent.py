@@ -254,4 +254,5 @@ def test_one_at_a_time_in_the_main_thread_a_spinning_call_is_stopped_not_left_ru
     assert time.perf_counter() - t0 < 3.0
     assert all(r.error.startswith(REWARD_TIMEOUT) for r in results)
     assert runner.num_timeouts == 3
-    assert runner.stuck == 0 and threads() == before  # nothing left spinning
+    assert runner.stuck == 0 and threads() <= before  # nothing left spinning (earlier tests'
+    # bounded threads may end meanwhile)

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cadence.algo import LossParams
+from cadence.algo import AlgoParams
 from cadence.data import ChatRender, Example, to_prompt
 from cadence.engine import SamplingParams, ScriptedEngine, derive_seed, derive_turn_seed
 from cadence.envs import Budget, EnvReply, EnvSpec, ScriptedEnv, make_env, replies
-from cadence.learner import Learner, LearnerParams
+from cadence.learner import Learner, LearnerParams, score
 from cadence.models import load_model, load_tokenizer
 from cadence.rollout import RolloutWorker
 from cadence.types import Completion
@@ -159,12 +159,13 @@ def _learner(model, tokenizer, layout, **loss):
     ref = copy.deepcopy(model).requires_grad_(False)
     params = LearnerParams(
         lr=1e-3,
-        max_new_tokens=96,
         micro_batch_groups=1,
         shared_prompt=layout != "unpacked",
         shared_prompt_impl=layout if layout != "unpacked" else "prefix",
     )
-    learner = Learner(model, params, LossParams(kl_coef=0.05, **loss), tokenizer.pad_token_id, ref)
+    algo = AlgoParams(kl_coef=0.05, max_policy_tokens=96, **loss)
+    learner = Learner(model, params, algo, tokenizer.pad_token_id, ref)
+    learner.algo_params = algo  # the Scorer's settings, for train()
     return learner, _Recorder(learner)
 
 
@@ -179,7 +180,7 @@ def test_the_learner_gets_the_engines_logprobs_and_no_gradient_through_the_envir
         for j, c in enumerate(g.completions):
             c.reward = float(j)
     learner, rec = _learner(copy.deepcopy(model), tokenizer, layout)
-    learner.train_iteration(iter(groups), len(groups))
+    train(learner, groups)
     for batch, group in zip(rec.batches, groups, strict=True):
         mask = batch.loss_mask.bool()
         want = [c.loss_mask + [0] * (mask.shape[1] - len(c.loss_mask)) for c in group.completions]
@@ -251,3 +252,8 @@ def test_a_reward_the_environment_gives_with_done_comes_before_finish(tokenizer)
     )
     assert [c.reward for c in group.completions] == [0.75, 0.75]
     assert [e.finished for e in env.episodes] == [1, 1]
+
+
+def train(learner, groups) -> None:
+    """One iteration, scored as the loop scores it (shaping and advantages), then trained."""
+    learner.train_iteration(iter(score(groups, learner.algo_params)), len(groups))

@@ -11,11 +11,11 @@ import copy
 import pytest
 import torch
 
-from cadence.algo import LossParams
+from cadence.algo import AlgoParams
 from cadence.engine import ContinuousEngine, Request, SamplingParams, derive_seed, derive_turn_seed
 from cadence.envs import CALL_END, VerifiersEnv
 from cadence.envs.verifiers.env import TasksetTask
-from cadence.learner import Learner, LearnerParams
+from cadence.learner import Learner, LearnerParams, score
 from cadence.models import load_model, load_tokenizer
 from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
@@ -137,13 +137,14 @@ class _Recorder:
 def _learner(model, tokenizer, layout="prefix", **loss):
     params = LearnerParams(
         lr=1e-3,
-        max_new_tokens=24,
         micro_batch_groups=1,
         shared_prompt=layout != "unpacked",
         shared_prompt_impl=layout if layout != "unpacked" else "prefix",
     )
     ref = copy.deepcopy(model).requires_grad_(False)
-    learner = Learner(model, params, LossParams(kl_coef=0.05, **loss), tokenizer.pad_token_id, ref)
+    algo = AlgoParams(kl_coef=0.05, max_policy_tokens=24, **loss)
+    learner = Learner(model, params, algo, tokenizer.pad_token_id, ref)
+    learner.algo_params = algo  # the Scorer's settings, for train()
     return learner, _Recorder(learner)
 
 
@@ -152,7 +153,7 @@ def _learner(model, tokenizer, layout="prefix", **loss):
 def test_the_learner_recomputes_the_behaviour_logprobs(episodes, layout, request):
     model, tokenizer, _, groups = request.getfixturevalue(episodes)
     learner, rec = _learner(copy.deepcopy(model), tokenizer, layout)
-    learner.train_iteration(iter(groups), len(groups))
+    train(learner, groups)
     for batch, group in zip(rec.batches, groups, strict=True):
         mask = batch.loss_mask.bool()
         want = [c.loss_mask + [0] * (mask.shape[1] - len(c.loss_mask)) for c in group.completions]
@@ -175,7 +176,7 @@ def _grads(model, tokenizer, groups):
             grads[n] = p.grad.detach().clone()
 
     learner.optimizer.register_step_pre_hook(keep)
-    learner.train_iteration(iter(groups), len(groups))
+    train(learner, groups)
     return grads
 
 
@@ -210,3 +211,8 @@ def test_a_token_the_environment_wrote_gets_zero_gradient(multi_turn):
     assert all(torch.equal(base[n], same[n]) for n in base)
     moved = _grads(model, tokenizer, _perturbed(groups, trained_too=True))
     assert max((base[n] - moved[n]).abs().max().item() for n in base) > 1e-6
+
+
+def train(learner, groups) -> None:
+    """One iteration, scored as the loop scores it (shaping and advantages), then trained."""
+    learner.train_iteration(iter(score(groups, learner.algo_params)), len(groups))
