@@ -45,10 +45,18 @@ def exit_once(prompt: str, completion: str, answer: str) -> float:
     return even_length(prompt, completion, answer)
 
 
+def _learner_of(server: int) -> int:
+    """The process that started the fork server `server` (backend/procs.py): the learner."""
+    from pathlib import Path
+
+    return int(Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def kill_learner_once(prompt: str, completion: str, answer: str) -> float:
     """`even_length`, except that the process scoring its $CADENCE_TEST_KILL_AT-th sample sends
-    SIGKILL to the learner (itself when colocated, its parent in a worker): a crash in the middle
-    of an iteration, once, marked by the file $CADENCE_TEST_KILL_MARKER."""
+    SIGKILL to the learner (itself when colocated; in a worker, the parent of the fork server
+    that forked it): a crash in the middle of an iteration, once, marked by the file
+    $CADENCE_TEST_KILL_MARKER."""
     import multiprocessing
     import os
     import signal
@@ -62,7 +70,7 @@ def kill_learner_once(prompt: str, completion: str, answer: str) -> float:
             pass
         else:
             in_worker = multiprocessing.current_process().name.startswith("cadence-worker")
-            os.kill(os.getppid() if in_worker else os.getpid(), signal.SIGKILL)
+            os.kill(_learner_of(os.getppid()) if in_worker else os.getpid(), signal.SIGKILL)
     return even_length(prompt, completion, answer)
 
 

@@ -25,7 +25,10 @@ def _alive(pid: int) -> bool:
 
 
 def _workers(pid: int) -> list[int]:
-    return [p.pid for p in processes() if p.ppid == pid and "spawn_main" in p.cmdline]
+    """The run's worker processes: the children of its fork server (backend/procs.py)."""
+    found = processes()
+    servers = {p.pid for p in found if p.ppid == pid and "forkserver" in p.cmdline}
+    return [p.pid for p in found if p.ppid in servers]
 
 
 @contextlib.contextmanager
@@ -96,6 +99,7 @@ def test_ctrl_c_stops_learner_and_workers_and_prints_one_line(model_dir, tmp_pat
             time.sleep(0.05)
         workers = _workers(proc.pid)
         assert len(workers) == 2
+        servers = [p.ppid for p in processes() if p.pid in workers]
         if when == "while workers start":
             time.sleep(
                 1.0
@@ -106,7 +110,7 @@ def test_ctrl_c_stops_learner_and_workers_and_prints_one_line(model_dir, tmp_pat
         assert proc.wait(timeout=60) == 130
         assert proc.stderr.read().decode() == "cadence: interrupted\n"  # one line, no traceback
         time.sleep(0.5)
-        assert not [pid for pid in workers if _alive(pid)]
+        assert not [pid for pid in workers + servers if _alive(pid)]
     finally:  # a failed check must not leave a 100,000-iteration run behind
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

@@ -127,7 +127,7 @@ def test_a_run_killed_mid_iteration_resumes_to_the_same_parameters(model_dir, tm
     deadline = time.monotonic() + 10  # its workers notice the learner is gone and exit
     while session_alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not session_alive(proc.pid)
+    assert not session_alive(proc.pid), session_alive(proc.pid)
     assert _iterations(killed) == [0, 1, 2]  # iteration 2 ran past the checkpoint taken after 1
     assert [p.name for p in list_checkpoints(killed)] == ["iter-000002"]
     assert not (killed / "final").exists()

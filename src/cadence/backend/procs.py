@@ -6,6 +6,14 @@ killed while writing would leave a shared queue locked, or half a message in it,
 process. The owner keeps only the read end, so a dead process's pipe ends in end-of-file, never
 in a read that waits forever.
 
+Processes are forked from a fork server that has already imported torch, transformers and
+cadence's worker code (`PRELOAD`), so a start costs a fork, not the ~5 s of CPU a fresh
+interpreter takes to import them; nothing is forked from the owner itself (its threads, locks
+and CUDA state stay out of the child). A child gets the owner's environment as it was at the
+start, as a spawned process would (the fork server's own is that of its first start). Its
+parent is the fork server, which outlives an owner killed outright, so a process asks
+`owner_gone()`, not its parent, whether its owner is still there.
+
 A process is started as `target(wid, *args(wid), inbox, results)`, says ("ready", wid, None) once
 built, sends ("error", wid, traceback) if anything fails, and ends on ("stop", None). Messages are
 (kind, wid, payload) tuples. Nothing here waits without a timeout; `close()` asks every process to
@@ -16,6 +24,7 @@ business (`LocalPool`, `RewardStage`): this module knows no message but ready, e
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
@@ -23,11 +32,15 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
+from pathlib import Path
 from typing import Any, cast
 
 import torch.multiprocessing as mp
 
 Message = tuple[str, int, Any]  # (kind, worker id, payload)
+# what a rollout worker, a reward worker and a learner rank import first (torch, transformers,
+# cadence): the fork server imports them once
+PRELOAD = ["cadence.backend.worker_loop", "cadence.backend.ranks", "cadence.learner.rank"]
 
 
 class WorkerError(RuntimeError):
@@ -59,6 +72,34 @@ class Sender:
             self.put(("error", wid, traceback.format_exc()))
 
 
+_owner: int | None = None  # in a started process: the pid of the process that started it
+
+
+def _in_environment(
+    environ: dict[str, str], owner: int, target: Callable[..., None], *args
+) -> None:
+    """Run `target(*args)` with the owner's environment of the moment it started this process."""
+    global _owner
+    _owner = owner
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
+
+
+def owner_gone() -> bool:
+    """Whether the process that started this one has ended (False in any other process)."""
+    if _owner is None:
+        return False
+    try:
+        os.kill(_owner, 0)
+        stat = Path(f"/proc/{_owner}/stat").read_text()
+    except ProcessLookupError:
+        return True
+    except OSError:  # no /proc: the signal found it
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")  # ended, not yet reaped
+
+
 @dataclass
 class Proc:
     process: Any
@@ -81,7 +122,8 @@ class Processes:
     ) -> None:
         self.name, self.target, self.args, self.timeout_s = name, target, args, timeout_s
         self.tag = tag
-        self._ctx = mp.get_context("spawn")
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, once
         self.procs: list[Proc] = []
 
     def __len__(self) -> int:
@@ -102,10 +144,10 @@ class Processes:
         inbox = self._ctx.Queue()
         reader, writer = self._ctx.Pipe(duplex=False)
         p = self._ctx.Process(
-            target=self.target,
+            target=_in_environment,
             name=f"cadence-{self.tag}-{wid}",
             daemon=True,
-            args=(wid, *self.args(wid), inbox, writer),
+            args=(dict(os.environ), os.getpid(), self.target, wid, *self.args(wid), inbox, writer),
         )
         with _ignoring_ctrl_c():
             p.start()

@@ -35,7 +35,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from cadence.backend.procs import Processes, Sender, WorkerDied, WorkerError
+from cadence.backend.procs import Processes, Sender, WorkerDied, WorkerError, owner_gone
 
 Factory = Callable[..., Any]  # (rank, *build args) -> the rank's object
 BUILD = "build"  # the first call of every rank: build its object with the factory
@@ -112,7 +112,7 @@ def serve(rank: int, factory: Factory, spawn_args: tuple, inbox, results) -> Non
             try:
                 kind, payload = inbox.get(timeout=1.0)
             except queue.Empty:
-                if os.getppid() != parent:  # the driver died without stopping us: nothing to
+                if os.getppid() != parent or owner_gone():  # the driver died: nothing to
                     os._exit(1)  # flush, and tearing torch.distributed down can take seconds
                 continue
             if kind == "stop":

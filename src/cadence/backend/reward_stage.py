@@ -34,7 +34,7 @@ from typing import Protocol
 
 import torch
 
-from cadence.backend.procs import Processes, Sender, WorkerDied
+from cadence.backend.procs import Processes, Sender, WorkerDied, owner_gone
 from cadence.dataplane import SCORER, Store, StoreClosed, record_depths
 from cadence.metrics.trace import Span, Tracer
 from cadence.rewards import RewardCall, load_runner
@@ -147,7 +147,7 @@ def reward_worker_main(wid: int, spec: RewardSpec, inbox, results) -> None:
             try:
                 kind, payload = inbox.get(timeout=1.0)
             except queue.Empty:
-                if os.getppid() != parent:  # the learner died without stopping us
+                if os.getppid() != parent or owner_gone():  # the learner died
                     return
                 continue
             if kind == "stop":

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 from cadence.backend.pool import TaskResult
+from cadence.backend.procs import owner_gone
 from cadence.types import Group
 
 
@@ -54,7 +55,7 @@ class WorkerLoop:
         self.outbox.put(("ready", self.wid, None))
         while True:
             self._receive(block=not self.worker.busy and not self.backlog)
-            if os.getppid() != parent:  # the learner died without stopping us
+            if os.getppid() != parent or owner_gone():  # the learner died without stopping us
                 return
             if not self._act():
                 return
