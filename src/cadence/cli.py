@@ -246,6 +246,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_study(args: argparse.Namespace) -> int:
     from cadence.study import LOSSES, parse_list, study_offpolicy, study_seeds
+    from cadence.study.offpolicy import VARIANTS
 
     overrides = list(args.set) + (
         [f"train.iterations={args.iterations}"] if args.iterations else []
@@ -257,6 +258,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         else:
             losses = parse_list(args.losses, LOSSES, "loss(es)")
             staleness = [int(n) for n in parse_list(args.staleness, None, "staleness")]
+            variants = tuple(parse_list(args.variants, VARIANTS, "variant(s)"))
     except ValueError as e:
         raise ConfigError(f"cadence study: {e}") from None
     if args.study == "seeds":
@@ -268,7 +270,7 @@ def cmd_study(args: argparse.Namespace) -> int:
             raise ConfigError(f"--staleness values must be >= 0; got {staleness}")
         config = args.config or "configs/study-offpolicy.toml"
         load_config(config, overrides)
-        rows = study_offpolicy(config, overrides, losses, staleness, out)
+        rows = study_offpolicy(config, overrides, losses, staleness, out, variants)
     print((out / "study.md").read_text())
     return 0 if rows else 1
 
@@ -487,6 +489,13 @@ def parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("--losses", default="grpo,rloo,online_dpo", help="comma-separated losses")
     sp.add_argument("--staleness", default="0,1,2,4,8", help="comma-separated N (0: periodic)")
+    sp.add_argument(
+        "--variants",
+        default="plain",
+        help="offpolicy: comma-separated plain, partial (pipeline.partial_rollout), "
+        "partial-corrected (and algo.rollout_correction = 'sequence_mask'); the partial ones "
+        "for N >= 1",
+    )
     sp.add_argument("--seeds", default="0,1,2", help="seeds: comma-separated train.seed values")
     sp.add_argument("--out", required=True, help="output directory (study.json, study.png)")
     sp.add_argument(

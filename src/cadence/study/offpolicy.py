@@ -6,6 +6,8 @@ the run's final held-out accuracy, sampled reward and KL to the reference are re
 Asynchronous RLHF paper's off-policyness study (reward and KL per loss and degree of
 off-policyness). Rows are appended to `DIR/study.json` as each run ends, so an interrupted study
 resumes where it stopped; `DIR/study.png` plots accuracy and reward against KL, one line per loss.
+Variants (`--variants`) add, for every N >= 1, the same run with partial rollouts
+(`pipeline.partial_rollout`), with and without a rollout correction.
 """
 
 from __future__ import annotations
@@ -24,10 +26,23 @@ LOSSES: dict[str, list[str]] = {
 }
 
 
-def cell_overrides(loss: str, staleness: int) -> list[str]:
+# study variant name -> config overrides (the partial ones for N >= 1 only: offpolicy mode)
+VARIANTS: dict[str, list[str]] = {
+    "plain": [],
+    "partial": ["pipeline.partial_rollout=true"],
+    "partial-corrected": [
+        "pipeline.partial_rollout=true",
+        "algo.rollout_correction='sequence_mask'",  # TRL's default, clip_max 3
+        "algo.correction_clip_max=3.0",
+    ],
+}
+
+
+def cell_overrides(loss: str, staleness: int, variant: str = "plain") -> list[str]:
     mode = "periodic" if staleness == 0 else "offpolicy"
     return [
         *LOSSES[loss],
+        *VARIANTS[variant],
         "pipeline.placement='separate'",
         f"pipeline.mode='{mode}'",
         f"pipeline.max_staleness={staleness}",
@@ -36,13 +51,22 @@ def cell_overrides(loss: str, staleness: int) -> list[str]:
     ]
 
 
-def run_cell(config: str | None, overrides: list[str], loss: str, staleness: int, out: Path):
-    summary = train_or_resume(config, [*overrides, *cell_overrides(loss, staleness)], out)
+def run_cell(
+    config: str | None,
+    overrides: list[str],
+    loss: str,
+    staleness: int,
+    out: Path,
+    variant: str = "plain",
+):
+    summary = train_or_resume(config, [*overrides, *cell_overrides(loss, staleness, variant)], out)
     return {
         "loss": loss,
         "staleness": staleness,
+        "variant": variant,
         "accuracy": summary["accuracy_after"],
         "accuracy_before": summary["accuracy_before"],
+        "accuracy_se": summary.get("accuracy_after_stderr", 0.0),
         "reward": summary["reward_mean_last"],
         "kl": summary["kl_last"],
         "wall_s": summary["wall_s"],
@@ -57,40 +81,55 @@ def study_offpolicy(
     losses: list[str],
     staleness: list[int],
     out: Path,
+    variants: tuple[str, ...] = ("plain",),
 ) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "study.json"
     rows: list[dict] = json.loads(path.read_text()) if path.exists() else []
-    done = {(r["loss"], r["staleness"]) for r in rows}
-    cells = [(loss, n) for loss in losses for n in staleness]
-    for i, (loss, n) in enumerate(cells, start=1):
-        if (loss, n) in done:
-            print(f"[{i}/{len(cells)}] {loss} N={n}: done earlier, kept")
+    done = {_key(r) for r in rows}
+    cells = [
+        (loss, n, v)
+        for loss in losses
+        for n in staleness
+        for v in variants
+        if v == "plain" or n >= 1  # partial rollouts are an offpolicy option
+    ]
+    for i, (loss, n, v) in enumerate(cells, start=1):
+        name = f"{loss} N={n}" + ("" if v == "plain" else f" {v}")
+        if (loss, n, v) in done:
+            print(f"[{i}/{len(cells)}] {name}: done earlier, kept")
             continue
         start = time.perf_counter()
-        row = run_cell(config, overrides, loss, n, out / "runs" / f"{loss}-N{n}")
+        folder = f"{loss}-N{n}" + ("" if v == "plain" else f"-{v}")
+        row = run_cell(config, overrides, loss, n, out / "runs" / folder, v)
         rows.append(row)
         path.write_text(json.dumps(rows, indent=2) + "\n")  # nothing lost if a later run fails
         print(
-            f"[{i}/{len(cells)}] {loss} N={n}: accuracy {row['accuracy']:.3f}, reward "
+            f"[{i}/{len(cells)}] {name}: accuracy {row['accuracy']:.3f}, reward "
             f"{row['reward']:.3f}, KL {row['kl']:.4f} ({time.perf_counter() - start:.0f}s)",
             flush=True,
         )
-    rows = [r for r in rows if (r["loss"], r["staleness"]) in set(cells)]
+    rows = [r for r in rows if _key(r) in set(cells)]
     plot(rows, out / "study.png")
     (out / "study.md").write_text(markdown_table(rows))
     return rows
 
 
+def _key(row: dict) -> tuple[str, int, str]:
+    return row["loss"], row["staleness"], row.get("variant", "plain")  # older rows: plain
+
+
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| loss | N | held-out accuracy | reward (last 10%) | KL to reference | TPSPD |",
-        "|---|---|---|---|---|---|",
+        "| loss | N | variant | held-out accuracy | reward (last 10%) | KL to reference | TPSPD |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(rows, key=lambda r: (r["loss"], r["staleness"])):
+    order = list(VARIANTS)
+    for r in sorted(rows, key=lambda r: (r["loss"], r["staleness"], order.index(_key(r)[2]))):
+        se = f" ± {r['accuracy_se']:.3f}" if r.get("accuracy_se") else ""
         lines.append(
-            f"| {r['loss']} | {r['staleness']} | {r['accuracy']:.3f} | {r['reward']:.3f} | "
-            f"{r['kl']:.4f} | {r['tpspd']:,.0f} |"
+            f"| {r['loss']} | {r['staleness']} | {_key(r)[2]} | {r['accuracy']:.3f}{se} | "
+            f"{r['reward']:.3f} | {r['kl']:.4f} | {r['tpspd']:,.0f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -105,9 +144,13 @@ def plot(rows: list[dict], path: Path) -> Path:
     for ax, key, label in zip(
         axes, ("accuracy", "reward"), ("held-out accuracy", "reward"), strict=True
     ):
-        for loss in dict.fromkeys(r["loss"] for r in rows):
-            pts = sorted((r for r in rows if r["loss"] == loss), key=lambda r: r["staleness"])
-            ax.plot([r["kl"] for r in pts], [r[key] for r in pts], marker="o", label=loss)
+        for loss, variant in dict.fromkeys((r["loss"], _key(r)[2]) for r in rows):
+            pts = sorted(
+                (r for r in rows if (r["loss"], _key(r)[2]) == (loss, variant)),
+                key=lambda r: r["staleness"],
+            )
+            label = loss if variant == "plain" else f"{loss} {variant}"
+            ax.plot([r["kl"] for r in pts], [r[key] for r in pts], marker="o", label=label)
             for r in pts:
                 ax.annotate(f"N={r['staleness']}", (r["kl"], r[key]), fontsize="x-small")
         ax.set_xlabel("KL to reference (last 10% of iterations)")
