@@ -59,6 +59,11 @@ class Completion:
     interleaved with the environment's replies. `loss_mask` is 1 on policy tokens (trained, with
     their behaviour log-probs) and 0 on environment tokens (never trained; their `logprobs` are
     0.0). None means every token is the policy's (a single turn).
+
+    `token_versions` is, per token, the policy version whose weights computed the distribution
+    it was sampled from (AReaL's `output_versions`): with partial rollouts a sequence that was
+    decoding when new weights arrived holds tokens of two or more versions; otherwise every
+    token has its group's `policy_version`. None only until the rollout worker stamps it.
     """
 
     token_ids: list[int]  # response tokens only, EOS included when the model emitted it
@@ -69,6 +74,12 @@ class Completion:
     reward_error: str | None = None  # set when the reward function raised or returned NaN
     loss_mask: list[int] | None = None  # per token: 1 policy, 0 environment; None: all policy
     episode: EpisodeStats | None = None  # set for multi-turn episodes
+    token_versions: list[int] | None = None  # per token: the policy version that sampled it
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The version of the trajectory's oldest token (None: no token, or not yet stamped)."""
+        return min(self.token_versions) if self.token_versions else None
 
     @property
     def reward_timed_out(self) -> bool:
@@ -94,6 +105,13 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [c.reward for c in self.completions]
+
+    @property
+    def oldest_version(self) -> int:
+        """The version of the oldest token of any of its trajectories (what `max_staleness`
+        bounds); its `policy_version` where no token is stamped, every token then being of it."""
+        stamped = [v for c in self.completions if (v := c.oldest_version) is not None]
+        return min(stamped, default=self.policy_version)
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,7 @@ the factory that picks one by name (`engine/factory.py`)."""
 from cadence.engine.base import (
     BatchStepper,
     Engine,
+    InFlightWeights,
     Request,
     RequestRefused,
     SamplingParams,
@@ -30,6 +31,7 @@ __all__ = [
     "Engine",
     "EngineWeights",
     "HFEngine",
+    "InFlightWeights",
     "Request",
     "RequestRefused",
     "SamplingParams",

@@ -94,6 +94,27 @@ class StreamingEngine(Protocol):
     def step(self) -> list[tuple[Hashable, list[Completion]]]: ...
 
 
+@runtime_checkable
+class InFlightWeights(Protocol):
+    """A streaming engine whose weights may change between two steps while sequences decode
+    (partial rollouts). It stamps every token with the version of the weights that computed the
+    distribution it was sampled from (`Completion.token_versions`)."""
+
+    version: int  # the version of the weights it decodes with now
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The version of the oldest token of the requests in flight (None: none sampled yet)."""
+        ...
+
+    def weights_changed(self, version: int, recompute: bool = False) -> None:
+        """The weights it decodes with are now `version`'s (called between steps). The
+        sequences in flight go on under them: with `recompute`, each is prefilled again (prompt
+        and tokens so far) under the new weights before its next token; else the keys and values
+        computed under the old weights are kept."""
+        ...
+
+
 class BatchStepper:
     """A batch-only Engine seen as a StreamingEngine: one step generates everything added."""
 
