@@ -126,7 +126,9 @@ class SampleRow:
     `index` is global: unique over the store's life (the producer numbers samples as it creates
     them, so ascending index is arrival order). A group's rows share `group`, `group_size` and
     `iteration`, and have `index_in_group` 0..group_size-1. `policy_version` is fixed when the row
-    is created: the producer knows which weights will generate it.
+    is created: the producer knows which weights will generate it. `oldest_version` is the
+    version of the sample's oldest token, what the staleness rule bounds: newer than
+    `policy_version` only with partial rollouts (None: the same).
     """
 
     index: int
@@ -135,6 +137,12 @@ class SampleRow:
     group_size: int
     iteration: int
     policy_version: int
+    oldest_version: int | None = None
+
+    @property
+    def bounded_version(self) -> int:
+        """The version the staleness rule measures: the sample's oldest token's."""
+        return self.policy_version if self.oldest_version is None else self.oldest_version
 
 
 @dataclass

@@ -45,11 +45,19 @@ def group_rows(
     """The rows of `group` (indices `first_index`.., one group id) and their fields; the reward
     fields only if `scored` (the rollout worker computed them)."""
     size = len(group.completions)
+    cs = group.completions
     rows = [
-        SampleRow(first_index + j, group_id, j, size, group.iteration, group.policy_version)
+        SampleRow(
+            first_index + j,
+            group_id,
+            j,
+            size,
+            group.iteration,
+            group.policy_version,
+            cs[j].oldest_version,
+        )
         for j in range(size)
     ]
-    cs = group.completions
     fields: dict[str, list[Any]] = {
         "prompt": [group.prompt] * size,
         "prompt_ids": [group.prompt_ids] * size,
