@@ -19,8 +19,8 @@ from cadence.engine.base import (
     sample_tokens,
     step_uniforms,
 )
-from cadence.engine.continuous import ContinuousEngine, UnsupportedModel, check_continuous
-from cadence.engine.factory import keeps_own_copy, make_engine, open_engine
+from cadence.engine.continuous import ContinuousEngine, UnsupportedModel
+from cadence.engine.factory import check_continuous, keeps_own_copy, make_engine, open_engine
 from cadence.engine.fake import ScriptedEngine
 from cadence.engine.hf import HFEngine
 from cadence.engine.weights import EngineWeights, load_into

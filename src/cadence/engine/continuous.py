@@ -394,31 +394,3 @@ class ContinuousEngine:
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-
-def check_continuous(model, tokenizer) -> str | None:
-    """Why continuous batching cannot serve this model (None: it can).
-
-    Decodes two short prompts with sampling both ways, the static engine being the reference, and
-    compares tokens and log-probs. Catches models whose cache or attention this engine does not
-    reproduce (sliding windows, custom caches) before they generate anything wrong.
-    """
-    from cadence.engine.hf import HFEngine
-
-    ids = tokenizer("1 + 2 = 3", add_special_tokens=False)["input_ids"] or [0]
-    requests = [Request(ids, [1, 2]), Request(ids[:1] * 3, [3])]
-    params = SamplingParams(max_new_tokens=4)
-    try:
-        got = ContinuousEngine(model, tokenizer, max_num_seqs=2).generate(requests, params)
-    except (UnsupportedModel, RuntimeError, ValueError, TypeError) as e:
-        return f"{type(e).__name__}: {e}"
-    want = HFEngine(model, tokenizer).generate(requests, params)
-    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
-    for g, w in zip(got, want, strict=True):
-        for a, b in zip(g, w, strict=True):
-            if a.token_ids != b.token_ids:
-                return f"sampled {a.token_ids}, the reference engine {b.token_ids}"
-            diff = max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0)
-            if diff > tol:
-                return f"log-probs differ from the reference engine by {diff:.1e}"
-    return None
