@@ -284,7 +284,10 @@ PARTIAL = [*OFFPOLICY, "pipeline.partial_rollout=true"]
         (["pipeline.partial_rollout_kv='recompute'"], "applies to pipeline.partial_rollout"),
         ([*OFFPOLICY, "pipeline.staleness_strategy='wait'"], "applies to pipeline.partial_rollout"),
         ([*PARTIAL, "pipeline.partial_rollout_kv='drop'"], "'keep' or 'recompute'"),
-        ([*PARTIAL, "rollout.engine='vllm'"], "not supported with rollout.engine = 'vllm'"),
+        (
+            [*PARTIAL, "rollout.engine='vllm'", "pipeline.partial_rollout_kv='recompute'"],
+            "use partial_rollout_kv = 'keep'",
+        ),
         ([*PARTIAL, "rollout.engine='static'"], "use rollout.engine = 'continuous'"),
         ([*PARTIAL, "env.kind='tool'"], "with env.kind = 'tool'"),
     ],
@@ -300,6 +303,7 @@ def test_partial_rollout_keys_reach_the_workers_and_round_trip():
     from cadence.rollout import PartialRollouts
 
     assert partial_rollouts(load_config(None, OFFPOLICY)) is None  # off by default
+    assert load_config(None, [*PARTIAL, "rollout.engine='vllm'"]).pipeline.partial_rollout
     cfg = load_config(None, [*PARTIAL, "pipeline.max_staleness=2"])
     assert partial_rollouts(cfg) == PartialRollouts(recompute=False, max_lag=None)
     sets = ["pipeline.partial_rollout_kv='recompute'", "pipeline.staleness_strategy='wait'"]

@@ -706,14 +706,15 @@ class PipelineConfig(_Section):
         description="offpolicy: workers load each new version between two decode steps instead "
         "of waiting until their sequences finish; a sequence in flight goes on under the new "
         "weights and each token records the version that sampled it (token_versions). "
-        "max_staleness then bounds a trajectory's oldest token. Continuous engine, single-turn "
-        "only (docs/partial-rollouts.md).",
+        "max_staleness then bounds a trajectory's oldest token. Continuous or vLLM engine "
+        "(vLLM: keep only), single-turn only (docs/partial-rollouts.md).",
     )
     partial_rollout_kv: Literal["keep", "recompute"] = Field(
         "keep",
         description="partial_rollout: what a sequence in flight keeps when new weights arrive: "
         "keep (the keys and values computed under the old weights, PipelineRL) or recompute "
-        "(prefill prompt and tokens so far again under the new weights, AReaL and verl).",
+        "(prefill prompt and tokens so far again under the new weights, AReaL and verl; "
+        "continuous engine only).",
     )
     staleness_strategy: Literal["drop", "wait"] = Field(
         "drop",
@@ -1243,17 +1244,17 @@ class Config(_Section):
         if not self.pipeline.partial_rollout:
             return self
         engine = self.rollout.engine
-        if engine == "vllm":
+        if engine == "vllm" and self.pipeline.partial_rollout_kv == "recompute":
             raise ValueError(
-                "pipeline.partial_rollout = true is not supported with rollout.engine = 'vllm' "
-                "yet (pausing vLLM mid-request to load weights): use rollout.engine = "
-                "'continuous', or turn pipeline.partial_rollout off"
+                "pipeline.partial_rollout_kv = 'recompute' with rollout.engine = 'vllm': the "
+                "vLLM engine keeps the keys and values of requests in flight; use "
+                "partial_rollout_kv = 'keep', or rollout.engine = 'continuous' to recompute"
             )
         if engine == "static":
             raise ValueError(
                 "pipeline.partial_rollout = true with rollout.engine = 'static': static batches "
                 "decode a whole batch in one call, with no step between tokens to load weights "
-                "at; use rollout.engine = 'continuous'"
+                "at; use rollout.engine = 'continuous' (or 'vllm')"
             )
         if self.env.kind != "single_turn":
             raise ValueError(

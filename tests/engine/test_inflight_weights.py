@@ -21,6 +21,7 @@ def _requests(tokenizer, group_size=2):
 
 def _run(engine, requests, change_after=None, new=None, recompute=False):
     """Every request to the end; after step `change_after`, `new`'s weights as version 1."""
+    engine.take_weights_in_flight(recompute)
     for i, r in enumerate(requests):
         engine.add(i, r, PARAMS)
     out, steps = {}, 0
@@ -29,7 +30,7 @@ def _run(engine, requests, change_after=None, new=None, recompute=False):
         steps += 1
         if steps == change_after:
             load_into(engine.model, dict(new.named_parameters()))
-            engine.weights_changed(1, recompute=recompute)
+            engine.weights_changed(1)
     return [out[i] for i in range(len(requests))]
 
 
@@ -92,6 +93,7 @@ def test_keep_stamps_the_next_token_old_recompute_new(model, tokenizer):
 
 def test_oldest_version_in_flight(model, tokenizer):
     engine = ContinuousEngine(next_version(model, scale=0.0), tokenizer, max_num_seqs=2)
+    engine.take_weights_in_flight(False)
     engine.weights_changed(4)
     for i, r in enumerate(_requests(tokenizer, group_size=1)):
         engine.add(i, r, PARAMS)
@@ -101,3 +103,11 @@ def test_oldest_version_in_flight(model, tokenizer):
     engine.step()
     engine.step()
     assert engine.oldest_version == 4  # the first two requests began under version 4
+
+
+def test_new_weights_with_sequences_in_flight_need_consent(model, tokenizer):
+    engine = ContinuousEngine(model, tokenizer, max_num_seqs=2)
+    engine.add(0, _requests(tokenizer, group_size=1)[0], PARAMS)
+    engine.step()
+    with pytest.raises(RuntimeError, match="take_weights_in_flight first"):
+        engine.weights_changed(1)

@@ -96,22 +96,25 @@ class StreamingEngine(Protocol):
 
 @runtime_checkable
 class InFlightWeights(Protocol):
-    """A streaming engine whose weights may change between two steps while sequences decode
-    (partial rollouts). It stamps every token with the version of the weights that computed the
+    """A streaming engine that can take new weights between two steps while sequences decode
+    (partial rollouts), and stamps every token with the version of the weights that computed the
     distribution it was sampled from (`Completion.token_versions`)."""
 
-    version: int  # the version of the weights it decodes with now
+    def take_weights_in_flight(self, recompute: bool) -> None:
+        """From now on new weights may arrive between two steps with sequences in flight: with
+        `recompute` each of them is prefilled again under the new weights before its next token,
+        else the keys and values computed under the old ones are kept. A treatment the engine
+        does not offer raises ValueError."""
+        ...
 
     @property
     def oldest_version(self) -> int | None:
         """The version of the oldest token of the requests in flight (None: none sampled yet)."""
         ...
 
-    def weights_changed(self, version: int, recompute: bool = False) -> None:
-        """The weights it decodes with are now `version`'s (called between steps). The
-        sequences in flight go on under them: with `recompute`, each is prefilled again (prompt
-        and tokens so far) under the new weights before its next token; else the keys and values
-        computed under the old weights are kept."""
+    def weights_changed(self, version: int) -> None:
+        """The weights it decodes with are now `version`'s (called between steps, once they are
+        loaded): the tokens it samples from now on are stamped with it."""
         ...
 
 

@@ -18,12 +18,13 @@ engine/base.py (seed and decoding step), so a sample's tokens do not depend on i
 was admitted, or on its batch companions.
 
 Versions. Every token is stamped with `version` as it was when the logits it was sampled from were
-computed (`Completion.token_versions`). The weights change while the engine is busy only through
-`weights_changed` (partial rollouts), between two steps: the logits already computed stay those of
-the old weights, so each sequence's next token still carries the old version, and the ones after
-it the new. With `recompute` every sequence in flight is prefilled again (prompt and tokens so
-far) under the new weights first, and prompts prefilled but not yet admitted are dropped to be
-prefilled again; without it the keys and values of the old weights are kept (PipelineRL).
+computed (`Completion.token_versions`). The weights change while the engine is busy only once
+`take_weights_in_flight` allowed it (partial rollouts), between two steps, followed by
+`weights_changed`: the logits already computed stay those of the old weights, so each sequence's
+next token still carries the old version, and the ones after it the new. With `recompute` every
+sequence in flight is prefilled again (prompt and tokens so far) under the new weights first, and
+prompts prefilled but not yet admitted are dropped to be prefilled again; without it the keys and
+values of the old weights are kept (PipelineRL).
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ class ContinuousEngine:
         self.cache: SlotCache | None = None
         self.occupancy: list[tuple[float, int]] = []  # (time.perf_counter(), active slots) per step
         self.version = 0  # of the weights `model` holds: stamped on the tokens they sample
+        self.recompute: bool | None = None  # new weights in flight: None, refused; else how
         self._logits = self._seeds = self._steps = self._pos = self._last = None
 
     @property
@@ -184,11 +186,21 @@ class ContinuousEngine:
         jobs = [slot.job for slot in self.slots] + list(self.waiting)
         return min((j.oldest for j in jobs if j.oldest is not None), default=None)
 
+    def take_weights_in_flight(self, recompute: bool) -> None:
+        """Allow new weights between steps while busy, keeping or recomputing the keys and
+        values of the sequences in flight (see the module docstring)."""
+        self.recompute = recompute
+
     @torch.inference_mode()
-    def weights_changed(self, version: int, recompute: bool = False) -> None:
+    def weights_changed(self, version: int) -> None:
         """`model` now holds `version`'s weights (see the module docstring); call between steps."""
+        if self.busy and self.recompute is None:
+            raise RuntimeError(
+                f"weights of version {version} arrived with sequences in flight: "
+                "take_weights_in_flight first (partial rollouts)"
+            )
         self.version = version
-        if not recompute:
+        if not self.recompute:
             return
         for job in self.waiting:  # prefilled under the old weights: prefill again when admitted
             job.prefix = job.first_logits = None

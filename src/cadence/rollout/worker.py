@@ -166,9 +166,11 @@ class RolloutWorker:
         if self.partial is not None and not isinstance(engine, InFlightWeights):
             raise ValueError(
                 "partial rollouts need an engine that takes new weights between decode steps "
-                f"and stamps each token's version (rollout.engine = 'continuous'); this worker's "
+                f"and stamps each token's version (rollout.engine = 'continuous' or 'vllm'); this "
                 f"engine is a {type(engine).__name__}"
             )
+        if self.partial is not None:
+            engine.take_weights_in_flight(self.partial.recompute)
         self._engine = as_streaming(engine)
         if self.episodes is not None:
             self.episodes.engine = self._engine
@@ -201,9 +203,7 @@ class RolloutWorker:
         if self.busy and self.partial is None:
             raise RuntimeError(f"weights of version {version} loaded into a busy worker")
         self._version = version
-        if self.partial is not None:
-            self._inflight_engine().weights_changed(version, self.partial.recompute)
-        elif isinstance(self.engine, InFlightWeights):  # idle: it only labels its tokens
+        if isinstance(self.engine, InFlightWeights):
             self.engine.weights_changed(version)
 
     def _inflight_engine(self) -> InFlightWeights:
