@@ -163,13 +163,13 @@ class RolloutWorker:
     def engine(self, engine: Engine) -> None:
         if self.busy:
             raise RuntimeError("cannot swap the engine of a busy worker")
-        if self.partial is not None and not isinstance(engine, InFlightWeights):
-            raise ValueError(
-                "partial rollouts need an engine that takes new weights between decode steps "
-                f"and stamps each token's version (rollout.engine = 'continuous' or 'vllm'); this "
-                f"engine is a {type(engine).__name__}"
-            )
         if self.partial is not None:
+            if not isinstance(engine, InFlightWeights):
+                raise ValueError(
+                    "partial rollouts need an engine that takes new weights between decode steps "
+                    "and stamps each token's version (rollout.engine = 'continuous' or 'vllm'); "
+                    f"this engine is a {type(engine).__name__}"
+                )
             engine.take_weights_in_flight(self.partial.recompute)
         self._engine = as_streaming(engine)
         if self.episodes is not None:
