@@ -41,6 +41,7 @@ LONGEST_FIRST = [
     "tests/pipeline/test_bad_input.py",
     "tests/pipeline/test_calculator_task.py",
     "tests/pipeline/test_interrupt.py",
+    "tests/pipeline/test_partial_rollouts.py",
     "tests/backend/test_reward_stage.py",
     "tests/pipeline/test_real_models.py",
     "tests/learner/test_sharded_state.py",

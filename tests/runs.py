@@ -1,14 +1,19 @@
 """Helpers for the tests that build and train whole runs, and check what processes they leave.
 
 One config builder on top of a small base run, one trainer that records metrics (and, if asked,
-every optimizer step's gradients), and the process checks the fault tests share: pids of a run's
-local processes, which of them are alive, and the processes of a session or children of a pid as
-/proc lists them. Nothing here asserts: each test states its own claim.
+every optimizer step's gradients), `Cadence` (a `cadence` command in a session of its own, for
+the tests that kill one), and the process checks the fault tests share: pids of a run's local
+processes, which of them are alive, and the processes of a session or children of a pid as /proc
+lists them. Nothing here asserts: each test states its own claim.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -111,3 +116,33 @@ def processes() -> list[ProcInfo]:
 def session_alive(sid: int) -> list[ProcInfo]:
     """Live (not zombie) processes of session `sid`."""
     return [p for p in processes() if p.sid == sid and p.state != "Z"]
+
+
+class Cadence:
+    """`cadence ARGS` in a session of its own, its stderr in a file (two may run at once: a pipe
+    nobody reads could fill and stall one). `module` runs in its place a module that wraps the
+    CLI (tests/partial_runs.py); $CADENCE_TEST_KILL_MARKER is `marker`."""
+
+    def __init__(self, args, env, marker: Path, log: Path, module: str = "cadence.cli") -> None:
+        self.log = log
+        with open(log, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", module, *args],
+                env=env | {"CADENCE_TEST_KILL_MARKER": str(marker)},
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
+        self.pid = self.proc.pid
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """After a failed check: leave no run behind."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)

@@ -276,3 +276,45 @@ def test_a_verifiers_env_is_named_by_its_factory():
 def test_a_verifiers_env_refuses_keys_it_would_ignore(overrides, reason):
     with pytest.raises(ConfigError, match=re.escape(reason)):
         load_config(None, overrides)
+
+
+OFFPOLICY = ["pipeline.mode='offpolicy'", "pipeline.placement='separate'"]
+PARTIAL = [*OFFPOLICY, "pipeline.partial_rollout=true"]
+
+
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        (["pipeline.partial_rollout=true"], "needs pipeline.mode = 'offpolicy' (got 'sync')"),
+        ([*PARTIAL, "pipeline.max_staleness=0"], "needs pipeline.max_staleness >= 1"),
+        (["pipeline.partial_rollout_kv='recompute'"], "applies to pipeline.partial_rollout"),
+        ([*OFFPOLICY, "pipeline.staleness_strategy='wait'"], "applies to pipeline.partial_rollout"),
+        ([*PARTIAL, "pipeline.partial_rollout_kv='drop'"], "'keep' or 'recompute'"),
+        (
+            [*PARTIAL, "rollout.engine='vllm'", "pipeline.partial_rollout_kv='recompute'"],
+            "use partial_rollout_kv = 'keep'",
+        ),
+        ([*PARTIAL, "rollout.engine='static'"], "use rollout.engine = 'continuous'"),
+        ([*PARTIAL, "env.kind='tool'"], "with env.kind = 'tool'"),
+    ],
+)
+def test_bad_partial_rollout_keys_are_refused_naming_both_keys(override, hint):
+    with pytest.raises(ConfigError, match=r"config key '(pipeline|\(root\))") as info:
+        load_config(None, override)
+    assert hint in str(info.value)
+
+
+def test_partial_rollout_keys_reach_the_workers_and_round_trip():
+    from cadence.pipeline.params import partial_rollouts
+    from cadence.rollout import PartialRollouts
+
+    assert partial_rollouts(load_config(None, OFFPOLICY)) is None  # off by default
+    assert load_config(None, [*PARTIAL, "rollout.engine='vllm'"]).pipeline.partial_rollout
+    cfg = load_config(None, [*PARTIAL, "pipeline.max_staleness=2"])
+    assert partial_rollouts(cfg) == PartialRollouts(recompute=False, max_lag=None)
+    sets = ["pipeline.partial_rollout_kv='recompute'", "pipeline.staleness_strategy='wait'"]
+    cfg = load_config(None, [*PARTIAL, *sets, "pipeline.max_staleness=2"])
+    assert partial_rollouts(cfg) == PartialRollouts(recompute=True, max_lag=2)
+    again = tomllib.loads(to_toml(cfg))["pipeline"]
+    assert (again["partial_rollout"], again["partial_rollout_kv"]) == (True, "recompute")
+    assert again["staleness_strategy"] == "wait"

@@ -784,6 +784,28 @@ class PipelineConfig(_Section):
         description="offpolicy: most versions a trained group may lag the learner (admission "
         "control: no prompt starts that could exceed it). 1 = one-step off-policy; 0 = periodic.",
     )
+    partial_rollout: bool = Field(
+        False,
+        description="offpolicy: workers load each new version between two decode steps instead "
+        "of waiting until their sequences finish; a sequence in flight goes on under the new "
+        "weights and each token records the version that sampled it (token_versions). "
+        "max_staleness then bounds a trajectory's oldest token. Continuous or vLLM engine "
+        "(vLLM: keep only), single-turn only (docs/partial-rollouts.md).",
+    )
+    partial_rollout_kv: Literal["keep", "recompute"] = Field(
+        "keep",
+        description="partial_rollout: what a sequence in flight keeps when new weights arrive: "
+        "keep (the keys and values computed under the old weights, PipelineRL) or recompute "
+        "(prefill prompt and tokens so far again under the new weights, AReaL and verl; "
+        "continuous engine only).",
+    )
+    staleness_strategy: Literal["drop", "wait"] = Field(
+        "drop",
+        description="A trajectory whose oldest token is more than max_staleness versions behind: "
+        "drop (the learner drops it and counts it in dropped_groups, as without partial "
+        "rollouts) or wait (partial_rollout: a worker defers new weights while loading them "
+        "would leave such a trajectory in flight; verl's max_off_policy_strategy).",
+    )
     placement: Literal["colocated", "separate"] = Field(
         "colocated",
         description="colocated: generate with the learner's own weights in its thread; "
@@ -875,6 +897,7 @@ class PipelineConfig(_Section):
                 f"pipeline.mode = '{self.mode}' needs pipeline.placement = 'separate' "
                 "(colocated generation cannot overlap with training)"
             )
+        self._partial_rollout_keys()
         if self.queue_size and self.mode != "periodic":
             raise ValueError(
                 "pipeline.queue_size bounds how far generation runs ahead of a streaming "
@@ -900,6 +923,28 @@ class PipelineConfig(_Section):
                 "pipeline.ray_address has its own: leave pipeline.ray_num_cpus out"
             )
         return self
+
+    def _partial_rollout_keys(self) -> None:
+        if self.partial_rollout and self.mode != "offpolicy":
+            raise ValueError(
+                "pipeline.partial_rollout = true needs pipeline.mode = 'offpolicy' (got "
+                f"'{self.mode}'): a sequence that takes new weights mid-way holds tokens of "
+                "two versions, which only the off-policy mode trains"
+            )
+        if self.partial_rollout and self.max_staleness == 0:
+            raise ValueError(
+                "pipeline.partial_rollout = true needs pipeline.max_staleness >= 1: a sequence "
+                "that spans two versions is at least one version stale when trained"
+            )
+        for key, value in (
+            ("partial_rollout_kv", self.partial_rollout_kv != "keep"),
+            ("staleness_strategy", self.staleness_strategy != "drop"),
+        ):
+            if value and not self.partial_rollout:
+                raise ValueError(
+                    f"pipeline.{key} applies to pipeline.partial_rollout = true only: set it or "
+                    f"leave pipeline.{key} out"
+                )
 
 
 RAY_ONLY = (
@@ -1285,6 +1330,33 @@ class Config(_Section):
             raise ValueError(
                 "env.kind = 'verifiers' scores each episode with the environment's rubric in "
                 "the rollout worker: set reward.stage = 'worker'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _partial_rollout_engine(self) -> Config:
+        """Partial rollouts need an engine that takes weights between decode steps and stamps
+        each token's version, and responses of one turn."""
+        if not self.pipeline.partial_rollout:
+            return self
+        engine = self.rollout.engine
+        if engine == "vllm" and self.pipeline.partial_rollout_kv == "recompute":
+            raise ValueError(
+                "pipeline.partial_rollout_kv = 'recompute' with rollout.engine = 'vllm': the "
+                "vLLM engine keeps the keys and values of requests in flight; use "
+                "partial_rollout_kv = 'keep', or rollout.engine = 'continuous' to recompute"
+            )
+        if engine == "static":
+            raise ValueError(
+                "pipeline.partial_rollout = true with rollout.engine = 'static': static batches "
+                "decode a whole batch in one call, with no step between tokens to load weights "
+                "at; use rollout.engine = 'continuous' (or 'vllm')"
+            )
+        if self.env.kind != "single_turn":
+            raise ValueError(
+                f"pipeline.partial_rollout = true with env.kind = '{self.env.kind}': partial "
+                "rollouts load weights between decode steps of single responses, not inside "
+                "multi-turn episodes; use env.kind = 'single_turn' or turn partial_rollout off"
             )
         return self
 

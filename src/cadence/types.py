@@ -59,6 +59,11 @@ class Completion:
     interleaved with the environment's replies. `loss_mask` is 1 on policy tokens (trained, with
     their behaviour log-probs) and 0 on environment tokens (never trained; their `logprobs` are
     0.0). None means every token is the policy's (a single turn).
+
+    `token_versions` is, per token, the policy version whose weights computed the distribution
+    it was sampled from (AReaL's `output_versions`): with partial rollouts a sequence that was
+    decoding when new weights arrived holds tokens of two or more versions; otherwise every
+    token has its group's `policy_version`. None only until the rollout worker stamps it.
     """
 
     token_ids: list[int]  # response tokens only, EOS included when the model emitted it
@@ -69,6 +74,12 @@ class Completion:
     reward_error: str | None = None  # set when the reward function raised or returned NaN
     loss_mask: list[int] | None = None  # per token: 1 policy, 0 environment; None: all policy
     episode: EpisodeStats | None = None  # set for multi-turn episodes
+    token_versions: list[int] | None = None  # per token: the policy version that sampled it
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The version of the trajectory's oldest token (None: no token, or not yet stamped)."""
+        return min(self.token_versions) if self.token_versions else None
 
     @property
     def reward_timed_out(self) -> bool:
@@ -96,6 +107,13 @@ class Group:
         return [c.reward for c in self.completions]
 
     @property
+    def oldest_version(self) -> int:
+        """The version of the oldest token of any of its trajectories (what `max_staleness`
+        bounds); its `policy_version` where no token is stamped, every token then being of it."""
+        stamped = [v for c in self.completions if (v := c.oldest_version) is not None]
+        return min(stamped, default=self.policy_version)
+
+    @property
     def num_tokens(self) -> int:
         """Prompt + response tokens of every sample, as trained (the TPSPD numerator)."""
         return sum(len(self.prompt_ids) + len(c.token_ids) for c in self.completions)
@@ -108,7 +126,9 @@ class SampleRow:
     `index` is global: unique over the store's life (the producer numbers samples as it creates
     them, so ascending index is arrival order). A group's rows share `group`, `group_size` and
     `iteration`, and have `index_in_group` 0..group_size-1. `policy_version` is fixed when the row
-    is created: the producer knows which weights will generate it.
+    is created: the producer knows which weights will generate it. `oldest_version` is the
+    version of the sample's oldest token, what the staleness rule bounds: newer than
+    `policy_version` only with partial rollouts (None: the same).
     """
 
     index: int
@@ -117,6 +137,12 @@ class SampleRow:
     group_size: int
     iteration: int
     policy_version: int
+    oldest_version: int | None = None
+
+    @property
+    def bounded_version(self) -> int:
+        """The version the staleness rule measures: the sample's oldest token's."""
+        return self.policy_version if self.oldest_version is None else self.oldest_version
 
 
 @dataclass

@@ -15,6 +15,7 @@ from cadence.backend import WorkerDied
 from cadence.metrics import MemorySink
 from cadence.models import load_model
 from cadence.pipeline import build_run, train
+from partial_runs import publish_when_idle
 from runs import TWO_WORKERS, processes, run_config, train_run
 from updates import assert_same_update, capture_grads, max_relative_diff
 
@@ -132,6 +133,25 @@ def test_ray_run_ends_with_the_local_run_parameters(
     assert [r["reward_mean"] for r in records] == [r["reward_mean"] for r in local_records]
     assert _max_diff(run.learner.model, local_model) <= 1e-6
     assert _max_diff(load_model(model_dir), local_model) > 1e-4  # both really trained
+
+
+@pytest.mark.slow
+def test_a_partial_rollout_run_on_ray_equals_the_local_offpolicy_run(
+    ray_cluster, local_offpolicy_run, model_dir, tmp_path
+):
+    # the workers take new weights mid-sequence on Ray as locally (the same worker loop); with
+    # no update arriving mid-sequence the run is the local offpolicy run
+    local_model, local_records = local_offpolicy_run
+    partial = ("pipeline.partial_rollout=true", "pipeline.partial_rollout_kv='recompute'")
+    run = build_run(_cfg(model_dir, "offpolicy", *_DETERMINISTIC, *partial))
+    publish_when_idle(run.source, 6)
+    sink = MemorySink()
+    train(run, tmp_path, extra_sinks=[sink], evaluate=False)
+    records = sink.records
+    assert [r["staleness_hist"] for r in records] == [[6, 0], [0, 6], [0, 6]]
+    assert [r["reward_mean"] for r in records] == [r["reward_mean"] for r in local_records]
+    assert all(r["trajectory_spans"] == 1.0 for r in records)
+    assert _max_diff(run.learner.model, local_model) <= 1e-6
 
 
 class _KillOnFirstGroups:

@@ -160,6 +160,21 @@ def test_off_policy_drops_and_counts_rows_staler_than_allowed():
     assert indices(store.get(["x"], 3, "other", timeout=0)) == [0, 1, 2, 3, 4, 5]
 
 
+def test_staleness_bounds_a_sample_by_its_oldest_token():
+    # partial rollouts: a group begun under version 1 whose tokens are all of version 3 is one
+    # version stale at 4, not three; one with a token of version 2 among them is two
+    def rows(group, oldest):
+        return [SampleRow(group * 2 + i, group, i, 2, 0, 1, oldest[i]) for i in range(2)]
+
+    store = SampleStore()
+    put(store, rows(0, [3, 3]) + rows(1, [3, 2]), "x")
+    batch = store.get(["x"], 2, "train", timeout=0, version=4, max_staleness=1)
+    assert indices(batch) == [0, 1] and batch.num_dropped == 2
+    with pytest.raises(StaleRowError, match="oldest token of version 5, learner is at 4"):
+        put(store, rows(2, [5, 5]), "x")
+        store.get(["x"], 1, "learner", timeout=0, version=4, max_staleness=1)
+
+
 def test_in_order_takes_the_oldest_index_first():
     store = SampleStore()
     rows = group_rows(0, size=4)

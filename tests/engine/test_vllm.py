@@ -24,6 +24,7 @@ from cadence.models import load_model, load_tokenizer
 from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
 from engine_checks import max_logprob_diff, recomputed_logprobs
+from inflight import kept_cache_logprobs, next_version
 from tiny_models import save_vllm_ready
 
 pytestmark = pytest.mark.slow
@@ -207,6 +208,44 @@ def test_weights_never_change_under_a_running_request(engine, llama_dir, tok):
             engine.step()
     assert not engine.busy and not engine.llm.llm_engine.has_unfinished_requests()
     engine.llm.llm_engine.set_weight_version(engine.version)
+
+
+def test_new_weights_mid_request_keep_the_cache_and_stamp_each_token(engine, llama_dir, tok):
+    # partial rollouts (keep): version 1 loaded between two steps of running requests; each
+    # token's version is vLLM's own record, and its log-prob that version's weights over the keys
+    # and values the earlier versions computed (tests/inflight.py)
+    params = SamplingParams(max_new_tokens=12, temperature=0.9)
+    model = load_model(llama_dir)
+    new = next_version(model)
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    requests, out = _requests(tok), {}
+    with pytest.raises(ValueError, match="partial_rollout_kv = 'keep'"):
+        engine.take_weights_in_flight(recompute=True)
+    try:
+        engine.load_weights(original, version=0)
+        engine.take_weights_in_flight(recompute=False)
+        for i, r in enumerate(requests):
+            engine.add(i, r, params)
+        for _ in range(4):
+            out.update(engine.step())
+        assert engine.oldest_version == 0
+        engine.load_weights(dict(new.named_parameters()), version=1)
+        engine.weights_changed(1)
+        while engine.busy:
+            out.update(engine.step())
+    finally:  # the module's engine as the other tests expect it: idle, the original weights
+        while engine.busy:
+            engine.step()
+        engine.in_flight = False
+        engine.load_weights(original, version=0)
+    models, spans = {0: model, 1: new}, set()
+    for req, group in zip(requests, (out[i] for i in range(3)), strict=True):
+        for c in group:
+            assert c.token_versions == sorted(c.token_versions)
+            spans.add(tuple(sorted(set(c.token_versions))))
+            want = kept_cache_logprobs(models, req.prompt_ids, c.token_ids, c.token_versions, 0.9)
+            torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-5, rtol=0)
+    assert (0, 1) in spans  # sequences ran across the update
 
 
 def test_groups_leave_as_they_finish_and_limits_hold(engine, tok):

@@ -149,7 +149,12 @@ def test_every_request_sees_one_version_only():
 
 def test_a_group_staler_than_allowed_is_dropped_and_one_from_the_future_refused():
     def group(version):
-        return type("G", (), {"policy_version": version, "prompt": Prompt("u", "", "")})()
+        fields = {
+            "policy_version": version,
+            "oldest_version": version,
+            "prompt": Prompt("u", "", ""),
+        }
+        return type("G", (), fields)()
 
     seen, dropped = [], []
     kept = list(within_staleness(iter([group(5), group(4), group(2)]), 5, 2, seen, dropped))
@@ -193,3 +198,20 @@ def test_queue_size_holds_back_tasks_while_that_many_groups_wait_for_the_learner
     consumed, _ = _run_source(0, iterations=3, queue_size=1)
     assert [k for k, _ in consumed] == [0] * 6 + [1] * 6 + [2] * 6
     assert all(g.policy_version == k for k, g in consumed)
+
+
+def test_the_loop_bounds_a_group_by_its_oldest_token():
+    from cadence.types import Completion, Group
+
+    def group(uid, policy_version, *stamps):
+        completions = [Completion([1] * len(s), [0.0] * len(s), token_versions=s) for s in stamps]
+        return Group(Prompt(uid, "", ""), [0], completions, policy_version, iteration=4)
+
+    seen, dropped = [], []
+    fresh_tail = group("a", 2, [3, 3], [3, 4])  # begun under 2, every token of 3 or 4
+    old_head = group("b", 2, [3, 4], [2, 4])  # one trajectory's first token is of version 2
+    kept = list(within_staleness(iter([fresh_tail, old_head]), 4, 1, seen, dropped))
+    assert kept == [fresh_tail] and dropped == [old_head]
+    assert fresh_tail.oldest_version == 3 and old_head.oldest_version == 2
+    with pytest.raises(StaleGroupError, match="oldest token of version 5"):
+        list(within_staleness(iter([group("c", 2, [5])]), 4, 1, [], []))

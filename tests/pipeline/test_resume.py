@@ -1,11 +1,8 @@
 """Exact resume: a run killed with SIGKILL mid-iteration, then resumed, ends where an
 uninterrupted run with the same seed ends, and writes each iteration's metrics once."""
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,7 +13,7 @@ import torch
 from cadence.cli import main
 from cadence.models import load_model
 from cadence.pipeline.checkpoint import list_checkpoints
-from runs import session_alive
+from runs import Cadence, session_alive
 
 pytestmark = pytest.mark.slow
 
@@ -67,35 +64,6 @@ def _sets(model_dir, mode):
     return [a for s in common + MODES[mode][0] for a in ("--set", s)]
 
 
-class _Cadence:
-    """`cadence ARGS` in a session of its own, its stderr in a file (two may run at once: a pipe
-    nobody reads could fill and stall one)."""
-
-    def __init__(self, args, env, marker: Path, log: Path) -> None:
-        self.log = log
-        with open(log, "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cadence.cli", *args],
-                env=env | {"CADENCE_TEST_KILL_MARKER": str(marker)},
-                start_new_session=True,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-            )
-        self.pid = self.proc.pid
-
-    def wait(self, timeout: float) -> int:
-        return self.proc.wait(timeout=timeout)
-
-    def stderr(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        """After a failed check: leave no run behind."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-
 def _iterations(run_dir: Path) -> list[int]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["iteration"] for line in lines]
@@ -114,8 +82,8 @@ def test_a_run_killed_mid_iteration_resumes_to_the_same_parameters(model_dir, tm
     # The uninterrupted run and the one killed mid-iteration are independent: they run at the
     # same time. The uninterrupted one finds its marker taken, so it kills nothing.
     never.touch()
-    full_proc = _Cadence([*sets, "--out", str(full)], env, never, tmp_path / "full.err")
-    proc = _Cadence([*sets, "--out", str(killed)], env, marker, tmp_path / "killed.err")
+    full_proc = Cadence([*sets, "--out", str(full)], env, never, tmp_path / "full.err")
+    proc = Cadence([*sets, "--out", str(killed)], env, marker, tmp_path / "killed.err")
     try:
         assert full_proc.wait(timeout=300) == 0, full_proc.stderr()
         assert proc.wait(timeout=300) == -9, proc.stderr()  # SIGKILL, mid-iteration 3
@@ -132,7 +100,7 @@ def test_a_run_killed_mid_iteration_resumes_to_the_same_parameters(model_dir, tm
     assert [p.name for p in list_checkpoints(killed)] == ["iter-000002"]
     assert not (killed / "final").exists()
 
-    proc = _Cadence(["train", "--resume", str(killed)], env, marker, tmp_path / "resume.err")
+    proc = Cadence(["train", "--resume", str(killed)], env, marker, tmp_path / "resume.err")
     assert proc.wait(timeout=300) == 0, proc.stderr()
     assert _iterations(killed) == [0, 1, 2, 3, 4]  # each exactly once
     assert [p.name for p in list_checkpoints(killed)] == ["iter-000005"]  # the newest kept

@@ -126,6 +126,20 @@ def test_colocated_vllm_with_lora_syncs_and_evaluates_the_merged_policy(vllm_dir
         engine.close()
 
 
+def test_partial_rollouts_with_a_vllm_worker(vllm_dir, tmp_path):
+    # the worker loads each version between two vLLM steps (keep); wherever the updates land,
+    # every trained token is of the learner's version or the one before, as vLLM recorded it
+    extra = ("pipeline.max_staleness=1", "pipeline.partial_rollout=true")
+    cfg = load_config(None, _overrides(vllm_dir, "offpolicy", "separate", *extra))
+    _, records, _ = _train(cfg, tmp_path)
+    for r in records:
+        tokens = r["tokens_by_version/0"] + r["tokens_by_version/1"]
+        assert tokens == round(r["response_tokens_mean"] * 16)  # 4 prompts x 4 samples
+        assert r["trajectory_staleness_worst"] <= 1 and r["dropped_groups"] == 0
+    assert records[0]["tokens_by_version/1"] == 0  # iteration 0: version 0 throughout
+    assert not multiprocessing.active_children()
+
+
 def test_missing_vllm_exits_2_with_the_install_command(vllm_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(params, "vllm_available", lambda: False)
     (tmp_path / "run.toml").write_text("")

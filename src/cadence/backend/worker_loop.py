@@ -9,8 +9,10 @@ caught by the learner's version check, not trusted.
 
 A worker streams: tasks join its engine while others decode (continuous batching keeps the slots
 full across tasks), and each group is sent the moment it is complete, its result saying whether
-it was its task's last. Weights change only between requests: a `sync` that arrives while the
-engine is busy waits, with every message behind it, until the engine has drained.
+it was its task's last. Weights change only when the worker allows it (`may_load`): without
+partial rollouts only between requests, so a `sync` that arrives while the engine is busy waits,
+with every message behind it, until the engine has drained; with them between two decode steps,
+the sequences in flight going on under the new weights.
 
 Local worker processes (`backend.local`), Ray actors (`backend.ray_pool`) and the in-thread fake
 (`backend.fake`) all run this loop; only what carries its messages and weights differs.
@@ -77,11 +79,12 @@ class WorkerLoop:
             if kind == "stop":
                 return False
             if kind == "sync":
-                if self.worker.busy:
+                if not self.worker.may_load(payload):
                     return True
                 if payload > self.version:  # a version already loaded is acknowledged, not reread
                     self.load_weights(payload)
                     self.version = payload
+                    self.worker.weights_loaded(payload)
                 self.outbox.put(("ack", self.wid, self.version))
             elif kind == "rollout":
                 task_id, prompts, iteration = payload

@@ -27,6 +27,7 @@ GENERATED = (
     "prompt_ids",
     "response_ids",
     "behaviour_logprobs",
+    "token_versions",  # per token, the policy version that sampled it
     "response_text",
     "finish_reason",
     "gen_s",  # seconds the group took to generate (the group's, repeated per row)
@@ -44,16 +45,25 @@ def group_rows(
     """The rows of `group` (indices `first_index`.., one group id) and their fields; the reward
     fields only if `scored` (the rollout worker computed them)."""
     size = len(group.completions)
+    cs = group.completions
     rows = [
-        SampleRow(first_index + j, group_id, j, size, group.iteration, group.policy_version)
+        SampleRow(
+            first_index + j,
+            group_id,
+            j,
+            size,
+            group.iteration,
+            group.policy_version,
+            cs[j].oldest_version,
+        )
         for j in range(size)
     ]
-    cs = group.completions
     fields: dict[str, list[Any]] = {
         "prompt": [group.prompt] * size,
         "prompt_ids": [group.prompt_ids] * size,
         "response_ids": [c.token_ids for c in cs],
         "behaviour_logprobs": [c.logprobs for c in cs],
+        "token_versions": [c.token_versions for c in cs],
         "response_text": [c.text for c in cs],
         "finish_reason": [c.finish_reason for c in cs],
         "gen_s": [group.gen_s] * size,
@@ -86,6 +96,7 @@ def batch_groups(batch: SampleBatch) -> list[Group]:
                 reward_error=d["reward_error"][i],
                 loss_mask=d["loss_mask"][i],
                 episode=d["episode"][i],
+                token_versions=d["token_versions"][i],
             )
             for i in positions
         ]

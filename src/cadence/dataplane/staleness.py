@@ -1,7 +1,9 @@
 """The staleness rule, one for the sample store and the run loop alike.
 
-A sample made by policy version v may be trained by a consumer at version c when c - v is within
-`max_staleness`; staler is dropped (and counted by the caller). A version the consumer has not
+A sample whose oldest token was made by policy version v may be trained by a consumer at version
+c when c - v is within `max_staleness`; staler is dropped (and counted by the caller). Without
+partial rollouts every token of a sample has its group's version; with them a sequence that took
+new weights mid-way is bounded by its first, oldest, tokens. A version the consumer has not
 reached, or any other version on-policy (`max_staleness = 0`), means weights reached the
 generator out of order: that raises, since dropping would hide a bug.
 """
@@ -30,12 +32,14 @@ def check_staleness(policy_version: int, version: int, max_staleness: int, what:
 
 
 def unit_within_staleness(unit: Unit, version: int, max_staleness: int, task: str) -> bool:
-    """The rule over every row of a unit (a group's rows share one version): keep or drop."""
+    """The rule over every row of a unit, each by its oldest token: keep or drop the unit."""
     keep = True
     for e in unit:
-        what = (
-            f"row {e.row.index} (group {e.row.group}) has policy_version {e.row.policy_version}, "
-            f"{task}"
+        row = e.row
+        what = f"row {row.index} (group {row.group}) has policy_version {row.policy_version}"
+        if row.bounded_version != row.policy_version:
+            what += f", oldest token of version {row.oldest_version}"
+        keep = (
+            check_staleness(row.bounded_version, version, max_staleness, f"{what}, {task}") and keep
         )
-        keep = check_staleness(e.row.policy_version, version, max_staleness, what) and keep
     return keep

@@ -5,6 +5,7 @@ the factory that picks one by name (`engine/factory.py`)."""
 from cadence.engine.base import (
     BatchStepper,
     Engine,
+    InFlightWeights,
     Request,
     RequestRefused,
     SamplingParams,
@@ -18,8 +19,8 @@ from cadence.engine.base import (
     sample_tokens,
     step_uniforms,
 )
-from cadence.engine.continuous import ContinuousEngine, UnsupportedModel, check_continuous
-from cadence.engine.factory import keeps_own_copy, make_engine, open_engine
+from cadence.engine.continuous import ContinuousEngine, UnsupportedModel
+from cadence.engine.factory import check_continuous, keeps_own_copy, make_engine, open_engine
 from cadence.engine.fake import ScriptedEngine
 from cadence.engine.hf import HFEngine
 from cadence.engine.weights import EngineWeights, load_into
@@ -30,6 +31,7 @@ __all__ = [
     "Engine",
     "EngineWeights",
     "HFEngine",
+    "InFlightWeights",
     "Request",
     "RequestRefused",
     "SamplingParams",

@@ -94,6 +94,30 @@ class StreamingEngine(Protocol):
     def step(self) -> list[tuple[Hashable, list[Completion]]]: ...
 
 
+@runtime_checkable
+class InFlightWeights(Protocol):
+    """A streaming engine that can take new weights between two steps while sequences decode
+    (partial rollouts), and stamps every token with the version of the weights that computed the
+    distribution it was sampled from (`Completion.token_versions`)."""
+
+    def take_weights_in_flight(self, recompute: bool) -> None:
+        """From now on new weights may arrive between two steps with sequences in flight: with
+        `recompute` each of them is prefilled again under the new weights before its next token,
+        else the keys and values computed under the old ones are kept. A treatment the engine
+        does not offer raises ValueError."""
+        ...
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The version of the oldest token of the requests in flight (None: none sampled yet)."""
+        ...
+
+    def weights_changed(self, version: int) -> None:
+        """The weights it decodes with are now `version`'s (called between steps, once they are
+        loaded): the tokens it samples from now on are stamped with it."""
+        ...
+
+
 class BatchStepper:
     """A batch-only Engine seen as a StreamingEngine: one step generates everything added."""
 

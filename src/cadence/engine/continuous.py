@@ -15,7 +15,16 @@ layer, shape (S, H, L, D). Each `step()`:
 Active slots are kept as the prefix [0, n) of the slot tensors (a retired slot is filled by moving
 the last active one into it), so a step reads a view, never a gather. Sampling is per sample as in
 engine/base.py (seed and decoding step), so a sample's tokens do not depend on its slot, on when it
-was admitted, or on its batch companions. The weights must not change while the engine is busy.
+was admitted, or on its batch companions.
+
+Versions. Every token is stamped with `version` as it was when the logits it was sampled from were
+computed (`Completion.token_versions`). The weights change while the engine is busy only once
+`take_weights_in_flight` allowed it (partial rollouts), between two steps, followed by
+`weights_changed`: the logits already computed stay those of the old weights, so each sequence's
+next token still carries the old version, and the ones after it the new. With `recompute` every
+sequence in flight is prefilled again (prompt and tokens so far) under the new weights first, and
+prompts prefilled but not yet admitted are dropped to be prefilled again; without it the keys and
+values of the old weights are kept (PipelineRL).
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from cadence.engine.base import (
 from cadence.types import Completion
 
 PREFILL_BATCH = 8  # prompts prefilled together when one is needed (their K/V wait until admitted)
+RECOMPUTE_BATCH = 32  # sequences prefilled again together when new weights arrive (recompute)
 
 
 class UnsupportedModel(RuntimeError):
@@ -124,14 +134,18 @@ class _Job:
     remaining: int = 0  # samples not yet finished
     prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (H, P, D)
     first_logits: torch.Tensor | None = None  # (V,) next-token logits after the prompt
+    prefix_version: int = 0  # the weights that computed `prefix` and `first_logits`
+    oldest: int | None = None  # the version of its oldest token sampled so far
 
 
 @dataclass
 class _Slot:
     job: _Job
     sample: int
+    logits_version: int  # the weights that computed the slot's next-token logits
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
 
 class ContinuousEngine:
@@ -154,6 +168,8 @@ class ContinuousEngine:
         self.slots: list[_Slot] = []  # active slots, in slot order
         self.cache: SlotCache | None = None
         self.occupancy: list[tuple[float, int]] = []  # (time.perf_counter(), active slots) per step
+        self.version = 0  # of the weights `model` holds: stamped on the tokens they sample
+        self.recompute: bool | None = None  # new weights in flight: None, refused; else how
         self._logits = self._seeds = self._steps = self._pos = self._last = None
 
     @property
@@ -163,6 +179,43 @@ class ContinuousEngine:
     @property
     def num_active(self) -> int:
         return len(self.slots)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The version of the oldest token of the requests in flight (None: none sampled)."""
+        jobs = [slot.job for slot in self.slots] + list(self.waiting)
+        return min((j.oldest for j in jobs if j.oldest is not None), default=None)
+
+    def take_weights_in_flight(self, recompute: bool) -> None:
+        """Allow new weights between steps while busy, keeping or recomputing the keys and
+        values of the sequences in flight (see the module docstring)."""
+        self.recompute = recompute
+
+    @torch.inference_mode()
+    def weights_changed(self, version: int) -> None:
+        """`model` now holds `version`'s weights (see the module docstring); call between steps."""
+        if self.busy and self.recompute is None:
+            raise RuntimeError(
+                f"weights of version {version} arrived with sequences in flight: "
+                "take_weights_in_flight first (partial rollouts)"
+            )
+        self.version = version
+        if not self.recompute:
+            return
+        for job in self.waiting:  # prefilled under the old weights: prefill again when admitted
+            job.prefix = job.first_logits = None
+        for i in range(0, len(self.slots), RECOMPUTE_BATCH):
+            self._recompute(range(i, min(i + RECOMPUTE_BATCH, len(self.slots))))
+
+    def _recompute(self, rows: range) -> None:
+        """Prefill slots `rows` again, prompt and tokens so far, under the current weights: their
+        keys and values and next-token logits."""
+        seqs = [self.slots[s].job.request.prompt_ids + self.slots[s].tokens for s in rows]
+        prefixes, logits = self._run_prefixes(seqs)
+        for s, prefix, last in zip(rows, prefixes, logits, strict=True):
+            self.cache.write_prefix(s, prefix)
+            self._logits[s] = last
+            self.slots[s].logits_version = self.version
 
     def add(self, key: Hashable, request: Request, params: SamplingParams) -> None:
         if self.busy and params != self.params:
@@ -219,13 +272,24 @@ class ContinuousEngine:
     def _prefill(self, jobs: list[_Job]) -> None:
         if not jobs:
             return
+        prefixes, logits = self._run_prefixes([j.request.prompt_ids for j in jobs])
+        for j, prefix, last in zip(jobs, prefixes, logits, strict=True):
+            j.prefix, j.first_logits, j.prefix_version = prefix, last, self.version
+        longest = max(len(j.request.prompt_ids) for j in jobs)
+        self._ensure_capacity(longest + self.params.max_new_tokens, jobs[0])
+
+    def _run_prefixes(
+        self, seqs: list[list[int]]
+    ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], list[torch.Tensor]]:
+        """One left-padded forward over `seqs`: each one's keys and values per layer (H, L, D)
+        and its next-token logits (V,)."""
         device = self._device()
-        lens = [len(j.request.prompt_ids) for j in jobs]
+        lens = [len(seq) for seq in seqs]
         width = max(lens)
-        ids = torch.full((len(jobs), width), self.pad_id, dtype=torch.long)  # (P, W)
-        mask = torch.zeros((len(jobs), width), dtype=torch.long)  # (P, W)
-        for i, j in enumerate(jobs):
-            ids[i, width - lens[i] :] = torch.tensor(j.request.prompt_ids)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)  # (P, W)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)  # (P, W)
+        for i, seq in enumerate(seqs):
+            ids[i, width - lens[i] :] = torch.tensor(seq)
             mask[i, width - lens[i] :] = 1
         ids, mask = ids.to(device), mask.to(device)
         out = self.model(
@@ -241,13 +305,14 @@ class ContinuousEngine:
                 f"continuous batching needs plain full-attention caches, got "
                 f"{sorted({type(layer).__name__ for layer in layers})}"
             )
-        for i, j in enumerate(jobs):  # keys were rotated by their own positions: copy as they are
+        prefixes, logits = [], []
+        for i in range(len(seqs)):  # keys were rotated by their own positions: copy as they are
             start = width - lens[i]
-            j.prefix = [
-                (la.keys[i, :, start:].clone(), la.values[i, :, start:].clone()) for la in layers
-            ]
-            j.first_logits = out.logits[i, -1].clone()
-        self._ensure_capacity(max(lens) + self.params.max_new_tokens, jobs[0])
+            prefixes.append(
+                [(la.keys[i, :, start:].clone(), la.values[i, :, start:].clone()) for la in layers]
+            )
+            logits.append(out.logits[i, -1].clone())
+        return prefixes, logits
 
     def _ensure_capacity(self, length: int, like: _Job) -> None:
         if self.cache is None:
@@ -268,7 +333,7 @@ class ContinuousEngine:
         self._seeds[s] = job.request.seeds[sample]
         self._steps[s] = 0
         self._pos[s] = len(job.request.prompt_ids)
-        self.slots.append(_Slot(job, sample))
+        self.slots.append(_Slot(job, sample, job.prefix_version))
 
     # --- decoding --------------------------------------------------------------------------
 
@@ -283,6 +348,9 @@ class ContinuousEngine:
             slot = self.slots[s]
             slot.tokens.append(tok)
             slot.logprobs.append(lp)
+            slot.versions.append(slot.logits_version)
+            if slot.job.oldest is None or slot.logits_version < slot.job.oldest:
+                slot.job.oldest = slot.logits_version
             if tok in p.stop_token_ids:
                 finished.append((s, "eos"))
             elif p.stop and self._hits_stop(slot.tokens, p.stop):
@@ -296,7 +364,9 @@ class ContinuousEngine:
         for s, reason in sorted(finished, reverse=True):  # from the end: moves stay valid
             slot = self.slots[s]
             text = self.tokenizer.decode(slot.tokens, skip_special_tokens=True)
-            slot.job.completions[slot.sample] = Completion(slot.tokens, slot.logprobs, text, reason)
+            slot.job.completions[slot.sample] = Completion(
+                slot.tokens, slot.logprobs, text, reason, token_versions=slot.versions
+            )
             slot.job.remaining -= 1
             if slot.job.remaining == 0:
                 done.append((slot.job.key, slot.job.completions))
@@ -327,6 +397,8 @@ class ContinuousEngine:
         )
         self._logits[:n] = out.logits[:, -1]  # (n, V)
         self._pos[:n] += 1
+        for slot in self.slots:
+            slot.logits_version = self.version
 
     def _hits_stop(self, ids: list[int], stop: tuple[str, ...]) -> bool:
         tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=True)
@@ -334,31 +406,3 @@ class ContinuousEngine:
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-
-def check_continuous(model, tokenizer) -> str | None:
-    """Why continuous batching cannot serve this model (None: it can).
-
-    Decodes two short prompts with sampling both ways, the static engine being the reference, and
-    compares tokens and log-probs. Catches models whose cache or attention this engine does not
-    reproduce (sliding windows, custom caches) before they generate anything wrong.
-    """
-    from cadence.engine.hf import HFEngine
-
-    ids = tokenizer("1 + 2 = 3", add_special_tokens=False)["input_ids"] or [0]
-    requests = [Request(ids, [1, 2]), Request(ids[:1] * 3, [3])]
-    params = SamplingParams(max_new_tokens=4)
-    try:
-        got = ContinuousEngine(model, tokenizer, max_num_seqs=2).generate(requests, params)
-    except (UnsupportedModel, RuntimeError, ValueError, TypeError) as e:
-        return f"{type(e).__name__}: {e}"
-    want = HFEngine(model, tokenizer).generate(requests, params)
-    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
-    for g, w in zip(got, want, strict=True):
-        for a, b in zip(g, w, strict=True):
-            if a.token_ids != b.token_ids:
-                return f"sampled {a.token_ids}, the reference engine {b.token_ids}"
-            diff = max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0)
-            if diff > tol:
-                return f"log-probs differ from the reference engine by {diff:.1e}"
-    return None

@@ -1,11 +1,12 @@
 """The engine factory: the one place that maps an engine's name to its class.
 
-'continuous' (cadence's slot engine; falls back to 'static', with a warning, where it does not
-reproduce the model), 'static' (batches that end with their slowest sequence) and 'vllm' (its own
-copy of the model, loaded from the model directory). `open_engine` also answers what new weights
-load into (`EngineWeights`): the model the engine decodes with, or a skeleton of the engine's own
-copy. Everything else asks an engine what it is through the Engine Protocol (`owns_weights`);
-nothing outside this module tests an engine's class or name.
+'continuous' (cadence's slot engine; falls back to 'static', with a warning, where
+`check_continuous` finds it does not reproduce the model), 'static' (batches that end with their
+slowest sequence) and 'vllm' (its own copy of the model, loaded from the model directory).
+`open_engine` also answers what new weights load into (`EngineWeights`): the model the engine
+decodes with, or a skeleton of the engine's own copy. Everything else asks an engine what it is
+through the Engine Protocol (`owns_weights`); nothing outside this module tests an engine's class
+or name.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING
 
-from cadence.engine.base import Engine
-from cadence.engine.continuous import ContinuousEngine, check_continuous
+import torch
+
+from cadence.engine.base import Engine, Request, SamplingParams
+from cadence.engine.continuous import ContinuousEngine, UnsupportedModel
 from cadence.engine.hf import HFEngine
 from cadence.engine.weights import EngineWeights
 
@@ -94,3 +97,29 @@ def open_engine(
         model = load_model(model_path, dtype=DTYPES[dtype], device=device)
     engine = make_engine(kind, model, tokenizer, max_num_seqs)
     return engine, EngineWeights(engine, model)
+
+
+def check_continuous(model, tokenizer) -> str | None:
+    """Why continuous batching cannot serve this model (None: it can).
+
+    Decodes two short prompts with sampling both ways, the static engine being the reference, and
+    compares tokens and log-probs. Catches models whose cache or attention this engine does not
+    reproduce (sliding windows, custom caches) before they generate anything wrong.
+    """
+    ids = tokenizer("1 + 2 = 3", add_special_tokens=False)["input_ids"] or [0]
+    requests = [Request(ids, [1, 2]), Request(ids[:1] * 3, [3])]
+    params = SamplingParams(max_new_tokens=4)
+    try:
+        got = ContinuousEngine(model, tokenizer, max_num_seqs=2).generate(requests, params)
+    except (UnsupportedModel, RuntimeError, ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    want = HFEngine(model, tokenizer).generate(requests, params)
+    tol = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g, w, strict=True):
+            if a.token_ids != b.token_ids:
+                return f"sampled {a.token_ids}, the reference engine {b.token_ids}"
+            diff = max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)), default=0)
+            if diff > tol:
+                return f"log-probs differ from the reference engine by {diff:.1e}"
+    return None

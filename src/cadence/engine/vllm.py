@@ -17,7 +17,11 @@
   tied output layer (on CPU vLLM packs it once at load and a reload leaves it stale), empties the
   prefix cache (its keys and values came from the old weights) and labels the weights with the
   version. Only while idle: a request never sees two versions, and every finished sample is
-  checked against the version vLLM says generated each of its tokens.
+  checked against the version vLLM says generated each of its tokens. With partial rollouts
+  (`take_weights_in_flight`, keep only) new weights also arrive between two engine steps with
+  requests running: they keep their keys and values (and the prefix cache keeps its blocks, which
+  vLLM cannot empty while they are in use), each token after the update is sampled under the new
+  weights, and every token's version comes from vLLM's own record (`token_versions`).
 
 The engine runs in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so new weights reach
 it as tensors in memory, not pickled through a pipe. vLLM is imported here only, inside
@@ -110,6 +114,7 @@ class _Job:
     completions: list[Completion | None]
     remaining: int
     version: str
+    added_under: int | None = None  # the version loaded when it was added (partial rollouts)
 
 
 class VLLMEngine:
@@ -141,6 +146,8 @@ class VLLMEngine:
         self.max_num_seqs = max_num_seqs
         self.occupancy: list[tuple[float, int]] = []
         self.version = "initial"  # the weights' label: vLLM stamps each generated token with it
+        self.in_flight = False  # new weights may arrive while requests decode (partial rollouts)
+        self._number: int | None = None  # the version loaded, as a number (partial rollouts)
         self._jobs: dict[str, tuple[_Job, int]] = {}  # vLLM request id -> (job, sample)
         self._ids = itertools.count()
         options = options or VLLMOptions()
@@ -184,7 +191,7 @@ class VLLMEngine:
                     f"(max_model_len {self.max_model_len}): {e}"
                 ) from e
             raise
-        job = _Job(key, [None] * len(added), len(added), self.version)
+        job = _Job(key, [None] * len(added), len(added), self.version, self._number)
         for j, rid in enumerate(added):
             self._jobs[rid] = (job, j)
 
@@ -209,17 +216,44 @@ class VLLMEngine:
         return generate_by_steps(self, requests, params)
 
     def load_weights(self, tensors: Tensors, version: int | str | None = None) -> None:
-        """Put new weights (Hugging Face parameter names) into the running model, in place."""
-        if self.busy:
+        """Put new weights (Hugging Face parameter names) into the running model, in place;
+        with requests decoding only once `take_weights_in_flight` allowed it."""
+        if self.busy and not self.in_flight:
             raise RuntimeError("load_weights while requests decode: one would see two versions")
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True}
         )
         self.llm.apply_model(_repack_output_layers)
-        if not self.llm.reset_prefix_cache():
+        if not self.llm.reset_prefix_cache() and not self.busy:  # busy: its blocks are kept
             raise RuntimeError("vLLM kept its prefix cache: keys and values of the old weights")
         self._set_version(str(version) if version is not None else f"load-{next(self._ids)}")
+        self._number = version if isinstance(version, int) else None
+
+    def take_weights_in_flight(self, recompute: bool) -> None:
+        """Allow new weights between two steps while requests decode, keeping their keys and
+        values; prefilling them again (`recompute`) is not offered."""
+        if recompute:
+            raise ValueError(
+                "the vLLM engine keeps the keys and values of the requests in flight when new "
+                "weights arrive: use pipeline.partial_rollout_kv = 'keep' with rollout.engine = "
+                "'vllm' ('recompute' needs rollout.engine = 'continuous')"
+            )
+        self.in_flight = True
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest version a request in flight was added under (its tokens are that version
+        or newer: vLLM reports them only once a request finishes)."""
+        versions = [job.added_under for job, _ in self._jobs.values()]
+        return min((v for v in versions if v is not None), default=None)
+
+    def weights_changed(self, version: int) -> None:
+        """The weights loaded are `version`'s (`load_weights` labelled them already, or they
+        are the model's own)."""
+        self._number = version
+        if self.version != str(version):
+            self._set_version(str(version))
 
     def close(self) -> None:
         """Shut the engine down and release what vLLM set up in this process (its
@@ -234,11 +268,14 @@ class VLLMEngine:
     def _completion(self, out, version: str) -> Completion:
         ids = list(out.token_ids)
         spans = [(s.version, s.start, s.end) for s in out.weight_versions or []]
-        if ids and spans != [(version, 0, len(ids))]:
+        versions = None
+        if self.in_flight:
+            versions = _token_versions(spans, len(ids))
+        elif ids and spans != [(version, 0, len(ids))]:
             raise RuntimeError(f"a sample generated under weights {spans}, expected {version!r}")
         logprobs = [step[t].logprob for step, t in zip(out.logprobs, ids, strict=True)]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return Completion(ids, logprobs, text, _finish_reason(out))
+        return Completion(ids, logprobs, text, _finish_reason(out), token_versions=versions)
 
     def _set_version(self, version: str) -> None:
         self.llm.llm_engine.set_weight_version(version)
@@ -327,6 +364,19 @@ def _vllm_params(params: SamplingParams, seed: int, max_tokens: int):
         logprobs=0,  # the sampled token's own log-prob
         output_kind=RequestOutputKind.FINAL_ONLY,
     )
+
+
+def _token_versions(spans: list[tuple[str, int, int]], num_tokens: int) -> list[int]:
+    """Each token's version from vLLM's spans of weight labels, which must cover the tokens and
+    be versions (numbers: what a worker labels weights with)."""
+    versions: list[int] = []
+    for label, start, end in spans:
+        if start != len(versions) or not label.lstrip("-").isdigit():
+            raise RuntimeError(f"a sample's weight versions {spans} are not numbered spans")
+        versions += [int(label)] * (end - start)
+    if len(versions) != num_tokens:
+        raise RuntimeError(f"weight versions {spans} cover {len(versions)} of {num_tokens} tokens")
+    return versions
 
 
 def _finish_reason(out) -> str:

@@ -43,20 +43,48 @@ def sample_figures(groups: list[Group], version: int, max_staleness: int) -> dic
     completions = [c for g in groups for c in g.completions]
     rewards = [c.reward for c in completions]
     n = len(completions)
+    return (
+        {
+            "reward_mean": sum(rewards) / n,
+            "accuracy": sum(r >= 1.0 for r in rewards) / n,
+            "reward_errors": sum(c.reward_error is not None for c in completions),
+            "reward_timeouts": sum(c.reward_timed_out for c in completions),
+            "num_groups": len(groups),
+            "constant_reward_groups": sum(
+                len({c.reward for c in g.completions}) == 1 for g in groups
+            ),  # no learning signal for group-relative advantages
+            "response_tokens_mean": sum(len(c.token_ids) for c in completions) / n,
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": max(staleness),
+            "staleness_hist": [staleness.count(s) for s in range(max_staleness + 1)],
+        }
+        | episode_figures(completions)
+        | trajectory_figures(groups, version, max_staleness)
+    )
+
+
+def trajectory_figures(groups: list[Group], version: int, max_staleness: int) -> dict[str, Any]:
+    """Versions inside each trajectory (partial rollouts mix them; otherwise one per trajectory,
+    its group's): `trajectory_spans`, the mean number of distinct versions in one;
+    `trajectory_staleness_mean` / `_worst`, learner version minus its oldest token's; and
+    `tokens_by_version/<lag>`, policy tokens sampled by version `version - lag`, lag 0..N."""
+    spans, lags = [], []
+    counts = [0] * (max_staleness + 1)
+    for g in groups:
+        for c in g.completions:
+            stamps = c.token_versions or [g.policy_version] * len(c.token_ids)
+            mask = c.loss_mask or [1] * len(stamps)
+            spans.append(len(set(stamps)) or 1)
+            lags.append(version - min(stamps, default=g.policy_version))
+            for v, m in zip(stamps, mask, strict=True):
+                if m and 0 <= version - v <= max_staleness:
+                    counts[version - v] += 1
+    n = max(len(spans), 1)
     return {
-        "reward_mean": sum(rewards) / n,
-        "accuracy": sum(r >= 1.0 for r in rewards) / n,
-        "reward_errors": sum(c.reward_error is not None for c in completions),
-        "reward_timeouts": sum(c.reward_timed_out for c in completions),
-        "num_groups": len(groups),
-        "constant_reward_groups": sum(
-            len({c.reward for c in g.completions}) == 1 for g in groups
-        ),  # no learning signal for group-relative advantages
-        "response_tokens_mean": sum(len(c.token_ids) for c in completions) / n,
-        "staleness_mean": sum(staleness) / len(staleness),
-        "staleness_max": max(staleness),
-        "staleness_hist": [staleness.count(s) for s in range(max_staleness + 1)],
-    } | episode_figures(completions)
+        "trajectory_spans": sum(spans) / n,
+        "trajectory_staleness_mean": sum(lags) / n,
+        "trajectory_staleness_worst": max(lags, default=0),
+    } | {f"tokens_by_version/{lag}": count for lag, count in enumerate(counts)}
 
 
 def episode_figures(completions: list[Completion]) -> dict[str, float]:

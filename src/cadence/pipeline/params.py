@@ -46,7 +46,7 @@ from cadence.learner import LearnerParams
 from cadence.learner.rank import RankSpec
 from cadence.models import stop_token_ids
 from cadence.pipeline.prompts import PromptFilter
-from cadence.rollout import WorkerSpec
+from cadence.rollout import PartialRollouts, WorkerSpec
 
 
 def set_threads(threads: int) -> None:
@@ -347,7 +347,19 @@ def worker_spec(cfg: Config, sampling: SamplingParams) -> WorkerSpec:
         reward_concurrency=cfg.reward.concurrency,
         answer_format=cfg.reward.answer_format,
         env=env_spec(cfg),
+        partial=partial_rollouts(cfg),
     )
+
+
+def partial_rollouts(cfg: Config) -> PartialRollouts | None:
+    """How workers take new weights mid-sequence (`pipeline.partial_rollout`; None: they wait
+    until their sequences finish). With `staleness_strategy = "wait"` an update waits while it
+    would leave a trajectory in flight staler than `max_staleness`."""
+    p = cfg.pipeline
+    if not p.partial_rollout:
+        return None
+    lag = max_staleness(cfg) if p.staleness_strategy == "wait" else None
+    return PartialRollouts(recompute=p.partial_rollout_kv == "recompute", max_lag=lag)
 
 
 def env_spec(cfg: Config) -> EnvSpec:

@@ -10,6 +10,14 @@ passes plain values) nor know what an iteration of training is.
 from cadence.rollout.episodes import EpisodeRunner
 from cadence.rollout.evaluate import Evaluator, evaluate
 from cadence.rollout.spec import WorkerSpec, build_worker
-from cadence.rollout.worker import RolloutWorker
+from cadence.rollout.worker import PartialRollouts, RolloutWorker
 
-__all__ = ["EpisodeRunner", "Evaluator", "RolloutWorker", "WorkerSpec", "build_worker", "evaluate"]
+__all__ = [
+    "EpisodeRunner",
+    "Evaluator",
+    "PartialRollouts",
+    "RolloutWorker",
+    "WorkerSpec",
+    "build_worker",
+    "evaluate",
+]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from cadence.engine import EngineWeights, SamplingParams
 from cadence.envs import EnvSpec
-from cadence.rollout.worker import RolloutWorker
+from cadence.rollout.worker import PartialRollouts, RolloutWorker
 
 if TYPE_CHECKING:
     from cadence.engine.vllm import VLLMOptions
@@ -40,6 +40,7 @@ class WorkerSpec:
     answer_format: str = "auto"  # reward.answer_format of the "math" reward
     env: EnvSpec = field(default_factory=EnvSpec)  # single turn unless told otherwise
     vllm: VLLMOptions | None = None  # engine 'vllm': the [rollout.vllm] settings
+    partial: PartialRollouts | None = None  # new weights between decode steps (partial rollouts)
 
 
 def build_worker(spec: WorkerSpec) -> tuple[EngineWeights, RolloutWorker]:
@@ -73,5 +74,6 @@ def build_worker(spec: WorkerSpec) -> tuple[EngineWeights, RolloutWorker]:
         spec.group_size,
         spec.run_seed,
         env=make_env(spec.env, tokenizer),
+        partial=spec.partial,
     )
     return weights, worker

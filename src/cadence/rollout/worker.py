@@ -13,7 +13,15 @@ it is scored, so the order and the values do not depend on how long scoring take
 
 Two ways in: `rollout` generates a list of prompts and returns when all are done; `submit` and
 `poll` stream, for a worker process that keeps its engine's slots full across tasks and hands each
-group out the moment it is complete. The loaded weights must not change while `busy`.
+group out the moment it is complete.
+
+Weights and versions. Whoever holds the worker's weights loads new ones when `may_load` says so
+and then tells it (`weights_loaded`). Without partial rollouts that is only while it is idle, so
+every token of a group is of the group's `policy_version`. With them (`PartialRollouts`), new
+weights also arrive between two decode steps: the sequences in flight go on under them, keeping
+the old keys and values or prefilled again (`recompute`), and each token records the version that
+sampled it (`Completion.token_versions`, stamped by the engine; an engine that keeps no versions
+cannot take partial rollouts, and every token of its groups gets the group's version).
 
 With an environment (cadence.envs) each sample is a multi-turn episode (rollout/episodes.py; a
 verifiers environment's own rollouts: rollout/verifiers.py): a group is handed out once its G
@@ -33,6 +41,7 @@ from typing import Protocol
 
 from cadence.engine import (
     Engine,
+    InFlightWeights,
     Request,
     SamplingParams,
     StreamingEngine,
@@ -84,6 +93,20 @@ class _Job:
 SCORE_WAIT_S = 0.05  # longest wait on scores while the engine has nothing to decode
 
 
+@dataclass(frozen=True)
+class PartialRollouts:
+    """New weights taken between decode steps, sequences in flight (pipeline.partial_rollout).
+
+    `recompute`: each sequence in flight is prefilled again under the new weights (AReaL, verl);
+    else the keys and values computed under the old ones are kept (PipelineRL). `max_lag`
+    (pipeline.staleness_strategy = "wait"): new weights wait, as without partial rollouts, while
+    loading them would leave a trajectory in flight whose oldest token is more than `max_lag`
+    versions older; None ("drop"): they never wait, and the learner drops what is too stale."""
+
+    recompute: bool = False
+    max_lag: int | None = None
+
+
 @dataclass
 class _Scoring:
     """A generated group whose rewards are being computed."""
@@ -108,10 +131,18 @@ class RolloutWorker:
         group_size: int,
         run_seed: int,
         env: Environment | VerifiersEnv | None = None,
+        partial: PartialRollouts | None = None,
     ) -> None:
         self._jobs: dict[Hashable, _Job] = {}  # by (task, position in task)
         self._scoring: deque[_Scoring] = deque()  # in the order the groups finished
         self.episodes: Episodes | None = None
+        if partial is not None and env is not None:
+            raise ValueError(
+                "partial rollouts take new weights between decode steps of single responses; "
+                "multi-turn episodes (env.kind other than 'single_turn') are not supported"
+            )
+        self.partial = partial
+        self._version: int | None = None  # of the weights the engine decodes with
         if env is not None:  # a turn ends at the environment's stop strings too
             missing = tuple(s for s in env.stop if s not in sampling.stop)
             sampling = replace(sampling, stop=sampling.stop + missing)
@@ -132,6 +163,14 @@ class RolloutWorker:
     def engine(self, engine: Engine) -> None:
         if self.busy:
             raise RuntimeError("cannot swap the engine of a busy worker")
+        if self.partial is not None:
+            if not isinstance(engine, InFlightWeights):
+                raise ValueError(
+                    "partial rollouts need an engine that takes new weights between decode steps "
+                    "and stamps each token's version (rollout.engine = 'continuous' or 'vllm'); "
+                    f"this engine is a {type(engine).__name__}"
+                )
+            engine.take_weights_in_flight(self.partial.recompute)
         self._engine = as_streaming(engine)
         if self.episodes is not None:
             self.episodes.engine = self._engine
@@ -141,11 +180,49 @@ class RolloutWorker:
         """Generating or scoring: a group not yet handed out."""
         return bool(self._jobs or self._scoring)
 
+    @property
+    def version(self) -> int | None:
+        """The version of the weights its engine decodes with (None: not told yet)."""
+        return self._version
+
+    def may_load(self, version: int) -> bool:
+        """Whether `version`'s weights may be loaded now: while idle, always; while busy, only
+        with partial rollouts, and under a lag bound only if no trajectory in flight would then
+        have an oldest token more than `max_lag` versions older than `version`."""
+        if not self.busy:
+            return True
+        if self.partial is None:
+            return False
+        oldest = self._inflight_engine().oldest_version
+        lag = self.partial.max_lag
+        return lag is None or oldest is None or version - oldest <= lag
+
+    def weights_loaded(self, version: int) -> None:
+        """Its engine's weights are now `version`'s (loaded by whoever holds them, when
+        `may_load` allowed it): later tokens are stamped with it."""
+        if self.busy and self.partial is None:
+            raise RuntimeError(f"weights of version {version} loaded into a busy worker")
+        self._version = version
+        if isinstance(self.engine, InFlightWeights):
+            self.engine.weights_changed(version)
+
+    def _inflight_engine(self) -> InFlightWeights:
+        assert isinstance(self.engine, InFlightWeights)  # checked when the engine was set
+        return self.engine
+
     def encode(self, prompt: Prompt) -> list[int]:
         return prompt_ids(prompt, self.tokenizer)
 
     def submit(self, task: Hashable, prompts: list[Prompt], iteration: int, version: int) -> None:
-        """Queue `prompts` (one task) for generation with the weights of `version`."""
+        """Queue `prompts` (one task) for generation with the weights of `version`: those its
+        engine decodes with (an idle worker takes `version` as their label: a colocated engine
+        decodes the learner's own model, changed in place between iterations)."""
+        if version != self._version:
+            if self.busy:
+                raise RuntimeError(
+                    f"a task for version {version} while the engine decodes with {self._version}"
+                )
+            self.weights_loaded(version)
         now = time.perf_counter()
         for pos, prompt in enumerate(prompts):
             ids = self.encode(prompt)
@@ -214,6 +291,8 @@ class RolloutWorker:
         """Rewards: an environment's own where it gave one, else the reward function's, whose
         calls start now."""
         job = self._jobs.pop(key)
+        for c in completions:
+            self._stamp(c, job.version)
         scored = []
         for i, c in enumerate(completions):
             if env_rewards is not None and env_rewards[i] is not None:
@@ -224,6 +303,22 @@ class RolloutWorker:
         calls = [RewardCall(p.text, completions[i].text, p.answer, p.metadata) for i in scored]
         results = self.reward.submit(calls) if calls and self.reward is not None else None
         return _Scoring(job, completions, scored, results)
+
+    def _stamp(self, c: Completion, version: int) -> None:
+        """Every token's version: the engine's stamps, which must lie between the version the
+        group was submitted with and the newest loaded (one version without partial rollouts);
+        an engine that stamps none generated all of it with `version`."""
+        if c.token_versions is None:
+            c.token_versions = [version] * len(c.token_ids)
+            return
+        newest = self._version if self._version is not None else version
+        if len(c.token_versions) != len(c.token_ids) or not all(
+            version <= v <= newest for v in c.token_versions
+        ):
+            raise RuntimeError(
+                f"tokens stamped with versions {sorted(set(c.token_versions))}, outside the "
+                f"versions {version}..{newest} loaded while the group was generated"
+            )
 
     def _scored(self) -> list[tuple[Hashable, Group]]:
         """The groups at the head of the line whose scores are in, as (task, group)."""
