@@ -8,6 +8,7 @@ Every import in a module counts, wherever it stands (module level, inside a func
 from __future__ import annotations
 
 import ast
+import collections
 from pathlib import Path
 
 import cadence
@@ -226,3 +227,10 @@ def test_the_class_check_sees_each_way_of_asking(tmp_path):
         "c = type(x) is ContinuousEngine\n"
     )
     assert _class_tests(probe) & ENGINE_CLASSES == {"VLLMEngine", "HFEngine", "ContinuousEngine"}
+
+
+def test_test_modules_have_unique_names():
+    # pytest imports test modules by their base name (rootdir, no packages): two files of one
+    # name in two folders stop the collection of a suite that holds both
+    names = collections.Counter(p.name for p in Path(__file__).parent.rglob("test_*.py"))
+    assert [n for n, count in names.items() if count > 1] == []
