@@ -9,6 +9,7 @@ import pytest
 from cadence.bench import trl_peer
 from cadence.cli import main
 from cadence.config import ConfigError, load_config
+from cadence.models import load_model
 
 
 def workload(model_dir):
@@ -76,6 +77,29 @@ def test_trl_arguments_map_the_workload(model_dir, tmp_path):
     config = GRPOConfig(**args)
     assert config.generation_batch_size == 16 and config.steps_per_generation == 2
     assert config.gradient_checkpointing is False and config.optim == "adamw_torch"
+
+
+def test_a_lora_workload_trains_the_same_adapter_in_trl(model_dir, model, tmp_path):
+    from peft import get_peft_model
+
+    from cadence.bench.runs import config_lora
+    from cadence.models.lora import LoraSpec, apply_lora
+
+    lora = "model.lora={r=4, alpha=8.0, dropout=0.05, target_modules=['v_proj', 'q_proj']}"
+    cfg = load_config(None, [*workload(model_dir), lora])
+    peft_config = trl_peer.trl_peft_config(cfg)
+    assert (peft_config.r, peft_config.lora_alpha, peft_config.lora_dropout) == (4, 8.0, 0.05)
+    assert set(peft_config.target_modules) == {"q_proj", "v_proj"}
+    # read back from the model TRL wraps, from cadence's config and from the model cadence
+    # wraps: the same setting (the settings table compares the first two)
+    trl_side = trl_peer.trained_lora(get_peft_model(model, peft_config))
+    assert trl_side == "r=4, alpha=8.0, dropout=0.05, targets=['q_proj', 'v_proj']"
+    assert config_lora(cfg) == trl_side
+    spec = LoraSpec(4, 8.0, 0.05, ("v_proj", "q_proj"))
+    assert trl_peer.trained_lora(apply_lora(load_model(model_dir), spec)) == trl_side
+    plain = load_config(None, workload(model_dir))
+    assert trl_peer.trl_peft_config(plain) is None and config_lora(plain) == "off"
+    assert trl_peer.trained_lora(load_model(model_dir)) == "off"
 
 
 @pytest.mark.parametrize(

@@ -36,6 +36,22 @@ FIGURES = (
 QUIET = ["metrics.progress=false", "train.eval_every=0", "train.checkpoint_every=0"]
 
 
+def lora_setting(
+    r: int, alpha: float, dropout: float, target_modules: list[str] | tuple[str, ...] | set[str]
+) -> str:
+    """A LoRA adapter's settings as one comparable string (targets sorted: peft keeps a set)."""
+    targets = sorted(target_modules)
+    return f"r={r}, alpha={float(alpha)}, dropout={float(dropout)}, targets={targets}"
+
+
+def config_lora(cfg: Config) -> str:
+    """The adapter `cfg` trains (`model.lora`), as `lora_setting` writes it; "off" without one."""
+    lora = cfg.model.lora
+    if lora is None:
+        return "off"
+    return lora_setting(lora.r, lora.alpha, lora.dropout, lora.target_modules)
+
+
 def workload_config(config: str | Path | None, overrides: list[str]) -> Config:
     """The config of one benchmark run: the file, the overrides, then `QUIET`."""
     return load_config(config, [*overrides, *QUIET])
@@ -72,6 +88,7 @@ def run_cadence(cfg: Config, out: Path) -> dict:
     t, r = cfg.train, cfg.rollout
     settings = {
         "model_path": str(Path(cfg.model.path).resolve()),
+        "lora": config_lora(cfg),
         "prompts_per_step": t.prompts_per_iteration,
         "group_size": r.group_size,
         "max_new_tokens": r.max_new_tokens,

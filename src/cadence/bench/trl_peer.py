@@ -28,7 +28,10 @@ Figures, defined the same way for both:
   was (loop overhead; TRL's data loader and logging).
 
 TRL runs with its CPU-compatible settings (`CPU_SETTINGS`). Every argument given to `GRPOConfig`
-is in the output. trl is imported only inside `run_trl`: importing cadence never imports it.
+is in the output. A config with `model.lora` trains the same adapter in TRL (`peft_config`, the
+trainer's own LoRA path; with a KL term its reference is the adapter switched off, as cadence's);
+TRL then generates through the unmerged adapter, cadence with the adapter merged in.
+trl is imported only inside `run_trl`: importing cadence never imports it.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cadence.bench.common import interleave, machine, median_row, package_version
-from cadence.bench.runs import FIGURES, run_cadence, workload_config
+from cadence.bench.runs import FIGURES, lora_setting, run_cadence, workload_config
 from cadence.config import Config, ConfigError
 
 INSTALL_HINT = "pip install 'cadence[bench]'"
@@ -81,6 +84,7 @@ CPU_SETTINGS: dict[str, object] = {
 # settings read back from each tool; the two columns must agree
 SHARED_SETTINGS = (
     "model_path",
+    "lora",
     "prompts_per_step",
     "group_size",
     "max_new_tokens",
@@ -180,6 +184,32 @@ def trl_args(cfg: Config, out: Path) -> dict:
         "use_cpu": cfg.model.device == "cpu",
         **CPU_SETTINGS,
     }
+
+
+def trl_peft_config(cfg: Config):
+    """The `peft.LoraConfig` TRL gets for the config's `model.lora` (None: every weight trains)."""
+    lora = cfg.model.lora
+    if lora is None:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+
+
+def trained_lora(model) -> str:
+    """The adapter a trained model carries, as `lora_setting` writes it; "off" without one."""
+    from cadence.models.lora import is_lora
+
+    if not is_lora(model):
+        return "off"
+    c = model.peft_config["default"]
+    return lora_setting(c.r, c.lora_alpha, c.lora_dropout, c.target_modules)
 
 
 # ----------------------------------------------------------------------------- TRL
@@ -294,6 +324,7 @@ def run_trl(cfg: Config, out: Path) -> dict:
         args=GRPOConfig(**args),
         train_dataset=dataset,
         processing_class=tokenizer,
+        peft_config=trl_peft_config(cfg),
         callbacks=[_clock(meter)],
     )
     trainer.remove_callback(PrinterCallback)  # it would print TRL's end-of-training log
@@ -310,6 +341,7 @@ def _trl_result(trainer, meter: _Meter, args: dict) -> dict:
     steps = sum(meter.step_s)
     settings = {
         "model_path": str(Path(trainer.model.config._name_or_path).resolve()),
+        "lora": trained_lora(trainer.model),
         "prompts_per_step": a.generation_batch_size // a.num_generations,
         "group_size": a.num_generations,
         "max_new_tokens": a.max_completion_length,
