@@ -143,16 +143,23 @@ class Processes:
     def _spawn(self, wid: int) -> Proc:
         inbox = self._ctx.Queue()
         reader, writer = self._ctx.Pipe(duplex=False)
-        p = self._ctx.Process(
-            target=_in_environment,
-            name=f"cadence-{self.tag}-{wid}",
-            daemon=True,
-            args=(dict(os.environ), os.getpid(), self.target, wid, *self.args(wid), inbox, writer),
-        )
+        args = (dict(os.environ), os.getpid(), self.target, wid, *self.args(wid), inbox, writer)
         with _ignoring_ctrl_c():
-            p.start()
+            try:
+                p = self._start(self._ctx, wid, args)
+            except ValueError as e:  # the fork server takes at most 252 descriptors a start:
+                if "too many fds" not in str(e):  # a model of many shared tensors is spawned,
+                    raise  # its descriptors served without limit (~5 s more to start)
+                p = self._start(mp.get_context("spawn"), wid, args)
         writer.close()
         return Proc(p, inbox, reader)
+
+    def _start(self, ctx, wid: int, args: tuple):
+        p = ctx.Process(
+            target=_in_environment, name=f"cadence-{self.tag}-{wid}", daemon=True, args=args
+        )
+        p.start()
+        return p
 
     def send(self, wid: int, message: tuple[str, Any]) -> None:
         self.procs[wid].inbox.put(message)
