@@ -7,9 +7,10 @@ from dataclasses import fields
 
 from cadence.algo import AlgoParams
 from cadence.engine import HFEngine, SamplingParams
-from cadence.learner import LearnerParams, Scorer
+from cadence.learner import LearnerParams
 from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
+from recording import Recorder, train  # noqa: F401  (the learner tests import them from here)
 
 LEARNER_KEYS = {f.name for f in fields(LearnerParams)}
 
@@ -19,13 +20,6 @@ def split_params(**kw) -> tuple[LearnerParams, AlgoParams]:
     learner = {k: v for k, v in kw.items() if k in LEARNER_KEYS}
     algo = {k: v for k, v in kw.items() if k not in LEARNER_KEYS}
     return LearnerParams(**learner), AlgoParams(**algo)
-
-
-def train(learner, groups, scorer: Scorer | None = None) -> dict:
-    """One iteration as the run loop runs it: `groups` through the scorer (a fresh one for the
-    learner's algorithm unless given), then the learner; the learner's and the scorer's figures."""
-    scorer = scorer or Scorer(learner.algo)
-    return learner.train_iteration(scorer.score(iter(groups)), len(groups)) | scorer.end_iteration()
 
 
 class LengthReward:
@@ -53,15 +47,3 @@ def older_behaviour(groups, delta):
     for g in groups:
         for c in g.completions:
             c.logprobs = [lp - delta for lp in c.logprobs]
-
-
-class Recorder:
-    """Wraps the learner's loss to keep every micro-batch's PolicyBatch."""
-
-    def __init__(self, learner):
-        self.inner, self.batches = learner.loss_fn, []
-        learner.loss_fn = self
-
-    def __call__(self, batch, params):
-        self.batches.append(batch)
-        return self.inner(batch, params)

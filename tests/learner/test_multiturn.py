@@ -5,17 +5,17 @@ import copy
 
 import pytest
 import torch
-from rollouts import train
 
 from cadence.algo import AlgoParams, reinforce_pp_advantages
 from cadence.config import ConfigError, load_config
 from cadence.engine import ContinuousEngine, SamplingParams
 from cadence.envs import Budget, ScriptedEnv, replies
-from cadence.learner import Learner, LearnerParams, Scorer
+from cadence.learner import Scorer
 from cadence.models import load_model, load_tokenizer
 from cadence.pipeline.params import algo_params
 from cadence.rollout import RolloutWorker
 from cadence.types import Completion, Group, Prompt
+from recording import recording_learner, train
 
 
 @pytest.fixture(scope="module")
@@ -43,30 +43,8 @@ def _episodes(model, tokenizer):
     return groups
 
 
-class _Recorder:
-    """Wraps the learner's loss: keeps each micro-batch's PolicyBatch, its log-probs' grads."""
-
-    def __init__(self, learner):
-        self.inner, self.batches = learner.loss_fn, []
-        learner.loss_fn = self
-
-    def __call__(self, batch, params):
-        batch.logprobs.retain_grad()
-        self.batches.append(batch)
-        return self.inner(batch, params)
-
-
-def _learner(model, tokenizer, layout, **loss):
-    ref = copy.deepcopy(model).requires_grad_(False)
-    params = LearnerParams(
-        lr=1e-3,
-        micro_batch_groups=1,
-        shared_prompt=layout != "unpacked",
-        shared_prompt_impl=layout if layout != "unpacked" else "prefix",
-    )
-    algo = AlgoParams(max_policy_tokens=6, kl_coef=0.05, **loss)
-    learner = Learner(model, params, algo, tokenizer.pad_token_id, ref)
-    return learner, _Recorder(learner)
+def _learner(model, tokenizer, layout="prefix", **loss):
+    return recording_learner(model, tokenizer, layout, 6, **loss)
 
 
 @pytest.mark.parametrize("layout", ["unpacked", "dense", "prefix"])

@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from cadence.algo import AlgoParams
 from cadence.data import ChatRender, Example, to_prompt
 from cadence.engine import SamplingParams, ScriptedEngine, derive_seed, derive_turn_seed
 from cadence.envs import Budget, EnvReply, EnvSpec, ScriptedEnv, make_env, replies
-from cadence.learner import Learner, LearnerParams, score
 from cadence.models import load_model, load_tokenizer
 from cadence.rollout import RolloutWorker
 from cadence.types import Completion
+from recording import recording_learner, train
 
 HERMES = (Path(__file__).parents[2] / "configs" / "chat-tools.jinja").read_text()
 RUN_SEED, GROUP = 3, 2
@@ -142,31 +141,8 @@ def test_a_trajectory_is_the_environments_prompt_then_turns_and_template_replies
         assert [c.reward for c in group.completions] == [1.0, 1.0]
 
 
-class _Recorder:
-    """Wraps the learner's loss: keeps each micro-batch's PolicyBatch, its log-probs' grads."""
-
-    def __init__(self, learner):
-        self.inner, self.batches = learner.loss_fn, []
-        learner.loss_fn = self
-
-    def __call__(self, batch, params):
-        batch.logprobs.retain_grad()
-        self.batches.append(batch)
-        return self.inner(batch, params)
-
-
-def _learner(model, tokenizer, layout, **loss):
-    ref = copy.deepcopy(model).requires_grad_(False)
-    params = LearnerParams(
-        lr=1e-3,
-        micro_batch_groups=1,
-        shared_prompt=layout != "unpacked",
-        shared_prompt_impl=layout if layout != "unpacked" else "prefix",
-    )
-    algo = AlgoParams(kl_coef=0.05, max_policy_tokens=96, **loss)
-    learner = Learner(model, params, algo, tokenizer.pad_token_id, ref)
-    learner.algo_params = algo  # the Scorer's settings, for train()
-    return learner, _Recorder(learner)
+def _learner(model, tokenizer, layout="prefix", **loss):
+    return recording_learner(model, tokenizer, layout, 96, **loss)
 
 
 @pytest.mark.parametrize("kind", ["class", "openenv"])
@@ -252,8 +228,3 @@ def test_a_reward_the_environment_gives_with_done_comes_before_finish(tokenizer)
     )
     assert [c.reward for c in group.completions] == [0.75, 0.75]
     assert [e.finished for e in env.episodes] == [1, 1]
-
-
-def train(learner, groups) -> None:
-    """One iteration, scored as the loop scores it (shaping and advantages), then trained."""
-    learner.train_iteration(iter(score(groups, learner.algo_params)), len(groups))

@@ -11,14 +11,13 @@ import copy
 import pytest
 import torch
 
-from cadence.algo import AlgoParams
 from cadence.engine import ContinuousEngine, Request, SamplingParams, derive_seed, derive_turn_seed
 from cadence.envs import CALL_END, VerifiersEnv
 from cadence.envs.verifiers.env import TasksetTask
-from cadence.learner import Learner, LearnerParams, score
 from cadence.models import load_model, load_tokenizer
 from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
+from recording import recording_learner, train
 
 RUN_SEED, ITERATION, GROUP = 7, 3, 3
 
@@ -121,31 +120,8 @@ def test_tool_episodes_interleave_the_engines_turns_with_the_tools_results(multi
     _assert_engine_sampled_them(model, tokenizer, params, groups)
 
 
-class _Recorder:
-    """Wraps the learner's loss: keeps each micro-batch's PolicyBatch, its log-probs' grads."""
-
-    def __init__(self, learner):
-        self.inner, self.batches = learner.loss_fn, []
-        learner.loss_fn = self
-
-    def __call__(self, batch, params):
-        batch.logprobs.retain_grad()
-        self.batches.append(batch)
-        return self.inner(batch, params)
-
-
 def _learner(model, tokenizer, layout="prefix", **loss):
-    params = LearnerParams(
-        lr=1e-3,
-        micro_batch_groups=1,
-        shared_prompt=layout != "unpacked",
-        shared_prompt_impl=layout if layout != "unpacked" else "prefix",
-    )
-    ref = copy.deepcopy(model).requires_grad_(False)
-    algo = AlgoParams(kl_coef=0.05, max_policy_tokens=24, **loss)
-    learner = Learner(model, params, algo, tokenizer.pad_token_id, ref)
-    learner.algo_params = algo  # the Scorer's settings, for train()
-    return learner, _Recorder(learner)
+    return recording_learner(model, tokenizer, layout, 24, **loss)
 
 
 @pytest.mark.parametrize("layout", ["unpacked", "prefix"])
@@ -211,8 +187,3 @@ def test_a_token_the_environment_wrote_gets_zero_gradient(multi_turn):
     assert all(torch.equal(base[n], same[n]) for n in base)
     moved = _grads(model, tokenizer, _perturbed(groups, trained_too=True))
     assert max((base[n] - moved[n]).abs().max().item() for n in base) > 1e-6
-
-
-def train(learner, groups) -> None:
-    """One iteration, scored as the loop scores it (shaping and advantages), then trained."""
-    learner.train_iteration(iter(score(groups, learner.algo_params)), len(groups))
