@@ -7,8 +7,10 @@ This module must not do I/O, touch the network or import torch.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+import random
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import count
 from typing import Any, Protocol, runtime_checkable
 
 from cadence.types import Prompt
@@ -113,3 +115,17 @@ def reference_answer(answer: str) -> str:
 def stable_seed(key: str) -> int:
     """A 64-bit seed from a string, identical across processes and Python versions."""
     return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "big")
+
+
+def shuffled_epochs(rows: Sequence[Example], seed: int, start: int = 0) -> Iterator[Example]:
+    """`rows` forever, each epoch in its own seeded order; starting at `start` resumes a stream
+    after `start` rows were consumed, identically in any process (what every task's
+    `train_iter` is)."""
+    n = len(rows)
+    epoch, pos = divmod(start, n)
+    for e in count(epoch):
+        order = list(range(n))
+        random.Random(stable_seed(f"{seed}:epoch:{e}")).shuffle(order)
+        for i in order[pos:]:
+            yield rows[i]
+        pos = 0

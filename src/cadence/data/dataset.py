@@ -24,11 +24,11 @@ import re
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from itertools import count, islice
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from cadence.data.base import DataError, Example, make_prompt, stable_seed
+from cadence.data.base import DataError, Example, make_prompt, shuffled_epochs, stable_seed
 
 log = logging.getLogger(__name__)
 
@@ -362,19 +362,8 @@ class DatasetTask:
 
     def train_iter(self, start: int = 0) -> Iterator[Example]:
         """Infinite training stream; `train_iter(k)` resumes after k examples were consumed."""
-        n = len(self._train)
-        epoch, pos = divmod(start, n)
-        for e in count(epoch):
-            order = self._epoch_order(e)
-            for i in order[pos:]:
-                yield self._train[i]
-            pos = 0
+        return shuffled_epochs(self._train, self.seed, start)
 
     def corpus(self, n: int) -> list[str]:
         """`n` prompt + answer texts from the training stream, for training a tokenizer."""
         return [make_prompt(e.question) + e.answer for e in islice(self.train_iter(), n)]
-
-    def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self._train)))
-        random.Random(stable_seed(f"{self.seed}:epoch:{epoch}")).shuffle(order)
-        return order

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import difflib
 import pickle
-import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, fields
-from itertools import count, islice
+from itertools import islice
 from typing import Any
 
-from cadence.data.base import DataError, Example, make_prompt, stable_seed
+from cadence.data.base import DataError, Example, make_prompt, shuffled_epochs, stable_seed
 
 INSTALL_HINT = "pip install 'cadence[reasoning-gym]'"
 KEY = "data.reasoning_gym.datasets"
@@ -194,14 +193,7 @@ class ReasoningGymTask:
 
     def train_iter(self, start: int = 0) -> Iterator[Example]:
         """Infinite training stream; `train_iter(k)` resumes after k examples were consumed."""
-        n = len(self._train)
-        epoch, pos = divmod(start, n)
-        for e in count(epoch):
-            order = list(range(n))
-            random.Random(stable_seed(f"{self.seed}:epoch:{e}")).shuffle(order)
-            for i in order[pos:]:
-                yield self._train[i]
-            pos = 0
+        return shuffled_epochs(self._train, self.seed, start)
 
     def corpus(self, n: int) -> list[str]:
         """`n` prompt + answer texts from the training stream, for training a tokenizer."""

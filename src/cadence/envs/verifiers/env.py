@@ -20,15 +20,14 @@ re-rendered sampled tokens), stops the run with the reason.
 from __future__ import annotations
 
 import importlib
-import random
 from collections.abc import Iterator
-from itertools import count, islice
+from itertools import islice
 from typing import Any
 
 import verifiers.v1 as vf
 
 from cadence.data import DataError, Example
-from cadence.data.base import stable_seed
+from cadence.data.base import shuffled_epochs
 from cadence.types import Completion, EpisodeStats, Prompt
 
 TASK_KEY = "verifiers_task"  # Prompt.metadata key: the task's wire data
@@ -82,14 +81,7 @@ class TasksetTask:
         return list(self._heldout)
 
     def train_iter(self, start: int = 0) -> Iterator[Example]:
-        n = len(self._train)
-        epoch, pos = divmod(start, n)
-        for e in count(epoch):
-            order = list(range(n))
-            random.Random(stable_seed(f"{self.seed}:epoch:{e}")).shuffle(order)
-            for i in order[pos:]:
-                yield self._train[i]
-            pos = 0
+        return shuffled_epochs(self._train, self.seed, start)
 
     def corpus(self, n: int) -> list[str]:
         return [e.question for e in islice(self.train_iter(), n)]
