@@ -7,13 +7,17 @@
 3. Run each mode for real (`--iterations`, no held-out evaluation), interleaved across
    `--repeats`, and read `metrics.jsonl`.
 
-Modes: sync-colocated, sync and periodic, and offpolicy with N = 1 when the config accepts
-`pipeline.mode = "offpolicy"` (detected, not assumed). Measured wall time per iteration is the
+Modes (`--modes`, the planner's names): by default sync-colocated, sync and periodic, and
+offpolicy-1 when the config accepts `pipeline.mode = "offpolicy"` (detected, not assumed); any of
+`cadence plan`'s modes may be named, e.g. `--modes offpolicy-1,partial-1` (partial-N runs
+`offpolicy` with `pipeline.partial_rollout = true`, partial-N-recompute with
+`pipeline.partial_rollout_kv = "recompute"`). Measured wall time per iteration is the
 mean over the iterations after the first (which pays warm-up); the prediction is the simulation's
 steady state. Writes `plan_vs_measured.json` and `.md` in `--out`.
 
     .venv/bin/python benchmarks/plan_vs_measured.py [--config configs/default.toml]
         [--model runs/sft] [--iterations 6] [--repeats 1] [--out runs/plan-vs-measured]
+        [--modes sync,offpolicy-1,partial-1]
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 from cadence.config import ConfigError, PipelineConfig, load_config
 from cadence.plan import load_spec, plan
 from cadence.plan.calibrate import calibrate_to
+from cadence.plan.spec import parse_mode
 
 # mode label -> (pipeline.mode, pipeline.placement)
 MODES = {
@@ -109,8 +114,11 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def modes_to_run(config: str, base: list[str]) -> dict[str, list[str]]:
-    """Mode label -> its config overrides; offpolicy-1 only where the config accepts it."""
+def modes_to_run(config: str, base: list[str], names: list[str] | None) -> dict[str, list[str]]:
+    """Mode label -> its config overrides. Default: MODES, and offpolicy-1 where the config
+    accepts it; named modes are parsed as the planner parses them."""
+    if names is not None:
+        return {name: mode_overrides(name) for name in names}
     modes = {
         label: [f"pipeline.mode='{m}'", f"pipeline.placement='{p}'"]
         for label, (m, p) in MODES.items()
@@ -119,6 +127,18 @@ def modes_to_run(config: str, base: list[str]) -> dict[str, list[str]]:
     if extra is not None:
         modes["offpolicy-1"] = extra
     return modes
+
+
+def mode_overrides(name: str) -> list[str]:
+    """The run config of one of the planner's modes: 'partial-2' -> offpolicy, max_staleness 2,
+    partial rollouts keeping the KV cache."""
+    mode, placement, staleness, partial = parse_mode(name)
+    overrides = [f"pipeline.mode='{mode}'", f"pipeline.placement='{placement}'"]
+    if mode == "offpolicy":
+        overrides.append(f"pipeline.max_staleness={staleness}")
+    if partial:
+        overrides += ["pipeline.partial_rollout=true", f"pipeline.partial_rollout_kv='{partial}'"]
+    return overrides
 
 
 def row(label: str, predicted, samples: list[dict]) -> dict:
@@ -142,11 +162,13 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=6, help="real iterations per mode")
     ap.add_argument("--repeats", type=int, default=1, help="real runs per mode (median)")
     ap.add_argument("--out", default="runs/plan-vs-measured")
+    ap.add_argument("--modes", default=None, help="comma-separated planner mode names")
     args = ap.parse_args()
     out = Path(args.out)
     model = args.model or load_config(args.config).model.path
     base = [f"train.iterations={args.iterations}", f"model.path='{model}'"]
-    modes = modes_to_run(args.config, base)
+    names = args.modes.split(",") if args.modes else None
+    modes = modes_to_run(args.config, base, names)
     predicted = predict(args.config, base, model, list(modes), out)
     samples: dict[str, list[dict]] = {label: [] for label in modes}
     for rep in range(args.repeats):  # interleaved: drift hits every mode alike
