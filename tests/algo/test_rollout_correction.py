@@ -4,6 +4,7 @@ computation, the proximal-policy choice in the losses, the older `tis_cap`, and 
 import json
 import math
 from dataclasses import replace
+from typing import get_args
 
 import pytest
 import torch
@@ -23,8 +24,8 @@ from cadence.algo import (
     correction_weights,
     get_loss,
 )
-from cadence.algo.correction import TRUNCATE_MODES, level_ratio
-from cadence.config import ConfigError, load_config
+from cadence.algo.correction import PROXIMAL_POLICIES, TRUNCATE_MODES, level_ratio
+from cadence.config import AlgoConfig, ConfigError, load_config
 
 # Two responses of 3 tokens; the second's last token is not trained (loss_mask 0) and carries a
 # log-ratio of 1000 that must change nothing. Token ratios rho = pi_old / pi_behaviour:
@@ -380,3 +381,9 @@ def test_an_offpolicy_run_with_a_correction_logs_the_figures(model_dir, tmp_path
     # gap is float noise; iteration 1 trains groups one version old
     assert records[0]["k3_kl"] < 1e-6 and records[0]["rollout_rs_masked_fraction"] == 0
     assert records[1]["stale_token_frac"] > 0
+
+
+def test_the_config_offers_exactly_the_modes_and_proximal_policies_the_algorithm_has():
+    fields = AlgoConfig.model_fields
+    assert get_args(fields["rollout_correction"].annotation) == CORRECTION_MODES
+    assert get_args(fields["correction_proximal"].annotation) == PROXIMAL_POLICIES
