@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+import torch
+
+from cadence.cli import main
 from cadence.config import Config, load_config
 from cadence.metrics import MemorySink
 from cadence.pipeline import build_run, train
@@ -146,3 +149,14 @@ class Cadence:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
+
+
+def in_process(args: list[str]) -> int:
+    """`cadence ARGS` run by its `main` in this process, for a run that need not be a process of
+    its own (one no test signals or kills): no interpreter to start, and worker processes forked
+    from this process's fork server, started once. torch's thread count is restored after."""
+    threads = torch.get_num_threads()
+    try:
+        return main(args)
+    finally:
+        torch.set_num_threads(threads)

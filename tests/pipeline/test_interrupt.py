@@ -109,7 +109,9 @@ def test_ctrl_c_stops_learner_and_workers_and_prints_one_line(model_dir, tmp_pat
         )  # what a terminal's Ctrl-C does: every process of the group
         assert proc.wait(timeout=60) == 130
         assert proc.stderr.read().decode() == "cadence: interrupted\n"  # one line, no traceback
-        time.sleep(0.5)
+        deadline = time.monotonic() + 0.5  # the fork servers end once the run has ended
+        while [pid for pid in workers + servers if _alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert not [pid for pid in workers + servers if _alive(pid)]
     finally:  # a failed check must not leave a 100,000-iteration run behind
         with contextlib.suppress(ProcessLookupError):

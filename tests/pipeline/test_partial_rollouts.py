@@ -24,7 +24,7 @@ from cadence.pipeline import build_run, train
 from cadence.pipeline.checkpoint import list_checkpoints
 from inflight import kept_cache_logprobs, learner_logprobs
 from partial_runs import PUBLISHED, publish_when_idle, thread_workers
-from runs import Cadence, run_config, train_run
+from runs import Cadence, in_process, run_config, train_run
 
 pytestmark = pytest.mark.slow
 
@@ -124,7 +124,9 @@ def test_each_trained_token_has_the_logprob_of_its_recorded_version(
     assert spanning >= 40  # of the 48 sequences of iterations 1 and 2: those not ended by step 4
 
 
-def test_a_run_killed_mid_iteration_resumes_to_the_same_parameters(model_dir, tmp_path):
+def test_a_run_killed_mid_iteration_resumes_to_the_same_parameters(
+    model_dir, tmp_path, monkeypatch
+):
     sets = [
         "train",
         "configs/default.toml",
@@ -152,31 +154,32 @@ def test_a_run_killed_mid_iteration_resumes_to_the_same_parameters(model_dir, tm
             for a in ("--set", s)
         ),
     ]
+    kill_at = str(4 + 3 * 16 + 8)  # held-out 4, then 16 an iteration: in iteration 3
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join(sys.path),
-        "CADENCE_TEST_KILL_AT": str(4 + 3 * 16 + 8),  # held-out 4, then 16 an iteration: 3
+        "CADENCE_TEST_KILL_AT": kill_at,
         "CADENCE_TEST_PUBLISH_AT_STEP": str(PUBLISH_AT_STEP),
     }
     marker, never = tmp_path / "killed", tmp_path / "never-killed"
     full, killed = tmp_path / "full", tmp_path / "killed-run"
-    never.touch()  # the uninterrupted run finds its marker taken: it kills nothing
-    logs = {name: tmp_path / f"{name}.err" for name in ("full", "killed", "resumed")}
-    runs = [
-        Cadence([*sets, "--out", str(full)], env, never, logs["full"], "partial_runs"),
-        Cadence([*sets, "--out", str(killed)], env, marker, logs["killed"], "partial_runs"),
-    ]
+    # Only the run killed with SIGKILL is a process of its own (`python -m partial_runs`); the
+    # uninterrupted run (trained meanwhile) and the resumed one run here, as `cadence` with the
+    # same thread workers, and find their marker taken: they kill nothing.
+    never.touch()
+    monkeypatch.setattr(build, "make_pool", thread_workers(PUBLISH_AT_STEP))
+    monkeypatch.setenv("CADENCE_TEST_KILL_AT", kill_at)
+    monkeypatch.setenv("CADENCE_TEST_KILL_MARKER", str(never))
+    proc = Cadence(
+        [*sets, "--out", str(killed)], env, marker, tmp_path / "killed.err", "partial_runs"
+    )
     try:
-        assert runs[0].wait(timeout=300) == 0, runs[0].stderr()
-        assert runs[1].wait(timeout=300) == -9, runs[1].stderr()  # SIGKILL, in iteration 3
+        assert in_process([*sets, "--out", str(full)]) == 0
+        assert proc.wait(timeout=300) == -9, proc.stderr()  # SIGKILL, in iteration 3
     except BaseException:
-        for r in runs:
-            r.stop()
+        proc.stop()
         raise
     assert [p.name for p in list_checkpoints(killed)] == ["iter-000002"]
-    resumed = Cadence(
-        ["train", "--resume", str(killed)], env, marker, logs["resumed"], "partial_runs"
-    )
-    assert resumed.wait(timeout=300) == 0, resumed.stderr()
+    assert in_process(["train", "--resume", str(killed)]) == 0
     lines = (killed / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 5  # each iteration once
     a, b = load_model(full / "final"), load_model(killed / "final")

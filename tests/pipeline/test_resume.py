@@ -13,7 +13,7 @@ import torch
 from cadence.cli import main
 from cadence.models import load_model
 from cadence.pipeline.checkpoint import list_checkpoints
-from runs import Cadence, session_alive
+from runs import Cadence, in_process, session_alive
 
 pytestmark = pytest.mark.slow
 
@@ -70,7 +70,9 @@ def _iterations(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_a_run_killed_mid_iteration_resumes_to_the_same_parameters(model_dir, tmp_path, mode):
+def test_a_run_killed_mid_iteration_resumes_to_the_same_parameters(
+    model_dir, tmp_path, monkeypatch, mode
+):
     marker, never = tmp_path / "killed", tmp_path / "never-killed"
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join(sys.path),
@@ -79,16 +81,19 @@ def test_a_run_killed_mid_iteration_resumes_to_the_same_parameters(model_dir, tm
     sets = ["train", "configs/default.toml", *_sets(model_dir, mode)]
     full, killed = tmp_path / "full", tmp_path / "killed-run"
 
-    # The uninterrupted run and the one killed mid-iteration are independent: they run at the
-    # same time. The uninterrupted one finds its marker taken, so it kills nothing.
+    # The run killed mid-iteration is a `cadence` process of its own: SIGKILL ends it as a crash
+    # would. The uninterrupted run and the resumed one need no process of their own: they run
+    # here (as `cadence`, through its `main`), their workers forked from this process's fork
+    # server, and find their marker taken, so they kill nothing. The uninterrupted run trains
+    # while the killed one does.
     never.touch()
-    full_proc = Cadence([*sets, "--out", str(full)], env, never, tmp_path / "full.err")
+    monkeypatch.setenv("CADENCE_TEST_KILL_AT", str(MODES[mode][1]))
+    monkeypatch.setenv("CADENCE_TEST_KILL_MARKER", str(never))
     proc = Cadence([*sets, "--out", str(killed)], env, marker, tmp_path / "killed.err")
     try:
-        assert full_proc.wait(timeout=300) == 0, full_proc.stderr()
+        assert in_process([*sets, "--out", str(full)]) == 0
         assert proc.wait(timeout=300) == -9, proc.stderr()  # SIGKILL, mid-iteration 3
     except BaseException:  # only then: the check below wants the workers to exit on their own
-        full_proc.stop()
         proc.stop()
         raise
     assert marker.exists()
@@ -100,8 +105,7 @@ def test_a_run_killed_mid_iteration_resumes_to_the_same_parameters(model_dir, tm
     assert [p.name for p in list_checkpoints(killed)] == ["iter-000002"]
     assert not (killed / "final").exists()
 
-    proc = Cadence(["train", "--resume", str(killed)], env, marker, tmp_path / "resume.err")
-    assert proc.wait(timeout=300) == 0, proc.stderr()
+    assert in_process(["train", "--resume", str(killed)]) == 0
     assert _iterations(killed) == [0, 1, 2, 3, 4]  # each exactly once
     assert [p.name for p in list_checkpoints(killed)] == ["iter-000005"]  # the newest kept
     assert not list((killed / "checkpoints").glob(".*"))  # no temporary directory left

@@ -14,17 +14,21 @@ start, as a spawned process would (the fork server's own is that of its first st
 parent is the fork server, which outlives an owner killed outright, so a process asks
 `owner_gone()`, not its parent, whether its owner is still there.
 
-A process is started as `target(wid, *args(wid), inbox, results)`, says ("ready", wid, None) once
-built, sends ("error", wid, traceback) if anything fails, and ends on ("stop", None). Messages are
-(kind, wid, payload) tuples. Nothing here waits without a timeout; `close()` asks every process to
-stop, then terminates, then kills any that lingers. What the messages mean is the owner's
-business (`LocalPool`, `RewardStage`): this module knows no message but ready, error and stop.
+A process is started as `target(wid, *args(wid), inbox, results)` (`args(wid)` reaches it as
+its inbox's first message: shared-memory tensors included, however many), says ("ready", wid,
+None) once built, sends ("error", wid, traceback) if anything fails, and ends on ("stop",
+None). Messages are (kind, wid, payload) tuples. Nothing here waits without a timeout;
+`close()` asks every process to stop, then terminates, then kills any that lingers. What the
+messages mean is the owner's business (`LocalPool`, `RewardStage`): this module knows no message
+but ready, error and stop.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import queue
 import signal
 import threading
 import time
@@ -32,6 +36,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, cast
 
@@ -41,6 +46,7 @@ Message = tuple[str, int, Any]  # (kind, worker id, payload)
 # what a rollout worker, a reward worker and a learner rank import first (torch, transformers,
 # cadence): the fork server imports them once
 PRELOAD = ["cadence.backend.worker_loop", "cadence.backend.ranks", "cadence.learner.rank"]
+START_ARGS_S = 60.0  # longest a started process waits for its arguments (sent as it starts)
 
 
 class WorkerError(RuntimeError):
@@ -76,14 +82,21 @@ _owner: int | None = None  # in a started process: the pid of the process that s
 
 
 def _in_environment(
-    environ: dict[str, str], owner: int, target: Callable[..., None], *args
+    environ: dict[str, str], owner: int, target: Callable[..., None], wid: int, inbox, results
 ) -> None:
-    """Run `target(*args)` with the owner's environment of the moment it started this process."""
+    """Run `target(wid, *args, inbox, results)` with the owner's environment of the moment it
+    started this process, `args` being the first message of the inbox (see `Processes._spawn`)."""
     global _owner
     _owner = owner
     os.environ.clear()
     os.environ.update(environ)
-    target(*args)
+    try:
+        args = pickle.loads(inbox.get(timeout=START_ARGS_S))
+    except queue.Empty as e:
+        if owner_gone():  # killed while starting us: nobody to report to
+            os._exit(1)
+        raise RuntimeError(f"no start arguments from pid {owner} within {START_ARGS_S:.0f}s") from e
+    target(wid, *args, inbox, results)
 
 
 def owner_gone() -> bool:
@@ -143,23 +156,19 @@ class Processes:
     def _spawn(self, wid: int) -> Proc:
         inbox = self._ctx.Queue()
         reader, writer = self._ctx.Pipe(duplex=False)
-        args = (dict(os.environ), os.getpid(), self.target, wid, *self.args(wid), inbox, writer)
+        # The arguments (a model's shared-memory tensors among them) travel as the inbox's first
+        # message, not with the start: the fork server takes at most 252 file descriptors a
+        # start (SmolLM2 shares 273 tensors), a queue any number. Pickled here, not in the
+        # queue's thread, so that an argument that cannot travel fails this call.
+        inbox.put(bytes(ForkingPickler.dumps(self.args(wid))))
+        args = (dict(os.environ), os.getpid(), self.target, wid, inbox, writer)
         with _ignoring_ctrl_c():
-            try:
-                p = self._start(self._ctx, wid, args)
-            except ValueError as e:  # the fork server takes at most 252 descriptors a start:
-                if "too many fds" not in str(e):  # a model of many shared tensors is spawned,
-                    raise  # its descriptors served without limit (~5 s more to start)
-                p = self._start(mp.get_context("spawn"), wid, args)
+            p = self._ctx.Process(
+                target=_in_environment, name=f"cadence-{self.tag}-{wid}", daemon=True, args=args
+            )
+            p.start()
         writer.close()
         return Proc(p, inbox, reader)
-
-    def _start(self, ctx, wid: int, args: tuple):
-        p = ctx.Process(
-            target=_in_environment, name=f"cadence-{self.tag}-{wid}", daemon=True, args=args
-        )
-        p.start()
-        return p
 
     def send(self, wid: int, message: tuple[str, Any]) -> None:
         self.procs[wid].inbox.put(message)
