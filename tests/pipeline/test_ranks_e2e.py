@@ -111,16 +111,14 @@ def test_two_ranks_make_the_one_process_update(one_process, ranked, model_dir, s
 
 
 def test_ranks_on_ray_end_with_the_local_ranks_parameters(ranked):
-    from cadence.backend.ray_pool import start_ray
+    from cadence.backend.ray_cluster import shutdown_ray, start_ray
 
     started = start_ray(None, num_cpus=3)  # a worker and two ranks, one CPU each
     try:
         got, records, tracks, _ = ranked("fsdp", "sync", "ray")
     finally:
-        import ray
-
         if started:
-            ray.shutdown()
+            shutdown_ray()  # and the reaper `start_ray` started
     want, want_records, _, _ = ranked("fsdp", "sync")
     assert max((got[k] - p).abs().max().item() for k, p in want.items()) <= 1e-6
     assert [r["reward_mean"] for r in records] == [r["reward_mean"] for r in want_records]
