@@ -101,7 +101,7 @@ def _cfg(model_dir, mode, *extra):
             "pipeline.ray_worker_resources={ rollout = 1 }",
             "pipeline.prompts_per_task=1",
             "pipeline.learner_threads=1",
-            "train.iterations=3",
+            "train.iterations=2",  # the second generates with the weights the first trained
             "train.prompts_per_iteration=4",
             "train.micro_batch_groups=1",
             "train.lr=1e-3",

@@ -4,15 +4,19 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from cadence.backend.procs import PRELOAD
 from fixtures_ranks import sharded_state_rank
 
-pytestmark = pytest.mark.slow  # five spawned rank processes
+pytestmark = pytest.mark.slow  # five rank processes
 
 
 def _ranks(world, mode, tmp_path, model_dir, out):
     store = f"file://{tmp_path / f'store-{mode}-{world}'}"
     args = (world, mode, store, model_dir, tmp_path / "ckpt", tmp_path / out)
-    mp.spawn(sharded_state_rank, args=args, nprocs=world)
+    # forked from the fork server the learner's own rank processes come from (torch,
+    # transformers and cadence imported once), not each a fresh interpreter (~5 s of CPU)
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    mp.start_processes(sharded_state_rank, args=args, nprocs=world, start_method="forkserver")
     return torch.load(tmp_path / out)
 
 

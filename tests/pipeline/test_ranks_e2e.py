@@ -2,8 +2,9 @@
 actors) makes the single-process update, in sync and periodic mode with worker processes; a
 killed rank stops the run cleanly.
 
-Nine groups an iteration in two optimizer steps (`train.mini_batches = 2`: five groups, then
-four), two groups per micro-batch. With two ranks the first step is a round of two micro-batches
+Two iterations (the second generates with the weights the first trained), of nine groups each in
+two optimizer steps (`train.mini_batches = 2`: five groups, then four), two groups per
+micro-batch. With two ranks the first step is a round of two micro-batches
 of two groups, then a round in which one rank trains a single group and the other an idle pass;
 the second step is one round of two and two. So an odd number of groups, micro-batches of
 different sizes, idle passes and several steps per iteration (with the frozen old copy, sharded
@@ -34,7 +35,7 @@ _BASE = (
     "pipeline.num_workers=1",
     "pipeline.prompts_per_task=1",
     "pipeline.learner_threads=2",
-    "train.iterations=3",
+    "train.iterations=2",
     "train.prompts_per_iteration=9",
     "train.micro_batch_groups=2",
     "train.mini_batches=2",
@@ -110,16 +111,14 @@ def test_two_ranks_make_the_one_process_update(one_process, ranked, model_dir, s
 
 
 def test_ranks_on_ray_end_with_the_local_ranks_parameters(ranked):
-    from cadence.backend.ray_pool import start_ray
+    from cadence.backend.ray_cluster import shutdown_ray, start_ray
 
-    started = start_ray(None, num_cpus=4)  # a worker and two ranks, one CPU each
+    started = start_ray(None, num_cpus=3)  # a worker and two ranks, one CPU each
     try:
         got, records, tracks, _ = ranked("fsdp", "sync", "ray")
     finally:
-        import ray
-
         if started:
-            ray.shutdown()
+            shutdown_ray()  # and the reaper `start_ray` started
     want, want_records, _, _ = ranked("fsdp", "sync")
     assert max((got[k] - p).abs().max().item() for k, p in want.items()) <= 1e-6
     assert [r["reward_mean"] for r in records] == [r["reward_mean"] for r in want_records]

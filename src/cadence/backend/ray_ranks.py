@@ -23,7 +23,7 @@ from typing import Any
 
 from cadence.backend.procs import WorkerDied, WorkerError
 from cadence.backend.ranks import BUILD, Calls, Factory
-from cadence.backend.ray_cluster import missing, start_ray
+from cadence.backend.ray_cluster import missing, shutdown_ray, start_ray
 
 _KEYS = "learner.num_cpus_per_rank, learner.num_gpus_per_rank, learner.ray_rank_resources"
 
@@ -192,4 +192,4 @@ class RayRanks:
             remove_placement_group(self._group)
             self._group = None
         if self._started:
-            ray.shutdown()
+            shutdown_ray()  # and its reaper
