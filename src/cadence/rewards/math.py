@@ -20,8 +20,6 @@ import logging
 import threading
 from typing import Any
 
-from math_verify import parse, verify
-
 from cadence.rewards.answers import check_format, is_number, last_number, prediction, reference
 
 _CACHE_SIZE = 1 << 16
@@ -46,6 +44,8 @@ def _in_main_thread() -> bool:
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _parse_cached(text: str) -> tuple[Any, ...]:
     # The result does not depend on the timeout mode, so one cache serves all threads.
+    from math_verify import parse  # here: sympy costs every process ~0.6 s to import
+
     if _in_main_thread():
         return tuple(parse(text))
     return tuple(parse(text, parsing_timeout=None))
@@ -98,6 +98,8 @@ class MathReward:
         predicted = _parse_cached(graded) if whole else _parse_answer(graded)
         if not predicted:
             return 0.0
+        from math_verify import verify
+
         if _in_main_thread():
             ok = verify(list(gold), list(predicted))
         else:
