@@ -81,7 +81,8 @@ class _SyncsSent(ThreadPool):
 
 def _hooked_worker(spec, wid, weights, publish_at_step, sent, cond):
     """A worker built from `spec` whose engine, after decode step `publish_at_step` of a task of
-    iteration k, waits until version k was sent to it, if it does not decode with k already."""
+    iteration k, waits until version k was sent to it, if it does not decode with k already, and
+    which takes version k in no earlier step of that task."""
     target, worker = build_worker(spec)
     engine, submit, step = worker.engine, worker.submit, worker.engine.step
     task = {"iteration": 0, "steps": 0}
@@ -101,7 +102,18 @@ def _hooked_worker(spec, wid, weights, publish_at_step, sent, cond):
                     raise TimeoutError(f"version {k} did not reach worker {wid}")
         return done
 
+    def may_load_at_step(version: int) -> bool:
+        """Not before step `publish_at_step` of a task generated ahead: a version the learner
+        sends early (a slow worker, a loaded machine) lands at the same step all the same."""
+        loaded = -1 if worker.version is None else worker.version
+        k = task["iteration"]
+        if worker.busy and task["steps"] < publish_at_step and version >= k > loaded:
+            return False
+        return may_load(version)
+
+    may_load = worker.may_load
     worker.submit, engine.step = submit_noting, step_then_wait
+    worker.may_load = may_load_at_step
     return worker, functools.partial(target.load, weights.tensors)
 
 
