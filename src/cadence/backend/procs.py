@@ -41,6 +41,9 @@ Message = tuple[str, int, Any]  # (kind, worker id, payload)
 # what a rollout worker, a reward worker and a learner rank import first (torch, transformers,
 # cadence): the fork server imports them once
 PRELOAD = ["cadence.backend.worker_loop", "cadence.backend.ranks", "cadence.learner.rank"]
+# transformers imports its Auto classes lazily, and with them torch._dynamo: without these, each
+# process paid 1-2 s (busy 2-core machine) in its first load_tokenizer or load_model
+PRELOAD += ["transformers.models.auto.tokenization_auto", "transformers.models.auto.modeling_auto"]
 
 
 class WorkerError(RuntimeError):
