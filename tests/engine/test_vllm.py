@@ -16,7 +16,12 @@ import torch
 from cadence.algo import AlgoParams
 from cadence.engine import Request, RequestRefused, SamplingParams, derive_seed
 from cadence.engine.vllm import VLLMEngine, VLLMOptions
-from cadence.engine.vllm_logprobs import CHECK_PARAMS, check_full_softmax, hook_sampler
+from cadence.engine.vllm_logprobs import (
+    CHECK_PARAMS,
+    check_full_softmax,
+    gather_logprobs_eager,
+    hook_sampler,
+)
 from cadence.envs import Budget, EnvReply, ScriptedEnv, ToolEnv, load_tools
 from cadence.learner import Learner, LearnerParams, score
 from cadence.learner.sums import BEHAVIOUR_FIGURES
@@ -118,6 +123,28 @@ def _unhook(worker):
     topk_topp = worker.model_runner.sampler.topk_topp_sampler
     topk_topp.forward = topk_topp.forward.__wrapped__
     topk_topp.logprobs_mode = "processed_logprobs"
+
+
+def test_the_hooked_sampler_gathers_vllms_tensors_without_compiling(engine, monkeypatch):
+    # vLLM's own gather counts ranks with a torch.compile'd kernel (a C++ build per process on a
+    # CPU); the hook's eager count must give the very tensors vLLM's code gives
+    from vllm.v1.sample import sampler as vllm_sampler
+
+    def hooked(worker):
+        return worker.model_runner.sampler.gather_logprobs is gather_logprobs_eager
+
+    assert engine.llm.collective_rpc(hooked) == [True]
+    eager = vllm_sampler.batched_count_greater_than._torchdynamo_orig_callable
+    monkeypatch.setattr(vllm_sampler, "batched_count_greater_than", eager)
+    torch.manual_seed(0)
+    logprobs = torch.randn(6, 50).log_softmax(-1)  # (R, V)
+    logprobs[0, :5] = logprobs[0, 7]  # ties with the sampled token count as vLLM counts them
+    token_ids = torch.tensor([7, 0, 49, 3, 3, 12])  # (R,)
+    for k in (0, 2):
+        ours = gather_logprobs_eager(logprobs, k, token_ids)
+        theirs = vllm_sampler.Sampler.gather_logprobs(logprobs, k, token_ids)
+        for a, b in zip(ours, theirs, strict=True):  # indices, values, ranks, then fields unset
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
 
 
 def test_same_seed_same_completion_whatever_the_companions(engine, tok):

@@ -46,6 +46,14 @@ Message = tuple[str, int, Any]  # (kind, worker id, payload)
 # what a rollout worker, a reward worker and a learner rank import first (torch, transformers,
 # cadence): the fork server imports them once
 PRELOAD = ["cadence.backend.worker_loop", "cadence.backend.ranks", "cadence.learner.rank"]
+# transformers imports its Auto classes lazily, and with them torch._dynamo: without these, each
+# process paid 1-2 s (busy 2-core machine) in its first load_tokenizer or load_model; math-verify
+# (sympy) is imported where an answer is graded (~0.6 s)
+PRELOAD += [
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.auto.modeling_auto",
+    "math_verify",
+]
 START_ARGS_S = 60.0  # longest a started process waits for its arguments (sent as it starts)
 
 

@@ -257,12 +257,12 @@ class VLLMEngine:
 
     def close(self) -> None:
         """Shut the engine down and release what vLLM set up in this process (its
-        torch.distributed group and parallel state): another engine may start after."""
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        self.llm.llm_engine.engine_core.shutdown()
+        torch.distributed group and parallel state): another engine may start after. The LLM
+        is dropped first, so that the collection its shutdown ends with (a second one costs
+        about a second in a large process) frees it too."""
+        core = self.llm.llm_engine.engine_core
         del self.llm
-        cleanup_dist_env_and_memory()
+        core.shutdown()  # vLLM's cleanup_dist_env_and_memory: parallel state, gc.collect()
         VLLMEngine._open = False
 
     def _completion(self, out, version: str) -> Completion:

@@ -48,7 +48,8 @@ def hook_sampler(worker) -> str:
 
 def _hook_v1(sampler) -> None:
     """V1 model runner (vLLM's CPU path): its top-k/top-p sampler receives the logits after
-    temperature and returns the sample and the log-probs the sampler records."""
+    temperature and returns the sample and the log-probs the sampler records; the sampled
+    token's rank is counted without torch.compile (`gather_logprobs_eager`)."""
     topk_topp = sampler.topk_topp_sampler
     sample = topk_topp.forward  # the implementation vLLM chose for this platform
     topk_topp.logprobs_mode = "raw_logprobs"  # it computes no renormalised log-probs of its own
@@ -61,6 +62,22 @@ def _hook_v1(sampler) -> None:
     # functools' convention for what a wrapper wraps (a test takes the hook off with it)
     forward.__wrapped__ = sample  # type: ignore[attr-defined]
     topk_topp.forward = forward
+    sampler.gather_logprobs = gather_logprobs_eager
+
+
+def gather_logprobs_eager(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor):
+    """vLLM 0.32's `Sampler.gather_logprobs` with the sampled token's rank counted eagerly: its
+    own rank count is a `torch.compile`d kernel, which on a CPU costs each process that starts an
+    engine a C++ build of several seconds (ranks that cadence never reads). The same tensors."""
+    from vllm.v1.outputs import LogprobsTensors
+
+    topk_logprobs, topk_indices = torch.topk(logprobs, num_logprobs, dim=-1)  # (R, k)
+    token_ids = token_ids.unsqueeze(-1)  # (R, 1)
+    token_logprobs = logprobs.gather(-1, token_ids)  # (R, 1)
+    ranks = (logprobs >= token_logprobs).sum(-1)  # (R,) as vLLM's batched_count_greater_than
+    indices = torch.cat((token_ids, topk_indices), dim=1).to(torch.int32)  # (R, 1 + k)
+    values = torch.cat((token_logprobs, topk_logprobs), dim=1)  # (R, 1 + k)
+    return LogprobsTensors(indices, values, ranks)
 
 
 def _hook_v2(sampler) -> None:
