@@ -5,10 +5,11 @@ What is measured, on the model directory and the training config's workload:
   sampling settings (the empirical distribution the plan then uses), and the reward scores them;
 - decoding: the engine `cadence train` uses (`rollout.engine`) at a few batch sizes with every
   row forced to the same length (no stop tokens); the time per decode step is fitted as fixed +
-  per sequence x batch, once at the worker's thread count and once at the colocated thread count;
+  per sequence x batch, plus per token held in the cache from one longer run, once at the
+  worker's thread count and once at the colocated thread count;
 - training: the `Learner` built as `cadence train` builds it (packing, reference model) on the
-  sampled groups, one micro-batch of a few groups and one of `micro_batch_groups`: seconds per
-  computed token and per micro-batch, and the optimizer step;
+  sampled groups, one micro-batch of a few groups and one of `micro_batch_groups` (the cost of
+  a micro-batch), then all of them (seconds per computed token), and the optimizer step;
 - weight sync: publishing into shared memory and loading back, the local backend's two copies.
 
 On a CPU a "device" of the plan is a core: a worker engine is `threads_per_worker` cores, the
@@ -50,6 +51,7 @@ class _Decode:
     step_s: float
     per_seq_s: float
     prefill_per_token_s: float
+    per_ctx_token_s: float = 0.0  # per step per token held in the cache (attention reads)
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,7 @@ def _throughput(decode: _Decode, train: _Train, train_devices: int, score_s: flo
     return Throughput(
         decode_step_s=decode.step_s,
         decode_per_seq_s=decode.per_seq_s,
-        decode_per_ctx_token_s=0.0,
+        decode_per_ctx_token_s=decode.per_ctx_token_s,
         prefill_per_token_s=decode.prefill_per_token_s,
         train_per_token_s=train.per_token_s * train_devices,
         train_microbatch_s=train.microbatch_s,
@@ -205,7 +207,23 @@ def _measure_decode(cfg: Config, model, tokenizer, prompt_ids, quick: bool) -> _
         slope, intercept = per_step[0] / rows[0], 0.0
     if intercept < 0:  # a line through the origin is the best non-negative fit then
         slope, intercept = float(np.dot(rows, per_step) / np.dot(rows, rows)), 0.0
-    return _Decode(float(intercept), float(max(slope, 0.0)), float(statistics.median(prefill)))
+    per_ctx = 0.0 if quick else _per_context_token(timed, rows[-1], steps, per_step[-1], cfg)
+    return _Decode(
+        float(intercept), float(max(slope, 0.0)), float(statistics.median(prefill)), per_ctx
+    )
+
+
+def _per_context_token(timed, rows: int, steps: int, per_step: float, cfg: Config) -> float:
+    """The cost of attention reads: `rows` sequences decoded to the workload's longer lengths
+    (up to 4 x `steps` more tokens, within `rollout.max_new_tokens`) take longer a step than over
+    the first `steps`, by this much per token held in the cache. Long-tailed responses of a few
+    hundred tokens spend much of their decoding there (0 when the cap allows no longer run)."""
+    longer = min(cfg.rollout.max_new_tokens, 4 * steps)
+    if longer <= 2 * steps:
+        return 0.0
+    long_step = max(timed(rows, longer) - timed(rows, 1), 1e-9) / (longer - 1)
+    extra_context = rows * (longer - steps) / 2  # mean tokens held a step, longer run minus short
+    return float(max(long_step - per_step, 0.0) / extra_context)
 
 
 def _computed_tokens(groups, shared: bool) -> int:
@@ -256,7 +274,21 @@ def _measure_train(cfg: Config, model_dir: str, pad_id: int, groups, quick: bool
         fixed = max(t_small - per_token * tok_small, 0.0)
     else:
         per_token, fixed = t_big / tok_big, 0.0
+    if not quick and len(groups) > big:
+        per_token = _per_token_over_all(learner, scorer, tracer, groups, fixed, big, shared)
     return _Train(per_token, fixed, statistics.median(steps))
+
+
+def _per_token_over_all(learner, scorer, tracer, groups, fixed: float, big: int, shared: bool):
+    """Seconds per computed token over every sampled group, in micro-batches of `big`: with
+    long-tailed lengths the cost of a token depends on its row's length (attention), so the
+    first few groups can be far from the mean (they made the rate 40% high on a long tail)."""
+    tracer.spans.clear()
+    learner.train_iteration(scorer.score(groups), len(groups))
+    scorer.end_iteration()
+    total = sum(s.duration for s in tracer.spans if s.name == "forward_backward")
+    batches = -(-len(groups) // big)
+    return max(total - fixed * batches, 0.0) / _computed_tokens(groups, shared)
 
 
 def _measure_sync(model) -> tuple[float, float]:
