@@ -387,3 +387,18 @@ def test_the_config_offers_exactly_the_modes_and_proximal_policies_the_algorithm
     fields = AlgoConfig.model_fields
     assert get_args(fields["rollout_correction"].annotation) == CORRECTION_MODES
     assert get_args(fields["correction_proximal"].annotation) == PROXIMAL_POLICIES
+
+
+def test_the_effective_sample_size_of_equal_ratios_is_one_whatever_the_rounding():
+    # 34 equal ratios summed one by one: (sum)^2 / (n sum^2) comes out 1 + 2e-15
+    rho = [0.5404843781807775] * 34
+    total, squares = sum(rho), sum(r * r for r in rho)
+    assert total * total / (34 * squares) > 1.0
+    sums = dict.fromkeys(CORRECTION_SUMS, 0.0) | {
+        "rollout_is_sum": total,
+        "rollout_is_sq_sum": squares,
+        "num_correction_tokens": 34.0,
+        "num_correction_seqs": 2.0,
+    }
+    maxima = {"rollout_is_max": rho[0], "rollout_is_inv_min": 1 / rho[0]}
+    assert correction_figures(sums, maxima)["rollout_is_eff_sample_size"] == 1.0

@@ -191,7 +191,10 @@ def correction_figures(sums: Mapping[str, float], maxima: Mapping[str, float]) -
         "rollout_is_mean": total / n,
         "rollout_is_min": 1.0 / inv_min if inv_min > 0 else 0.0,
         "rollout_is_max": maxima["rollout_is_max"],
-        "rollout_is_eff_sample_size": total * total / (n * squares) if squares > 0 else 0.0,
+        # <= 1 by Cauchy-Schwarz; sums taken in another order can make equal ratios 1 + 1e-14
+        "rollout_is_eff_sample_size": min(total * total / (n * squares), 1.0)
+        if squares > 0
+        else 0.0,
         "rollout_rs_masked_fraction": sums["rollout_rs_masked_tokens"] / n,
         "log_ppl_abs_diff": sums["log_ppl_abs_diff_sum"] / max(seqs, 1.0),
         "k3_kl": sums["k3_kl_sum"] / n,
