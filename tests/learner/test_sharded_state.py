@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from cadence.backend.procs import PRELOAD
+from cadence.backend.procs import fork_server
 from fixtures_ranks import sharded_state_rank
 
 pytestmark = pytest.mark.slow  # five rank processes
@@ -15,7 +15,7 @@ def _ranks(world, mode, tmp_path, model_dir, out):
     args = (world, mode, store, model_dir, tmp_path / "ckpt", tmp_path / out)
     # forked from the fork server the learner's own rank processes come from (torch,
     # transformers and cadence imported once), not each a fresh interpreter (~5 s of CPU)
-    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    fork_server()  # its preload, then the processes
     mp.start_processes(sharded_state_rank, args=args, nprocs=world, start_method="forkserver")
     return torch.load(tmp_path / out)
 

@@ -44,17 +44,26 @@ import torch.multiprocessing as mp
 
 Message = tuple[str, int, Any]  # (kind, worker id, payload)
 # what a rollout worker, a reward worker and a learner rank import first (torch, transformers,
-# cadence): the fork server imports them once
-PRELOAD = ["cadence.backend.worker_loop", "cadence.backend.ranks", "cadence.learner.rank"]
-# transformers imports its Auto classes lazily, and with them torch._dynamo: without these, each
-# process paid 1-2 s (busy 2-core machine) in its first load_tokenizer or load_model; math-verify
-# (sympy) is imported where an answer is graded (~0.6 s)
-PRELOAD += [
+# cadence): the fork server imports them once. transformers imports its Auto classes lazily, and
+# with them torch._dynamo (1-2 s in each process's first load_tokenizer or load_model on a busy
+# 2-core machine); math-verify (sympy, ~0.6 s) is imported where an answer is graded.
+PRELOAD = [
+    "cadence.backend.worker_loop",
+    "cadence.backend.ranks",
+    "cadence.learner.rank",
     "transformers.models.auto.tokenization_auto",
     "transformers.models.auto.modeling_auto",
     "math_verify",
 ]
 START_ARGS_S = 60.0  # longest a started process waits for its arguments (sent as it starts)
+
+
+def fork_server():
+    """The multiprocessing context whose processes fork from a server that imported PRELOAD
+    (read when the server starts, once per owner process)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 class WorkerError(RuntimeError):
@@ -143,8 +152,7 @@ class Processes:
     ) -> None:
         self.name, self.target, self.args, self.timeout_s = name, target, args, timeout_s
         self.tag = tag
-        self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, once
+        self._ctx = fork_server()
         self.procs: list[Proc] = []
 
     def __len__(self) -> int:
