@@ -85,7 +85,12 @@ def _hooked_worker(spec, wid, weights, publish_at_step, sent, cond):
     which takes version k in no earlier step of that task."""
     target, worker = build_worker(spec)
     engine, submit, step = worker.engine, worker.submit, worker.engine.step
+    may_load = worker.may_load
     task = {"iteration": 0, "steps": 0}
+
+    def ahead() -> bool:
+        """Whether the task in hand belongs to an iteration ahead of the loaded weights."""
+        return task["iteration"] > (-1 if worker.version is None else worker.version)
 
     def submit_noting(task_id, prompts, iteration, version):
         task.update(iteration=iteration, steps=0)
@@ -95,8 +100,7 @@ def _hooked_worker(spec, wid, weights, publish_at_step, sent, cond):
         done = step()
         task["steps"] += 1
         k = task["iteration"]
-        loaded = -1 if worker.version is None else worker.version
-        if task["steps"] == publish_at_step and k > loaded:
+        if task["steps"] == publish_at_step and ahead():
             with cond:
                 if not cond.wait_for(lambda: k in sent.get(wid, ()), WAIT_S):
                     raise TimeoutError(f"version {k} did not reach worker {wid}")
@@ -105,13 +109,11 @@ def _hooked_worker(spec, wid, weights, publish_at_step, sent, cond):
     def may_load_at_step(version: int) -> bool:
         """Not before step `publish_at_step` of a task generated ahead: a version the learner
         sends early (a slow worker, a loaded machine) lands at the same step all the same."""
-        loaded = -1 if worker.version is None else worker.version
-        k = task["iteration"]
-        if worker.busy and task["steps"] < publish_at_step and version >= k > loaded:
+        early = task["steps"] < publish_at_step and version >= task["iteration"]
+        if worker.busy and early and ahead():
             return False
         return may_load(version)
 
-    may_load = worker.may_load
     worker.submit, engine.step = submit_noting, step_then_wait
     worker.may_load = may_load_at_step
     return worker, functools.partial(target.load, weights.tensors)
