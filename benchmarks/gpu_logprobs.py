@@ -103,16 +103,15 @@ def perturbed(model, scale: float, seed: int = 0):
 def probe(cfg, model_dirs: list[str], num_prompts: int, scale: float = 0.05) -> dict[str, dict]:
     """Figures per model, through one engine started on `model.path`: 'start' (that model),
     'perturbed' (it, perturbed by `scale`), then each of `model_dirs` (by its path)."""
+    from cadence.builder import heldout_set, learner_params, open_rollout_engine, rollout_worker
     from cadence.models import DTYPES, load_model, load_tokenizer, max_positions
-    from cadence.pipeline.params import learner_params
-    from cadence.pipeline.workers import heldout_set, open_rollout_engine, rollout_worker
 
     tokenizer = load_tokenizer(cfg.model.path)
     engine, weights = open_rollout_engine(cfg, tokenizer)
     prompts = heldout_set(cfg, tokenizer, max_positions(weights.model))[:num_prompts]
     if not prompts:
         raise ValueError("the task gave no held-out prompt that fits the model")
-    worker = rollout_worker(cfg, engine, tokenizer, None)
+    worker = rollout_worker(cfg, engine, tokenizer, score=False)
     params = learner_params(cfg)
     dtype, device, pad = DTYPES[cfg.model.dtype], cfg.model.device, tokenizer.pad_token_id
     start = {n: p.detach().cpu() for n, p in load_model(cfg.model.path, dtype).named_parameters()}

@@ -61,7 +61,7 @@ def offpolicy_overrides(config: str, base: list[str]) -> list[str] | None:
 
 def run_real(config: str, overrides: list[str], out: Path) -> dict[str, float]:
     """One real run; per-iteration means over the iterations after the first."""
-    from cadence.pipeline import build_run, train
+    from cadence.builder import build_run, train
 
     if out.exists():
         shutil.rmtree(out)  # metrics.jsonl is appended to: start clean

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from cadence.backend import LocalPool, SharedWeights, WorkerSpec
+from cadence.builder import sampling_params
 from cadence.config import load_config
 from cadence.data import ArithmeticTask
 from cadence.models import init_model, load_model, load_tokenizer, save_pretrained, train_tokenizer
-from cadence.pipeline.params import sampling_params
 from cadence.pipeline.prompts import PromptStream
 
 

@@ -6,7 +6,7 @@ reproducible only if that point is. Two ways to fix it:
 - `publish_when_idle(source, prompts)`: the learner publishes version v >= 1 only once iteration
   v (generated ahead with version v - 1) is all in, so no update arrives mid-sequence (any
   backend: it waits on the producer's results);
-- `thread_workers(publish_at_step)`, set as `cadence.pipeline.build.make_pool`: `build_run`
+- `thread_workers(publish_at_step)`, set as `cadence.builder.run.make_pool`: `build_run`
   puts its rollout workers in threads of this process (`backend.fake.ThreadPool`, the real
   `WorkerLoop`, workers built from the run's `WorkerSpec`), and a worker whose task belongs to
   an iteration ahead of its weights stops after decode step `publish_at_step` of that task until
@@ -141,7 +141,7 @@ def thread_workers(publish_at_step: int):
 
 
 if __name__ == "__main__":
-    import cadence.pipeline.build as build
+    import cadence.builder.run as build
     from cadence.cli import main
 
     build.make_pool = thread_workers(int(os.environ["CADENCE_TEST_PUBLISH_AT_STEP"]))

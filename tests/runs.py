@@ -19,10 +19,10 @@ from typing import NamedTuple
 
 import torch
 
+from cadence.builder import build_run, train
 from cadence.cli import main
 from cadence.config import Config, load_config
 from cadence.metrics import MemorySink
-from cadence.pipeline import build_run, train
 from updates import capture_grads
 
 # Three iterations of six prompts, groups of four, ten new tokens, KL to the reference: every
@@ -61,7 +61,7 @@ def train_run(
     """Build and train `cfg` into `out`; each optimizer step's gradients go to `grads` if given."""
     run = build_run(cfg)
     if grads is not None:
-        capture_grads(run.learner, grads)
+        capture_grads(run.trainer, grads)
     pids = local_pids(run, cfg)
     sink = sink or MemorySink()
     train(run, out, extra_sinks=[sink], evaluate=evaluate)
@@ -73,7 +73,7 @@ def local_pids(run, cfg: Config) -> list[int]:
     learner ranks (none for a colocated run or Ray actors)."""
     if cfg.pipeline.backend != "local":
         return []
-    pids = [d["pid"] for d in run.learner.described] if cfg.learner.ranks > 1 else []
+    pids = [d["pid"] for d in run.trainer.described] if cfg.learner.ranks > 1 else []
     if cfg.pipeline.placement == "separate":
         source = run.source
         stage = source.reward_stage.procs if source.reward_stage is not None else []

@@ -305,7 +305,7 @@ def test_bad_partial_rollout_keys_are_refused_naming_both_keys(override, hint):
 
 
 def test_partial_rollout_keys_reach_the_workers_and_round_trip():
-    from cadence.pipeline.params import partial_rollouts
+    from cadence.builder import partial_rollouts
     from cadence.rollout import PartialRollouts
 
     assert partial_rollouts(load_config(None, OFFPOLICY)) is None  # off by default

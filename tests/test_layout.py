@@ -39,7 +39,21 @@ ALLOWED = {
     "rollout": {"types", "engine", "envs", "metrics", "models", "rewards", "serve"},
     # engines only as what weights load into (EngineWeights); rewards for the reward stage
     "backend": {"types", "dataplane", "engine", "metrics", "models", "rewards", "rollout"},
+    # the runtime is config-blind: what it runs is wired by the builder from plain values, and it
+    # meets engines, environments and the algorithm only through what the builder hands it
     "pipeline": {
+        "types",
+        "data",
+        "models",
+        "metrics",
+        "rewards",
+        "learner",
+        "dataplane",
+        "rollout",
+        "backend",
+    },
+    # the one place that reads the whole config and wires a run from it
+    "builder": {
         "types",
         "config",
         "algo",
@@ -53,6 +67,7 @@ ALLOWED = {
         "dataplane",
         "rollout",
         "backend",
+        "pipeline",
     },
 }
 
@@ -163,6 +178,11 @@ def test_layers_point_one_way():
     assert bad == []
 
 
+def test_the_runtime_reads_no_config_nor_what_the_builder_chooses():
+    assert not {"config", "engine", "envs", "algo"} & ALLOWED["pipeline"]
+    assert "builder" not in ALLOWED["pipeline"]
+
+
 def test_the_checks_see_a_circle_a_private_import_and_a_layer_breach():
     # the checks themselves can fail: a graph with each fault is caught
     graph = {
@@ -173,10 +193,42 @@ def test_the_checks_see_a_circle_a_private_import_and_a_layer_breach():
     assert _top("cadence.backend.a") == "backend" and "pipeline" not in ALLOWED["backend"]
 
 
-# What an engine is, is asked of the engine (the Engine Protocol's `owns_weights`); its class only
-# the factory that builds it knows.
+# What an engine, a transport, a pool, a source, a store or an environment is, is asked of it
+# (its Protocol); its class only the factory that builds it knows.
 ENGINE_CLASSES = {"BatchStepper", "ContinuousEngine", "HFEngine", "ScriptedEngine", "VLLMEngine"}
-FACTORIES = {"cadence.engine.factory"}
+IMPLEMENTATIONS = ENGINE_CLASSES | {
+    # weight transports, each with its receiving half
+    "SharedWeights",
+    "InMemoryWeights",
+    "LearnerWeights",
+    "ObjectStoreWeights",
+    "ObjectStoreReceiver",
+    "BroadcastWeights",
+    "BroadcastReceiver",
+    # pools, sources and stores
+    "LocalPool",
+    "RayPool",
+    "ThreadPool",
+    "ColocatedSource",
+    "WorkerSource",
+    "SampleStore",
+    "ActorStore",
+    # environments and what runs their episodes
+    "ToolEnv",
+    "ClassEnv",
+    "OpenEnvEnv",
+    "ScriptedEnv",
+    "SingleTurnEnv",
+    "VerifiersEnv",
+    "EpisodeRunner",
+    "VerifiersRunner",
+}
+FACTORIES = {
+    "cadence.engine.factory",  # engines
+    "cadence.backend",  # pools and their transports (make_pool)
+    "cadence.envs.spec",  # environments (make_env)
+    "cadence.rollout.runners",  # what runs an environment's episodes (make_episodes)
+}
 # trainers are built by the run builder and met only through the Trainer Protocol
 TRAINER_CLASSES = {"Learner", "RankedLearner", "RankLearner", "FakeTrainer"}
 
@@ -199,12 +251,12 @@ def _class_tests(path: Path) -> set[str]:
     return asked
 
 
-def test_no_isinstance_on_engine_classes_outside_the_factory():
+def test_no_isinstance_on_implementations_outside_their_factories():
     bad = sorted(
         f"{name} asks for {cls}"
         for name, path in _modules().items()
         if name not in FACTORIES
-        for cls in _class_tests(path) & ENGINE_CLASSES
+        for cls in _class_tests(path) & IMPLEMENTATIONS
     )
     assert bad == []
 
@@ -227,6 +279,75 @@ def test_the_class_check_sees_each_way_of_asking(tmp_path):
         "c = type(x) is ContinuousEngine\n"
     )
     assert _class_tests(probe) & ENGINE_CLASSES == {"VLLMEngine", "HFEngine", "ContinuousEngine"}
+
+
+# The environment's kind is asked of its traits (envs.kind_traits) outside the rooms that define
+# the kinds: a comparison with a kind's name elsewhere is a decision taken by name.
+ENV_KINDS = {"single_turn", "tool", "class", "openenv", "verifiers"}
+KIND_ROOMS = ("envs", "config")
+
+
+def _kind_literals(path: Path) -> list[int]:
+    """Lines comparing something called `kind` (`cfg.env.kind`, `e.kind`, `kind`) with an
+    environment kind's name, or a tuple of them."""
+
+    def is_kind(node: ast.expr) -> bool:
+        return getattr(node, "attr", getattr(node, "id", "")) == "kind"
+
+    def names(node: ast.expr) -> set:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return set().union(*(names(e) for e in node.elts))
+        return set()
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(map(is_kind, sides)) and any(names(s) & ENV_KINDS for s in sides):
+                found.append(node.lineno)
+    return found
+
+
+def test_no_env_kind_compared_by_name_outside_envs_and_config():
+    bad = [
+        f"{name}:{line}"
+        for name, path in _modules().items()
+        if _top(name) not in KIND_ROOMS
+        for line in _kind_literals(path)
+    ]
+    assert bad == []
+
+
+def test_the_kind_check_sees_each_way_of_comparing(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "a = cfg.env.kind == 'verifiers'\n"
+        "b = e.kind in ('tool', 'class')\n"
+        "c = kind != 'single_turn'\n"
+        "d = spec.kind == 'model'\n"  # a reward's kind: not an environment's
+    )
+    assert _kind_literals(probe) == [1, 2, 3]
+
+
+MAX_MODULE_LINES = 450
+MAX_CLASS_LINES = 250
+
+
+def test_no_module_over_450_lines_and_no_class_over_250():
+    long_modules = [
+        f"{name}: {n}"
+        for name, path in _modules().items()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    long_classes = [
+        f"{name}.{node.name}: {node.end_lineno - node.lineno + 1}"
+        for name, path in _modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES
+    ]
+    assert long_modules == [] and long_classes == []
 
 
 def test_test_modules_have_unique_names():

@@ -349,7 +349,7 @@ def test_bad_config_is_refused_when_read(overrides, hint):
 
 @pytest.mark.slow
 def test_an_offpolicy_run_with_a_correction_logs_the_figures(model_dir, tmp_path):
-    from cadence.pipeline import build_run, train
+    from cadence.builder import build_run, train
 
     cfg = load_config(
         None,

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from cadence.backend import WorkerDied
+from cadence.builder import build_run, train
 from cadence.metrics import MemorySink
 from cadence.models import load_model
-from cadence.pipeline import build_run, train
 from partial_runs import publish_when_idle
 from runs import TWO_WORKERS, processes, run_config, train_run
 from updates import assert_same_update, capture_grads, max_relative_diff
@@ -24,7 +24,7 @@ from updates import assert_same_update, capture_grads, max_relative_diff
 
 def test_importing_cadence_does_not_import_ray():
     code = (
-        "import sys, cadence, cadence.cli, cadence.pipeline, cadence.pipeline.build, "
+        "import sys, cadence, cadence.cli, cadence.pipeline, cadence.builder, "
         "cadence.backend, cadence.backend.ray_pool, cadence.backend.ray_store, "
         "cadence.backend.ray_weights, cadence.backend.ray_ranks, cadence.backend.ray_cluster, "
         "cadence.learner.driver; "
@@ -68,7 +68,7 @@ def ray_sync_run(ray_cluster, model_dir, tmp_path_factory):
     grads: list = []
     cfg = _cfg(model_dir, "sync", *TWO_WORKERS)
     run, records, _ = train_run(cfg, tmp_path_factory.mktemp("s"), grads)
-    return run.learner.model, records, grads
+    return run.trainer.model, records, grads
 
 
 def _assert_same_update_as_sync(ray_sync_run, run, records, grads):
@@ -76,7 +76,7 @@ def _assert_same_update_as_sync(ray_sync_run, run, records, grads):
     sync_model, sync_records, sync_grads = ray_sync_run
     assert len(grads) == 2
     assert max_relative_diff(grads[0], sync_grads[0]) <= 1e-5
-    assert_same_update(run.learner.model, sync_model, grads, sync_grads, grad_rtol=5e-5)
+    assert_same_update(run.trainer.model, sync_model, grads, sync_grads, grad_rtol=5e-5)
     assert [r["reward_mean"] for r in sync_records] == [r["reward_mean"] for r in records]
     assert all(r["staleness_max"] == 0 and r["optimizer_steps"] == 1 for r in records)
 
@@ -95,7 +95,7 @@ def test_periodic_update_equals_sync_update_on_ray(ray_sync_run, ray_periodic_ru
     run, records, grads = ray_periodic_run
     _assert_same_update_as_sync(ray_sync_run, run, records, grads)
     assert all(r["policy_version"] == r["iteration"] for r in records)
-    assert _max_diff(load_model(model_dir), run.learner.model) > 1e-4  # it really trained
+    assert _max_diff(load_model(model_dir), run.trainer.model) > 1e-4  # it really trained
     assert _no_worker_actor_left()
 
 
@@ -128,7 +128,7 @@ _DETERMINISTIC = (
 def local_offpolicy_run(model_dir, tmp_path_factory):
     cfg = _cfg(model_dir, "offpolicy", *_DETERMINISTIC, backend="local")
     run, records, _ = train_run(cfg, tmp_path_factory.mktemp("local"))
-    return run.learner.model, records
+    return run.trainer.model, records
 
 
 @pytest.mark.slow
@@ -141,7 +141,7 @@ def test_ray_run_ends_with_the_local_run_parameters(
     run, records, _ = train_run(cfg, tmp_path)
     assert [r["staleness_hist"] for r in records] == [[6, 0], [0, 6]]
     assert [r["reward_mean"] for r in records] == [r["reward_mean"] for r in local_records]
-    assert _max_diff(run.learner.model, local_model) <= 1e-6
+    assert _max_diff(run.trainer.model, local_model) <= 1e-6
     assert _max_diff(load_model(model_dir), local_model) > 1e-4  # both really trained
 
 
@@ -161,7 +161,7 @@ def test_a_partial_rollout_run_on_ray_equals_the_local_offpolicy_run(
     assert [r["staleness_hist"] for r in records] == [[6, 0], [0, 6]]
     assert [r["reward_mean"] for r in records] == [r["reward_mean"] for r in local_records]
     assert all(r["trajectory_spans"] == 1.0 for r in records)
-    assert _max_diff(run.learner.model, local_model) <= 1e-6
+    assert _max_diff(run.trainer.model, local_model) <= 1e-6
 
 
 class _KillOnFirstGroups:
@@ -218,7 +218,7 @@ def test_killed_actor_is_replaced_and_the_update_equals_sync(
     # killed mid-iteration: the replacement loads the current version and regenerates the
     # prompts the dead actor had not returned, with the same seeds: the very update of sync
     run = build_run(_cfg(model_dir, "periodic", *TWO_WORKERS))
-    grads = capture_grads(run.learner)
+    grads = capture_grads(run.trainer)
     killer = _KillOnFirstGroups(run.source.pool, ray_cluster)
     run.source.pool.poll = killer
     sink = MemorySink()

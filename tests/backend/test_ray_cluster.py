@@ -25,10 +25,10 @@ import time
 import pytest
 
 from cadence.backend import WorkerDied, WorkerError
+from cadence.builder import build_run, train
 from cadence.config import load_config
 from cadence.metrics import MemorySink
 from cadence.models import load_model
-from cadence.pipeline import build_run, train
 from updates import assert_same_params, capture_grads
 
 pytestmark = pytest.mark.slow
@@ -158,7 +158,7 @@ class _Placement(MemorySink):
         import ray
 
         super().write(record)
-        ranks = getattr(self.run.learner, "ranks", None)
+        ranks = getattr(self.run.trainer, "ranks", None)
         self.nodes.append(
             {
                 "driver": ray.get_runtime_context().get_node_id(),
@@ -175,7 +175,7 @@ def test_a_run_on_the_cluster_places_by_resources_survives_a_lost_node_and_makes
     rollout = _nodes_with(cluster, "rollout")
     grads: list = []
     sync = build_run(_cfg(model_dir, "sync"))  # joins the cluster: "auto" finds it
-    capture_grads(sync.learner, grads)
+    capture_grads(sync.trainer, grads)
     want = _Placement(sync)
     train(sync, tmp_path / "sync", extra_sinks=[want], evaluate=False)
     assert all(n["driver"] == head and n["worker"] in rollout for n in want.nodes)
@@ -193,8 +193,8 @@ def test_a_run_on_the_cluster_places_by_resources_survives_a_lost_node_and_makes
     assert all(n["driver"] == head and set(n["ranks"]) == trainer for n in got.nodes)
     assert [r["reward_mean"] for r in got.records] == [r["reward_mean"] for r in want.records]
     assert all(r["staleness_max"] == 0 and r["learner_ranks"] == 2 for r in got.records)
-    params = {k: v.detach() for k, v in run.learner.model.named_parameters()}
-    want_params = {k: v.detach() for k, v in sync.learner.model.named_parameters()}
+    params = {k: v.detach() for k, v in run.trainer.model.named_parameters()}
+    want_params = {k: v.detach() for k, v in sync.trainer.model.named_parameters()}
     assert_same_params(params, want_params, grads)
     fresh = dict(load_model(model_dir).named_parameters())
     assert max((params[k] - p).abs().max().item() for k, p in fresh.items()) > 1e-4  # trained
@@ -205,8 +205,8 @@ _RANKS_ON_TRAINER = "learner.ray_rank_resources={ trainer = 1 }"
 
 def test_a_worker_whose_resource_no_live_node_offers_stops_at_once_naming_it(cluster, model_dir):
     from cadence.backend.ray_pool import RayPool
+    from cadence.builder import sampling_params, worker_spec
     from cadence.models import load_tokenizer
-    from cadence.pipeline.params import sampling_params, worker_spec
 
     lonely = cluster.add_node(num_cpus=1, resources={"lonely": 1})
     cfg = _cfg(model_dir, "periodic")

@@ -13,10 +13,10 @@ import time
 import pytest
 
 from cadence.backend import RewardSpec, RewardStage, WorkerDied, WorkerError
+from cadence.builder import build_run, train
 from cadence.data import DEFAULT_TEMPLATE, ArithmeticTask
 from cadence.dataplane import LEARNER, TRAIN, SampleStore, batch_groups, group_rows
 from cadence.metrics import MemorySink, Tracer
-from cadence.pipeline import build_run, train
 from cadence.rewards import safe_reward
 from cadence.rewards.model import RewardModel
 from cadence.rewards.model_recipe import train_reward_model
@@ -62,14 +62,14 @@ def _train(cfg, out, grads=None):
     """Train; return the run, its records and the groups the learner trained on, in order."""
     run = build_run(cfg)
     if grads is not None:
-        capture_grads(run.learner, grads)
+        capture_grads(run.trainer, grads)
     trained = []
-    train_iteration = run.learner.train_iteration
+    train_iteration = run.trainer.train_iteration
 
     def capture(scored, num_groups):
         return train_iteration((trained.append(s.group) or s for s in scored), num_groups)
 
-    run.learner.train_iteration = capture
+    run.trainer.train_iteration = capture
     pids = local_pids(run, cfg)
     sink = MemorySink()
     train(run, out, extra_sinks=[sink], evaluate=False)
@@ -162,7 +162,7 @@ def test_a_rule_reward_as_a_stage_makes_the_update_of_the_rule_in_the_workers(mo
     errors = [r["reward_errors"] for r in in_records]
     assert errors == [r["reward_errors"] for r in stage_records] and min(errors) > 0
     assert_same_update(
-        stage_run.learner.model, in_run.learner.model, stage_grads, in_grads, grad_rtol=5e-5
+        stage_run.trainer.model, in_run.trainer.model, stage_grads, in_grads, grad_rtol=5e-5
     )
     assert "stage_reward_busy_s" not in in_records[0]
     _check_stage_figures(tmp_path / "stage", ("gen", "reward", "train"))

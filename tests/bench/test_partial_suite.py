@@ -26,8 +26,8 @@ def test_the_partial_modes_differ_from_offpolicy_by_their_keys_only(monkeypatch,
             "pipeline_efficiency": 0.9,
         }
 
-    monkeypatch.setattr("cadence.pipeline.build_run", build_run)
-    monkeypatch.setattr("cadence.pipeline.train", train)
+    monkeypatch.setattr("cadence.builder.build_run", build_run)
+    monkeypatch.setattr("cadence.builder.train", train)
     names = modes.parse_modes(modes.PARTIAL_SUITE + ",partial-recompute")
     rows = modes.bench("configs/bench-longtail.toml", [], names, 1, tmp_path)
     off, keep, recompute = seen["offpolicy-0"], seen["partial-0"], seen["partial-recompute-0"]

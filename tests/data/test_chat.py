@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from cadence.builder import prompt_render
 from cadence.config import ConfigError, load_config
 from cadence.data import ChatRender, DataError, Example, PlainRender, to_prompt
 from cadence.learner.sft import encode_batch
-from cadence.pipeline.params import prompt_render
 
 QUESTION = Example("What is 2 + 3?", "2 + 3 = 5\n#### 5")
 CONVERSATION = Example(

@@ -16,12 +16,12 @@ import reasoning_gym
 from reasoning_gym.composite import DatasetSpec
 from reasoning_gym.utils import SYSTEM_PROMPTS
 
+from cadence.builder import make_task
 from cadence.cli import main
 from cadence.config import ConfigError, load_config
 from cadence.data import ChatRender, DataError, DatasetChoice, PlainRender, ReasoningGymTask
 from cadence.data.base import to_prompt
 from cadence.data.reasoning_gym import heldout_mix_seed
-from cadence.pipeline.params import make_task
 from cadence.rewards import load_reward, safe_reward
 from cadence.rewards.reasoning_gym import ReasoningGymReward
 

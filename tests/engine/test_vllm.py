@@ -372,7 +372,7 @@ def test_a_prompt_vllm_refuses_fails_alone_and_leaves_the_engine_usable(engine, 
 def test_importing_cadence_does_not_import_vllm():
     code = (
         "import sys, cadence, cadence.cli, cadence.engine, cadence.engine.vllm, "
-        "cadence.pipeline.build, cadence.backend.worker_loop, cadence.backend.local; "
+        "cadence.builder, cadence.backend.worker_loop, cadence.backend.local; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -9,6 +9,7 @@ import pytest
 from transformers.utils import get_json_schema
 
 import fixtures_envs
+from cadence.builder import env_spec
 from cadence.config import ConfigError, load_config
 from cadence.envs import (
     Budget,
@@ -19,7 +20,6 @@ from cadence.envs import (
     load_factory,
     reset_row,
 )
-from cadence.pipeline.params import env_spec
 from cadence.types import Prompt
 
 HERMES = (Path(__file__).parents[2] / "configs" / "chat-tools.jinja").read_text()

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from cadence.builder import build_run, train
 from cadence.cli import main
 from cadence.config import ConfigError, load_config
-from cadence.pipeline import build_run, train
 
 pytestmark = pytest.mark.slow
 

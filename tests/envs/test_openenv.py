@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 import fixtures_openenv
+from cadence.builder import env_spec
 from cadence.config import ConfigError, load_config
 from cadence.data.base import stable_seed
 from cadence.envs import Budget, ChatFormat, FactoryError, OpenEnvEnv, load_openenv
 from cadence.envs import observation_text as text_of
-from cadence.pipeline.params import env_spec
 from cadence.types import Prompt
 
 HERMES = (Path(__file__).parents[2] / "configs" / "chat-tools.jinja").read_text()

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from cadence.algo import AlgoParams, reinforce_pp_advantages
+from cadence.builder import algo_params
 from cadence.config import ConfigError, load_config
 from cadence.engine import ContinuousEngine, SamplingParams
 from cadence.envs import Budget, ScriptedEnv, replies
 from cadence.learner import Scorer
 from cadence.models import load_model, load_tokenizer
-from cadence.pipeline.params import algo_params
 from cadence.rollout import RolloutWorker
 from cadence.types import Completion, Group, Prompt
 from recording import recording_learner, train

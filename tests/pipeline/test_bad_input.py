@@ -7,13 +7,13 @@ import multiprocessing
 import pytest
 import torch
 
+from cadence.builder import build_run, train
 from cadence.cli import main
 from cadence.config import load_config
 from cadence.data import ArithmeticTask, DataError
 from cadence.learner import BadStepsError
 from cadence.metrics import MemorySink
 from cadence.models import load_model, load_tokenizer
-from cadence.pipeline import build_run, train
 from cadence.pipeline import prompts as prompts_module
 from cadence.pipeline.checkpoint import list_checkpoints
 from cadence.pipeline.prompts import PromptFilter, PromptStream
@@ -159,7 +159,7 @@ def test_non_finite_steps_in_a_row_stop_the_run_without_saving_bad_weights(model
         ),
     )
     run = build_run(cfg)
-    learner = run.learner
+    learner = run.trainer
     good = {}
 
     def poison_after_first_iteration(module, args, output):
@@ -272,7 +272,7 @@ def test_one_sample_per_prompt_with_a_group_relative_algorithm_is_refused_exit_2
 
 
 def test_one_sample_per_prompt_works_with_an_advantage_that_needs_no_group():
-    from cadence.pipeline.params import check_group_size, learns_from_one_sample
+    from cadence.builder import check_group_size, learns_from_one_sample
 
     check_group_size(load_config(None, ["rollout.group_size=1", "algo.advantage='reinforce'"]))
     assert learns_from_one_sample("reinforce")
@@ -303,8 +303,8 @@ def test_iterations_whose_every_group_has_equal_rewards_are_counted_and_warned_a
 
 
 def test_the_prompt_limit_defaults_to_what_the_model_takes_and_refuses_more():
+    from cadence.builder import max_prompt_tokens
     from cadence.config import ConfigError
-    from cadence.pipeline.params import max_prompt_tokens
 
     cfg = load_config(None, ["rollout.max_new_tokens=48"])
     assert max_prompt_tokens(cfg, 1024) == 1024 - 48  # 0: the model's positions minus the reply
@@ -317,8 +317,8 @@ def test_the_prompt_limit_defaults_to_what_the_model_takes_and_refuses_more():
 
 
 def test_the_prompt_limit_leaves_room_for_a_whole_episode_and_vllms_max_model_len():
+    from cadence.builder import max_prompt_tokens
     from cadence.config import ConfigError
-    from cadence.pipeline.params import max_prompt_tokens
 
     # the tool env's defaults: a 256-token episode; before, 512 - 48 = 464 was let in
     tool = load_config(None, ["env.kind='tool'", "rollout.max_new_tokens=48"])
@@ -376,7 +376,7 @@ def test_a_prompt_longer_than_the_model_takes_is_never_fed_to_it(model_dir, tmp_
     memory = MemorySink()
     train(run, tmp_path / "run", extra_sinks=[memory], evaluate=False)
     (record,) = memory.records
-    limit = run.learner.model.config.max_position_embeddings - 12  # minus max_new_tokens
+    limit = run.trainer.model.config.max_position_embeddings - 12  # minus max_new_tokens
     assert max(len(g.prompt_ids) for g in seen) <= limit
     assert record[f"prompts_{'skipped' if on_long == 'skip' else 'truncated'}"] == 1
 
@@ -434,12 +434,12 @@ def test_a_model_directory_it_would_load_wrong_is_bad_input_exit_2(
 
 
 def test_workers_that_stop_answering_end_the_run_in_one_line(monkeypatch, capsys):
-    import cadence.cli
+    import cadence.cli.args
 
     def stuck(args):
         raise TimeoutError("no word from the workers for 300s (pipeline.worker_timeout_s)")
 
-    monkeypatch.setattr(cadence.cli, "cmd_train", stuck)
+    monkeypatch.setattr(cadence.cli.args, "cmd_train", stuck)
     assert main(["train", "configs/default.toml"]) == 1
     err = capsys.readouterr().err
     assert (

@@ -1,9 +1,8 @@
 import math
 
 from cadence.algo import AlgoParams
+from cadence.builder import algo_params, build_run, train
 from cadence.config import load_config
-from cadence.pipeline import build_run, train
-from cadence.pipeline.params import algo_params
 
 CAP = {"max_policy_tokens": 48}  # the default rollout.max_new_tokens, single-turn
 
@@ -54,6 +53,6 @@ def test_online_dpo_run_builds_a_reference_without_kl_and_trains(model_dir, tmp_
     cfg = load_config(None, overrides)
     assert cfg.algo.kl_coef == 0.0
     run = build_run(cfg)
-    assert run.learner.ref_model is not None
+    assert run.trainer.ref_model is not None
     summary = train(run, tmp_path, evaluate=False)
     assert math.isfinite(summary["kl_last"])

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-import cadence.pipeline
+import cadence.builder
 from cadence.cli import main
 from cadence.config import ConfigError, load_config
 from tiny_models import save_vllm_ready
@@ -209,12 +209,12 @@ def test_cadence_train_exits_2_with_the_reason_before_loading_any_model(pair, tm
 def test_a_budget_that_leaves_no_room_for_a_prompt_exits_2_before_any_weight_loads(
     sets, keys, model_path, tmp_path, capsys, monkeypatch
 ):
-    import cadence.pipeline.build
+    import cadence.builder.run
 
     def no_loading(*args, **kwargs):
         raise AssertionError("weights were loaded before the refusal")
 
-    monkeypatch.setattr(cadence.pipeline.build, "load_model", no_loading)
+    monkeypatch.setattr(cadence.builder.run, "load_model", no_loading)
     args = ["train", str(_config_file(tmp_path)), "--out", str(tmp_path / "run")]
     for s in [f"model.path='{model_path}'", *TINY, *sets]:
         args += ["--set", s]
@@ -240,17 +240,17 @@ def model_path(tmp_path_factory) -> str:
 def closing_engines(monkeypatch):
     """`cadence train` in this process: a colocated vLLM engine is shut down after each run (a
     process of its own would simply exit), so the next run can start one."""
-    real = cadence.pipeline.train
+    real = cadence.builder.train
 
     def train_and_close(run, out, *args, **kwargs):
         try:
             return real(run, out, *args, **kwargs)
-        finally:
-            engine = run.heldout_accuracy.engine
-            if engine.owns_weights:
-                engine.close()
+        finally:  # colocated, the engine that generated is the one that evaluated
+            worker = getattr(run.source, "worker", None)
+            if worker is not None and worker.engine.owns_weights:
+                worker.engine.close()
 
-    monkeypatch.setattr(cadence.pipeline, "train", train_and_close)
+    monkeypatch.setattr(cadence.builder, "train", train_and_close)
 
 
 @pytest.mark.slow

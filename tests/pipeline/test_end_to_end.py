@@ -5,11 +5,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from cadence.builder import build_run, train
 from cadence.cli import main
 from cadence.config import load_config
 from cadence.engine import ScriptedEngine
 from cadence.metrics import MemorySink
-from cadence.pipeline import StaleGroupError, build_run, on_policy, train
+from cadence.pipeline import StaleGroupError, on_policy
 
 METRIC_FIELDS = [
     "iteration",

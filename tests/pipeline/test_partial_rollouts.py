@@ -16,11 +16,11 @@ import sys
 import pytest
 import torch
 
-import cadence.pipeline.build as build
+import cadence.builder.run as build
+from cadence.builder import build_run, train
 from cadence.engine import load_into
 from cadence.metrics import MemorySink
 from cadence.models import load_model
-from cadence.pipeline import build_run, train
 from cadence.pipeline.checkpoint import list_checkpoints
 from inflight import kept_cache_logprobs, learner_logprobs
 from partial_runs import PUBLISHED, publish_when_idle, thread_workers
@@ -75,9 +75,9 @@ def test_without_an_update_mid_sequence_a_run_equals_offpolicy(model_dir, tmp_pa
         assert [r[key] for r in records] == [r[key] for r in ref_records], key
     assert all(r["trajectory_spans"] == 1.0 for r in records)
     assert all(len(set(c.token_versions)) <= 1 for g in trained for c in g.completions)
-    final, ref = run.learner.model.parameters(), reference.learner.model.parameters()
+    final, ref = run.trainer.model.parameters(), reference.trainer.model.parameters()
     assert _max_diff(final, ref) <= 1e-6
-    assert _max_diff(load_model(model_dir).parameters(), run.learner.model.parameters()) > 1e-4
+    assert _max_diff(load_model(model_dir).parameters(), run.trainer.model.parameters()) > 1e-4
 
 
 def _version_models(model_dir):

@@ -7,8 +7,9 @@ import multiprocessing
 import pytest
 
 from cadence.backend import WorkerDied, WorkerError
+from cadence.builder import build_run, train
 from cadence.models import load_model
-from cadence.pipeline import StaleGroupError, WorkerSource, build_run, train
+from cadence.pipeline import StaleGroupError, WorkerSource
 from runs import TWO_WORKERS, pids_alive, run_config, train_run
 from updates import assert_same_update, max_relative_diff
 
@@ -43,7 +44,7 @@ def test_periodic_update_equals_sync_update(model_dir, sync_reference, tmp_path)
     assert len(per_grads) == 3
     assert max_relative_diff(per_grads[0], sync_grads[0]) <= 1e-5
     assert_same_update(
-        per_run.learner.model, sync_run.learner.model, per_grads, sync_grads, grad_rtol=5e-5
+        per_run.trainer.model, sync_run.trainer.model, per_grads, sync_grads, grad_rtol=5e-5
     )
     assert [r["reward_mean"] for r in sync_records] == [r["reward_mean"] for r in per_records]
     for r in per_records:  # one optimizer step per iteration, every group consumed once
@@ -53,7 +54,7 @@ def test_periodic_update_equals_sync_update(model_dir, sync_reference, tmp_path)
     fresh = load_model(model_dir)
     moved = max(
         (a - b).abs().max().item()
-        for a, b in zip(fresh.parameters(), per_run.learner.model.parameters(), strict=True)
+        for a, b in zip(fresh.parameters(), per_run.trainer.model.parameters(), strict=True)
     )
     assert moved > 1e-4
     assert not pids_alive(pids) and not multiprocessing.active_children()
@@ -143,7 +144,7 @@ def test_a_worker_killed_mid_iteration_is_replaced_and_the_update_equals_sync(
     assert [r["worker_restarts"] for r in records][-1] == 1
     assert all(r["staleness_max"] == 0 and r["optimizer_steps"] == 1 for r in records)
     assert_same_update(
-        per_run.learner.model, sync_run.learner.model, per_grads, sync_grads, grad_rtol=5e-5
+        per_run.trainer.model, sync_run.trainer.model, per_grads, sync_grads, grad_rtol=5e-5
     )
     assert not pids_alive(pids) and not multiprocessing.active_children()  # replacements too
 
@@ -186,7 +187,7 @@ def test_periodic_update_equals_sync_update_with_dynamic_sampling(model_dir, tmp
     assert sum(f for f, _ in figures) > 0  # groups were filtered and replaced
     assert [r["reward_mean"] for r in sync_records] == [r["reward_mean"] for r in per_records]
     assert_same_update(
-        per_run.learner.model, sync_run.learner.model, per_grads, sync_grads, grad_rtol=5e-5
+        per_run.trainer.model, sync_run.trainer.model, per_grads, sync_grads, grad_rtol=5e-5
     )
     assert not pids_alive(pids) and not multiprocessing.active_children()
     # generating in the learner's thread draws and keeps the same groups, round by round
@@ -217,7 +218,7 @@ def test_periodic_update_equals_sync_update_for_multi_turn_episodes(calculator_m
         assert [r[key] for r in sync_records] == [r[key] for r in per_records], key
     assert max_relative_diff(per_grads[0], sync_grads[0]) <= 1e-5
     assert_same_update(
-        per_run.learner.model, sync_run.learner.model, per_grads, sync_grads, grad_rtol=5e-5
+        per_run.trainer.model, sync_run.trainer.model, per_grads, sync_grads, grad_rtol=5e-5
     )
     assert all(r["policy_version"] == r["iteration"] for r in per_records)
     # tool calls are on the timeline, under their worker

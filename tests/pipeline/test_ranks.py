@@ -16,13 +16,13 @@ from cadence.algo import AlgoParams
 from cadence.backend import SharedWeights
 from cadence.backend.fake import ThreadPool
 from cadence.backend.ranks import InlineRanks
+from cadence.builder import check_sharded
 from cadence.engine import SamplingParams, ScriptedEngine, load_into
 from cadence.learner import LearnerParams, Scorer
 from cadence.learner.driver import RankedLearner, split_round
 from cadence.learner.rank import RoundReply
 from cadence.metrics import Tracer
 from cadence.pipeline import WorkerSource
-from cadence.pipeline.build import check_sharded
 from cadence.pipeline.checkpoint import Checkpoint, CheckpointError
 from cadence.pipeline.producer import ProducerParams
 from cadence.rollout import RolloutWorker

@@ -21,9 +21,9 @@ import time
 import pytest
 
 from cadence.backend import WorkerDied
+from cadence.builder import build_run, train
 from cadence.metrics import MemorySink
 from cadence.models import load_model
-from cadence.pipeline import build_run, train
 from runs import pids_alive, run_config, train_run
 from updates import assert_same_params
 
@@ -66,7 +66,7 @@ def one_process(model_dir, tmp_path_factory):
     """The reference: one learner process, sync mode; its parameters and every step's grads."""
     grads: list = []
     run, records, _ = _train(_cfg(model_dir), tmp_path_factory.mktemp("one"), grads)
-    return _params(run.learner.model), records, grads
+    return _params(run.trainer.model), records, grads
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def ranked(model_dir, tmp_path_factory):
             run, records, pids = _train(_cfg(model_dir, mode, *sets), out)
             trace = json.loads((out / "trace.json").read_text())["traceEvents"]
             tracks = {e["args"]["name"] for e in trace if e["name"] == "thread_name"}
-            runs[key] = _params(run.learner.model), records, tracks, pids
+            runs[key] = _params(run.trainer.model), records, tracks, pids
         return runs[key]
 
     return get
@@ -128,7 +128,7 @@ def test_ranks_on_ray_end_with_the_local_ranks_parameters(ranked):
 def test_a_killed_rank_stops_the_run_naming_it_and_leaves_no_process(model_dir, tmp_path):
     cfg = _cfg(model_dir, "periodic", "learner.ranks=2", "train.iterations=6")
     run = build_run(cfg)
-    pids = [d["pid"] for d in run.learner.described]
+    pids = [d["pid"] for d in run.trainer.described]
     workers = [p.process.pid for p in run.source.pool.procs]
     killed_at = []
 

@@ -10,10 +10,9 @@ from itertools import islice
 
 import pytest
 
+from cadence.builder import build_run, make_task, train
 from cadence.config import load_config
 from cadence.engine import ScriptedEngine
-from cadence.pipeline import build_run, train
-from cadence.pipeline.params import make_task
 
 TASKS = ("basic_arithmetic", "chain_sum")
 SMALL = "{ min_terms = 2, max_terms = 2, max_digits = 1 }"

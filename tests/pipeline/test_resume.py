@@ -171,7 +171,7 @@ def _offpolicy_cfg(model_dir):
 def _recorded_train(cfg, out, trained, resume=None, stop_in=None):
     """Train (from `resume`), recording each trained group's (policy_version, prompt uid) by
     iteration in `trained`; raise `Interrupted` after the second group of iteration `stop_in`."""
-    from cadence.pipeline import build_run, train
+    from cadence.builder import build_run, train
 
     run = build_run(cfg, resume=resume)
     groups = run.source.groups

@@ -12,9 +12,8 @@ from itertools import islice
 
 import pytest
 
+from cadence.builder import build_run, make_task, sft_segments, train
 from cadence.config import ConfigError, load_config
-from cadence.pipeline import build_run, train
-from cadence.pipeline.params import make_task, sft_segments
 
 pytestmark = pytest.mark.slow
 

@@ -6,12 +6,12 @@ import multiprocessing
 
 import pytest
 
+from cadence.builder import build_run, params, train
 from cadence.cli import main
 from cadence.config import ConfigError, load_config
 from cadence.engine import Request, SamplingParams
 from cadence.metrics import MemorySink
 from cadence.models import ModelLoadError, init_model, load_model, load_tokenizer
-from cadence.pipeline import build_run, params, train
 from engine_checks import max_logprob_diff
 from tiny_models import save_vllm_ready
 from updates import assert_same_update, capture_grads, max_relative_diff
@@ -49,7 +49,7 @@ def _overrides(model_dir, mode="sync", placement="separate", *extra):
 
 def _train(cfg, out):
     run = build_run(cfg)
-    grads = capture_grads(run.learner)
+    grads = capture_grads(run.trainer)
     sink = MemorySink()
     try:
         train(run, out, extra_sinks=[sink], evaluate=cfg.pipeline.placement == "colocated")
@@ -77,14 +77,14 @@ def test_periodic_with_vllm_workers_makes_the_sync_update(vllm_dir, sync_run, tm
     assert [r["reward_mean"] for r in per_records] == [r["reward_mean"] for r in sync_records]
     assert max_relative_diff(per_grads[0], sync_grads[0]) <= 1e-5
     assert_same_update(
-        per_run.learner.model, sync.learner.model, per_grads, sync_grads, grad_rtol=5e-5
+        per_run.trainer.model, sync.trainer.model, per_grads, sync_grads, grad_rtol=5e-5
     )
     for r in per_records:
         assert r["policy_version"] == r["iteration"] and r["staleness_max"] == 0
     moved = max(
         (a - b).abs().max().item()
         for a, b in zip(
-            load_model(vllm_dir).parameters(), per_run.learner.model.parameters(), strict=True
+            load_model(vllm_dir).parameters(), per_run.trainer.model.parameters(), strict=True
         )
     )
     assert moved > 1e-4  # trained: version k's samples came from weights loaded into vLLM
@@ -99,7 +99,7 @@ def test_colocated_vllm_trains_like_the_workers(vllm_dir, sync_run, tmp_path):
     )
     assert [r["reward_mean"] for r in col_records] == [r["reward_mean"] for r in sync_records]
     assert_same_update(
-        col_run.learner.model, sync.learner.model, col_grads, sync_grads, grad_rtol=5e-5
+        col_run.trainer.model, sync.trainer.model, col_grads, sync_grads, grad_rtol=5e-5
     )
     assert all(r["t_weight_sync"] > 0 for r in col_records)
 
@@ -119,7 +119,7 @@ def test_colocated_vllm_with_lora_syncs_and_evaluates_the_merged_policy(vllm_dir
         tok = load_tokenizer(vllm_dir)
         requests = [Request(tok("What is 3 + 4?")["input_ids"], [1, 2])]
         outputs = engine.generate(requests, SamplingParams(max_new_tokens=8))
-        merged = copy.deepcopy(run.learner.model).merge_and_unload()
+        merged = copy.deepcopy(run.trainer.model).merge_and_unload()
         assert max_logprob_diff(merged, requests, outputs, 1.0) <= 1e-5
         assert max_logprob_diff(load_model(vllm_dir), requests, outputs, 1.0) > 1e-3  # trained
     finally:
@@ -198,5 +198,5 @@ def test_vllm_in_a_ray_actor_makes_the_local_update(vllm_dir, sync_run, tmp_path
             ray.shutdown()
     assert [r["reward_mean"] for r in ray_records] == [r["reward_mean"] for r in sync_records]
     assert_same_update(
-        ray_run.learner.model, sync.learner.model, ray_grads, sync_grads, grad_rtol=5e-5
+        ray_run.trainer.model, sync.trainer.model, ray_grads, sync_grads, grad_rtol=5e-5
     )

@@ -5,10 +5,9 @@ import shutil
 
 import pytest
 
+from cadence.builder import open_rollout_engine, rollout_worker, sampling_params
 from cadence.config import ConfigError, load_config
 from cadence.models import generation_eos_ids, load_tokenizer
-from cadence.pipeline.params import sampling_params
-from cadence.pipeline.workers import open_rollout_engine, rollout_worker
 from cadence.serve.app import build_server
 from cadence.types import Prompt
 
@@ -22,7 +21,7 @@ def _cfg(model_dir, *extra):
 
 def _completions(cfg, tokenizer):
     engine, _ = open_rollout_engine(cfg, tokenizer)
-    worker = rollout_worker(cfg, engine, tokenizer, None)
+    worker = rollout_worker(cfg, engine, tokenizer, score=False)
     return [c for g in worker.rollout(PROMPTS, 0, 0) for c in g.completions]
 
 

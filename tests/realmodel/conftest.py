@@ -15,9 +15,13 @@ import pytest
 import torch
 from smollm2_checks import one_thread, run_config
 
+from cadence.builder import (
+    heldout_set,
+    open_rollout_engine,
+    rollout_worker,
+    sampling_params,
+)
 from cadence.models import load_model, load_tokenizer, max_positions
-from cadence.pipeline.params import sampling_params
-from cadence.pipeline.workers import heldout_set, open_rollout_engine, rollout_worker, run_reward
 from cadence.rollout.worker import prompt_ids
 
 
@@ -75,6 +79,6 @@ def smollm2_groups(smollm2, smollm2_cfg, smollm2_prompts):
     prompts, sampled by the continuous engine as a run's worker samples them, at version 0."""
     model, tok = smollm2
     engine, _ = open_rollout_engine(smollm2_cfg, tok, model=model, kind="continuous")
-    worker = rollout_worker(smollm2_cfg, engine, tok, run_reward(smollm2_cfg))
+    worker = rollout_worker(smollm2_cfg, engine, tok)
     with torch.no_grad(), one_thread():
         return worker.rollout(smollm2_prompts[:2], iteration=0, version=0)

@@ -15,10 +15,14 @@ from smollm2_checks import (
     logprob_gap,
 )
 
+from cadence.builder import (
+    heldout_evaluator,
+    make_task,
+    open_rollout_engine,
+    sampling_params,
+)
 from cadence.data import ChatRender
 from cadence.models import generation_eos_ids
-from cadence.pipeline.params import make_task, sampling_params
-from cadence.pipeline.workers import heldout_evaluator, open_rollout_engine, run_reward
 from cadence.rollout.worker import prompt_ids
 
 pytestmark = pytest.mark.slow
@@ -64,9 +68,7 @@ def test_greedy_heldout_evaluation_is_transformers_generate(
     assert smollm2_cfg.rollout.engine == "continuous"
     engine, _ = open_rollout_engine(smollm2_cfg, tok, model=model)
     recording = Recording(engine)
-    evaluator = heldout_evaluator(
-        smollm2_cfg, model, recording, tok, run_reward(smollm2_cfg), smollm2_prompts
-    )
+    evaluator = heldout_evaluator(smollm2_cfg, model, recording, tok, smollm2_prompts)
     results = evaluator.results()
     ((*completions,),) = [[c for (c,) in out] for out in recording.outputs]
     assert [c.token_ids for c in completions] == transformers_greedy

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from smollm2_checks import IM_END
 
-from cadence.pipeline.params import make_task
+from cadence.builder import make_task
 from cadence.rollout.worker import prompt_ids
 from cadence.serve import build_server, make_app
 

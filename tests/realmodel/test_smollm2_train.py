@@ -11,11 +11,10 @@ import pytest
 import torch
 from smollm2_checks import learner_batch, recorded_batch, run_config, with_rewards
 
+from cadence.builder import algo_params, build_learner, start_ranks
 from cadence.learner import score
 from cadence.metrics import Tracer
 from cadence.models.lora import LoraSpec, apply_lora, base_parameters
-from cadence.pipeline.build import build_learner, start_ranks
-from cadence.pipeline.params import algo_params
 from updates import assert_same_params, capture_grads
 
 pytestmark = pytest.mark.slow

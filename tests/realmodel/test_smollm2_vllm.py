@@ -15,11 +15,10 @@ from smollm2_checks import (
     run_config,
 )
 
-from cadence.pipeline.workers import (
+from cadence.builder import (
     heldout_evaluator,
     open_rollout_engine,
     rollout_worker,
-    run_reward,
 )
 
 pytestmark = pytest.mark.slow
@@ -49,8 +48,7 @@ def test_vllm_greedy_heldout_evaluation_is_transformers_generate(
 ):
     model, tok = smollm2
     recording = Recording(vllm_engine)
-    reward = run_reward(vllm_cfg)
-    heldout_evaluator(vllm_cfg, model, recording, tok, reward, smollm2_prompts).results()
+    heldout_evaluator(vllm_cfg, model, recording, tok, smollm2_prompts).results()
     ((*completions,),) = [[c for (c,) in out] for out in recording.outputs]
     assert [c.token_ids for c in completions] == transformers_greedy
     assert assert_ends_at_im_end(completions, vllm_cfg.rollout.max_new_tokens) >= 1
@@ -60,7 +58,7 @@ def test_vllm_logprobs_are_the_learners(vllm_engine, vllm_cfg, smollm2, smollm2_
     """Sampled groups (temperature 1): each token's behaviour log-prob (vLLM's
     processed_logprobs) equals the learner's recomputation in its shared-prompt layout, fp32."""
     model, tok = smollm2
-    worker = rollout_worker(vllm_cfg, vllm_engine, tok, run_reward(vllm_cfg))
+    worker = rollout_worker(vllm_cfg, vllm_engine, tok)
     groups = worker.rollout(smollm2_prompts[:2], iteration=0, version=0)
     completions = [c for g in groups for c in g.completions]
     assert assert_ends_at_im_end(completions, vllm_cfg.rollout.max_new_tokens) >= 1

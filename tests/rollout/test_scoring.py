@@ -89,13 +89,9 @@ def test_held_out_answers_are_scored_at_once():
 
     engine = ScriptedEngine(lambda ids, seed: [1])
     t0 = time.perf_counter()
-    result = evaluate(
-        engine,
-        _tokenize,
-        RewardRunner(sleeps, concurrency=12),
-        _prompts(24),
-        SamplingParams(max_new_tokens=2),
-    )
+    reward = RewardRunner(sleeps, concurrency=12)
+    worker = RolloutWorker(engine, _tokenize, reward, SamplingParams(max_new_tokens=2), 1, 0)
+    result = evaluate(worker, _prompts(24))
     assert time.perf_counter() - t0 < 6.0  # 2 waves of 0.5 s
     assert result["accuracy"] == pytest.approx(3 / 24, abs=1e-12)
 

@@ -20,7 +20,7 @@ import torch
 from cadence.backend.local import LocalPool
 from cadence.backend.pool import InFlight, Lost, Pool, TaskResult
 from cadence.backend.procs import Processes, WorkerDied, WorkerError
-from cadence.backend.reward_stage import RewardSpec, RewardStage
+from cadence.backend.reward_stage import RewardStage
 from cadence.backend.weights import (
     InMemoryWeights,
     LearnerWeights,
@@ -72,7 +72,6 @@ __all__ = [
     "Lost",
     "Pool",
     "Processes",
-    "RewardSpec",
     "RewardStage",
     "SharedWeights",
     "TaskResult",

@@ -91,6 +91,7 @@ class RayWorker:
         self._next_seq = 0
         self._lock = threading.Lock()
         self.receiver: ObjectStoreReceiver | BroadcastReceiver | None = None
+        self.group: BroadcastReceiver | None = None  # the receiver that joins the group
         try:
             torch.set_num_threads(spec.threads)
             weights, worker = build_worker(spec)
@@ -98,7 +99,8 @@ class RayWorker:
             if broadcast is None:
                 self.receiver = ObjectStoreReceiver(weights)
             else:
-                self.receiver = BroadcastReceiver(weights, "cuda" if broadcast == "nccl" else "cpu")
+                device = "cuda" if broadcast == "nccl" else "cpu"
+                self.receiver = self.group = BroadcastReceiver(weights, device)
         except BaseException:
             self.outbox.put(("error", wid, traceback.format_exc()))
             return
@@ -141,8 +143,9 @@ class RayWorker:
         env: dict,
         timeout_s: float,
     ) -> None:
-        assert isinstance(self.receiver, BroadcastReceiver)
-        self.receiver.join(backend, init_method, rank, world_size, env, timeout_s)
+        if self.group is None:
+            raise RuntimeError(f"worker {self.wid} receives weights from the object store")
+        self.group.join(backend, init_method, rank, world_size, env, timeout_s)
 
 
 class RayPool:
@@ -167,9 +170,10 @@ class RayPool:
         self.timeout_s = timeout_s
         self.weights: RayWeights
         broadcast: str | None = None  # the collective's backend, if weights are broadcast
+        group: BroadcastWeights | None = None
         if weight_sync == "broadcast":
-            self.weights = BroadcastWeights(model)
-            broadcast = self.weights.backend
+            self.weights = group = BroadcastWeights(model)
+            broadcast = group.backend
         else:
             self.weights = ObjectStoreWeights(model)
         self._actors: list = []
@@ -179,8 +183,8 @@ class RayPool:
             custom = custom_resources or {}
             resources = ray_request(num_cpus_per_worker, num_gpus_per_worker, custom)
             self._start_actors(spec, num_workers, resources, broadcast)
-            if isinstance(self.weights, BroadcastWeights):
-                self._form_group(self.weights, address)
+            if group is not None:
+                self._form_group(group, address)
         except BaseException:
             self.close()
             raise

@@ -41,8 +41,8 @@ def parse_modes(text: str) -> list[str]:
 
 
 def run_once(config: str | None, overrides: list[str], name: str, out: Path) -> dict:
+    from cadence.builder import build_run, train
     from cadence.config import load_config
-    from cadence.pipeline import build_run, train
 
     mode, placement = MODES[name]
     cfg = load_config(

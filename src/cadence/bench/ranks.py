@@ -36,8 +36,8 @@ class OneLearner:
     spawns it)."""
 
     def __init__(self, rank: int, cfg, pad_id: int, threads: int) -> None:
+        from cadence.builder import build_learner, build_scorer
         from cadence.models import DTYPES, load_model
-        from cadence.pipeline.build import build_learner, build_scorer
 
         torch.set_num_threads(threads)
         model = load_model(cfg.model.path, dtype=DTYPES[cfg.model.dtype], device=cfg.model.device)
@@ -123,9 +123,9 @@ def bench_ranks(
     when the config has 1) ranks against one process, T = `train.threads` (0: every core)."""
     import os
 
+    from cadence.builder import rank_spec
     from cadence.config import load_config
     from cadence.models import load_model, load_tokenizer
-    from cadence.pipeline.params import rank_spec
 
     cfg = load_config(config, overrides)
     ranks = cfg.learner.ranks if cfg.learner.ranks > 1 else 2

@@ -61,9 +61,8 @@ def run_cadence(cfg: Config, out: Path) -> dict:
     """One cadence RL run on `cfg` (built untimed, then timed over its iterations); the figures."""
     import torch
 
+    from cadence.builder import build_run, learner_threads, train
     from cadence.metrics import MemorySink
-    from cadence.pipeline import build_run, train
-    from cadence.pipeline.params import learner_threads
 
     p = cfg.pipeline
     run = build_run(cfg)

@@ -35,12 +35,16 @@ LONG_PROMPT = dict(num_groups=8, prompt_len=256, response_len=64, group_size=8)
 
 def default_groups(cfg, model, tokenizer) -> list[Group]:
     """One iteration's groups of the config's workload, sampled by its model."""
-    from cadence.pipeline.params import make_task, prompt_render
+    from cadence.builder import (
+        make_task,
+        open_rollout_engine,
+        prompt_render,
+        rollout_worker,
+    )
     from cadence.pipeline.prompts import PromptStream
-    from cadence.pipeline.workers import open_rollout_engine, rollout_worker, run_reward
 
     engine, _ = open_rollout_engine(cfg, tokenizer, model=model, kind="static")
-    worker = rollout_worker(cfg, engine, tokenizer, run_reward(cfg))
+    worker = rollout_worker(cfg, engine, tokenizer)
     prompts = PromptStream(make_task(cfg), prompt_render(cfg, tokenizer), cfg.data.task).next_batch(
         cfg.train.prompts_per_iteration
     )
@@ -70,8 +74,7 @@ def synthetic_groups(
 
 def _learner(cfg, model, pad_id: int, variant: str):
     """The run's learner on a copy of `model`, with the variant's layout."""
-    from cadence.pipeline.build import build_learner
-    from cadence.pipeline.params import learner_params
+    from cadence.builder import build_learner, learner_params
 
     shared, impl = VARIANTS[variant]
     params = replace(learner_params(cfg), shared_prompt=shared, shared_prompt_impl=impl)
@@ -79,7 +82,7 @@ def _learner(cfg, model, pad_id: int, variant: str):
 
 
 def _time_workload(cfg, model, pad_id: int, groups: list[Group], repeats: int) -> dict[str, dict]:
-    from cadence.pipeline.build import build_scorer
+    from cadence.builder import build_scorer
 
     learners = {v: _learner(cfg, model, pad_id, v) for v in VARIANTS}
     scorer = build_scorer(cfg)
@@ -102,9 +105,9 @@ def _time_workload(cfg, model, pad_id: int, groups: list[Group], repeats: int) -
 
 
 def bench_shared_prompt(config: str | None, overrides: list[str], repeats: int, out: Path):
+    from cadence.builder import set_threads
     from cadence.config import load_config
     from cadence.models import DTYPES, load_model, load_tokenizer
-    from cadence.pipeline.params import set_threads
 
     cfg = load_config(config, overrides)
     set_threads(cfg.train.threads)

@@ -304,8 +304,8 @@ def run_trl(cfg: Config, out: Path) -> dict:
     from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from cadence.builder import make_task, prompt_render, set_threads
     from cadence.models import DTYPES, load_model, load_tokenizer
-    from cadence.pipeline.params import make_task, prompt_render, set_threads
     from cadence.pipeline.prompts import PromptStream
     from cadence.rewards import load_reward
 

@@ -31,6 +31,7 @@ from cadence.envs.classes import (
     reset_row,
 )
 from cadence.envs.fake import ScriptedEnv, SingleTurnEnv, replies
+from cadence.envs.kinds import KindTraits, kind_traits
 from cadence.envs.openenv import OpenEnvEnv, load_openenv, observation_text
 from cadence.envs.spec import CHAT_KINDS, EnvSpec, VerifiersEnv, check_env, make_env
 from cadence.envs.syntax import (
@@ -77,6 +78,7 @@ __all__ = [
     "Factory",
     "FactoryError",
     "InstancePool",
+    "KindTraits",
     "MalformedCall",
     "MalformedToolCall",
     "OpenEnvEnv",
@@ -96,6 +98,7 @@ __all__ = [
     "check_env",
     "demonstration",
     "error_text",
+    "kind_traits",
     "load_factory",
     "load_openenv",
     "load_tool",

@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cadence.envs.base import KINDS, Budget, Environment
+from cadence.envs.kinds import TRAITS
 from cadence.envs.tool_env import ToolEnv
 from cadence.envs.tools import load_tools
 
-CHAT_KINDS = ("class", "openenv")  # kinds that write calls and replies in the chat template
+CHAT_KINDS = tuple(k for k, t in TRAITS.items() if t.chat)  # calls and replies in a chat template
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,11 @@
-"""The pipeline: groups flow from a source (workers) to the learner, one iteration at a time.
+"""The runtime: groups flow from a source (workers) to the learner, one iteration at a time.
 
-It owns the run loop (`loop`), the producer that hands prompts to the workers and admits
-iterations (`producer`, with worker `recovery`), the sources the learner reads (`source`), the
-run builder (`build`, with the config translations in `params`), the data cursor (`prompts`),
-held-out evaluation and checkpoints. Process machinery and weight transport live in
-`cadence.backend`, the sample store in `cadence.dataplane`, figures in `cadence.metrics`.
+It owns the run loop (`loop`), its outputs (`outputs`), the producer that hands prompts to the
+workers and admits iterations (`producer`, with worker `recovery` and the version `gate`), the
+sources the learner reads (`source`), the data cursor (`prompts`) and checkpoints. It never reads
+the config: the builder (`cadence.builder`) wires it from plain values.
 """
 
-from cadence.pipeline.build import build_run
 from cadence.pipeline.loop import LoopParams, Run, StaleGroupError, on_policy, run_iteration, train
 from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
 
@@ -18,7 +16,6 @@ __all__ = [
     "Run",
     "StaleGroupError",
     "WorkerSource",
-    "build_run",
     "on_policy",
     "run_iteration",
     "train",

@@ -92,7 +92,7 @@ class Run:
 
     params: LoopParams
     tokenizer: Any
-    learner: Trainer  # one process, or learner.ranks torch.distributed ranks
+    trainer: Trainer  # one process, or learner.ranks torch.distributed ranks
     scorer: Scorer
     source: GroupSource
     heldout_accuracy: Callable[[], float]  # greedy accuracy of the current policy
@@ -112,7 +112,7 @@ class Run:
         """Stop the learner's ranks (if any), then the source's workers: the source may own the
         Ray that ranks on Ray run in."""
         try:
-            self.learner.close()
+            self.trainer.close()
         finally:
             self.source.close()
 
@@ -147,7 +147,7 @@ def within_staleness(
 
 
 def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[str, Any]:
-    p, learner, tracer = run.params, run.learner, run.tracer
+    p, learner, tracer = run.params, run.trainer, run.tracer
     start = tracer.now()
     version = learner.version
     before = run.source.stats()
@@ -253,9 +253,9 @@ def _train(run: Run, out: Path, extra_sinks: list[MetricsSink], evaluate: bool) 
     _close(run, out, sinks, error=None)
     accuracy_after = run.heldout_accuracy() if evaluate else float("nan")
     with writing(out / "final"):
-        save_pretrained(run.learner.model, run.tokenizer, out / "final")  # LoRA: the adapter
+        save_pretrained(run.trainer.model, run.tokenizer, out / "final")  # LoRA: the adapter
         if p.save_merged:
-            save_merged(run.learner.model, run.tokenizer, out / "final" / "merged")
+            save_merged(run.trainer.model, run.tokenizer, out / "final" / "merged")
     result = summary(
         records,
         accuracy_before,
@@ -409,7 +409,7 @@ def checkpoint(run: Run, out: Path, iteration: int, records: list, accuracy_befo
         save_checkpoint(
             out,
             iteration,
-            run.learner,
+            run.trainer,
             run.scorer,
             run.tokenizer,
             extra,

@@ -148,17 +148,16 @@ def _throughput(decode: _Decode, train: _Train, train_devices: int, score_s: flo
 
 def _sample_groups(cfg: Config, model_dir: str, model, tokenizer, quick: bool):
     """The task's prompts sampled as `cadence train` samples them; seconds to score one."""
-    from cadence.pipeline.params import make_task, prompt_render
+    from cadence.builder import make_task, open_rollout_engine, prompt_render, rollout_worker
     from cadence.pipeline.prompts import PromptStream
-    from cadence.pipeline.workers import open_rollout_engine, rollout_worker
-    from cadence.rewards import ConstantReward, load_reward, safe_reward
+    from cadence.rewards import load_reward, safe_reward
 
     n = max(2, cfg.train.micro_batch_groups) if quick else max(32, cfg.train.micro_batch_groups)
     prompts = PromptStream(make_task(cfg), prompt_render(cfg, tokenizer), cfg.data.task).next_batch(
         n
     )
     engine, _ = open_rollout_engine(cfg, tokenizer, model=model)
-    worker = rollout_worker(cfg, engine, tokenizer, ConstantReward(0.0), model_path=model_dir)
+    worker = rollout_worker(cfg, engine, tokenizer, model_path=model_dir, score=False)
     groups = worker.rollout(prompts, 0, 0)
     reward = load_reward(cfg.reward.function, cfg.reward.answer_format)
     start = time.perf_counter()
@@ -171,8 +170,8 @@ def _sample_groups(cfg: Config, model_dir: str, model, tokenizer, quick: bool):
 
 
 def _measure_decode(cfg: Config, model, tokenizer, prompt_ids, quick: bool) -> _Decode:
+    from cadence.builder import open_rollout_engine
     from cadence.engine import Request, SamplingParams
-    from cadence.pipeline.workers import open_rollout_engine
 
     G, cap = cfg.rollout.group_size, cfg.rollout.max_num_seqs
     engine, _ = open_rollout_engine(cfg, tokenizer, model=model)
@@ -235,10 +234,9 @@ def _computed_tokens(groups, shared: bool) -> int:
 
 
 def _measure_train(cfg: Config, model_dir: str, pad_id: int, groups, quick: bool) -> _Train:
+    from cadence.builder import build_learner, build_scorer, learner_params
     from cadence.metrics import Tracer
     from cadence.models import DTYPES, load_model
-    from cadence.pipeline.build import build_learner, build_scorer
-    from cadence.pipeline.params import learner_params
 
     big = min(cfg.train.micro_batch_groups, len(groups))
     small = max(1, big // 4)

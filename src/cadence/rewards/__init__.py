@@ -27,10 +27,12 @@ from cadence.rewards.concurrent import (
     load_runner,
 )
 from cadence.rewards.math import MathReward, extract_prediction
+from cadence.rewards.stage import BatchScorer, RewardSpec, build_batch_scorer, finite_scores
 from cadence.rewards.timeout import RewardTimeout, TimedReward
 
 __all__ = [
     "DEFAULT_CONCURRENCY",
+    "BatchScorer",
     "ConstantReward",
     "MathReward",
     "RewardBudgetExceeded",
@@ -40,12 +42,15 @@ __all__ = [
     "RewardLoadError",
     "RewardResult",
     "RewardRunner",
+    "RewardSpec",
     "RewardTimeout",
     "RowRewardFn",
     "TableReward",
     "TimedReward",
     "as_runner",
+    "build_batch_scorer",
     "extract_prediction",
+    "finite_scores",
     "load_reward",
     "load_runner",
     "safe_reward",

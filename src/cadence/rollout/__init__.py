@@ -9,7 +9,7 @@ passes plain values) nor know what an iteration of training is.
 
 from cadence.rollout.episodes import EpisodeRunner
 from cadence.rollout.evaluate import Evaluator, evaluate
-from cadence.rollout.spec import WorkerSpec, build_worker
+from cadence.rollout.spec import WorkerSpec, build_worker, evaluation_spec
 from cadence.rollout.worker import PartialRollouts, RolloutWorker
 
 __all__ = [
@@ -20,4 +20,5 @@ __all__ = [
     "WorkerSpec",
     "build_worker",
     "evaluate",
+    "evaluation_spec",
 ]

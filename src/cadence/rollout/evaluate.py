@@ -16,35 +16,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cadence.engine import Engine, Request, SamplingParams
-from cadence.envs import Environment
+from cadence.engine import Request, generate_by_steps
 from cadence.metrics.tasks import task_accuracy
-from cadence.rewards import RewardCall, RewardFn, RewardRunner, as_runner
+from cadence.rewards import RewardCall
 from cadence.rollout.worker import RolloutWorker, prompt_ids
-from cadence.types import Completion, Prompt
+from cadence.types import Prompt
 
 
-def evaluate(
-    engine: Engine,
-    tokenizer,
-    reward: RewardFn | RewardRunner,
-    prompts: list[Prompt],
-    sampling: SamplingParams,
-    env: Environment | None = None,
-) -> dict[str, float]:
+def evaluate(worker: RolloutWorker, prompts: list[Prompt]) -> dict[str, float]:
     """Fraction of held-out prompts whose greedy answer scores >= 1, and mean response length;
-    with task labels, each task's fraction too (`accuracy/<task>`)."""
-    greedy = replace(sampling, temperature=0.0)
-    if env is not None:  # scored as training scores them: the environment's reward first
-        completions = _episodes(engine, tokenizer, reward, prompts, greedy, env)
+    with task labels, each task's fraction too (`accuracy/<task>`). `worker` is the evaluation
+    worker (`build_worker(evaluation_spec(...))`: greedy, one sample, the run's reward)."""
+    if worker.reward is None:
+        raise ValueError("held-out evaluation needs a worker with a reward function")
+    greedy = replace(worker.sampling, temperature=0.0)
+    if worker.episodes is not None:  # scored as training scores them: the environment's first
+        completions = [g.completions[0] for g in worker.rollout(prompts, 0, 0)]
         scores = [c.reward for c in completions]
     else:
-        completions = _responses(engine, tokenizer, prompts, greedy)
+        requests = [Request(prompt_ids(p, worker.tokenizer), [0]) for p in prompts]
+        completions = [c for (c,) in generate_by_steps(worker.engine, requests, greedy)]
         calls = [
             RewardCall(p.text, c.text, p.answer, p.metadata)
             for p, c in zip(prompts, completions, strict=True)
         ]
-        scores = [result.value for result in as_runner(reward).score(calls)]
+        scores = [result.value for result in worker.reward.score(calls)]
     correct = sum(s >= 1.0 for s in scores)
     tokens = sum(len(c.token_ids) for c in completions)
     n = max(len(prompts), 1)
@@ -53,45 +49,29 @@ def evaluate(
     )
 
 
-def _responses(engine, tokenizer, prompts, greedy) -> list[Completion]:
-    requests = [Request(prompt_ids(p, tokenizer), [0]) for p in prompts]
-    return [c for (c,) in engine.generate(requests, greedy)]
-
-
-def _episodes(engine, tokenizer, reward, prompts, greedy, env) -> list[Completion]:
-    """Greedy episodes, scored by the worker (the environment's reward, else `reward`)."""
-    worker = RolloutWorker(engine, tokenizer, reward, greedy, 1, 0, env=env)
-    try:
-        return [g.completions[0] for g in worker.rollout(prompts, 0, 0)]
-    finally:
-        worker.close()
-
-
 @dataclass
 class Evaluator:
-    """Held-out accuracy of the learner's current policy, as the run loop asks for it."""
+    """Held-out accuracy of the learner's current policy, as the run loop asks for it: each call
+    builds the evaluation worker (`make_worker`, as the builder wires it: `build_worker` with
+    `evaluation_spec`), runs it and closes it (an environment's episodes let go of what they
+    hold)."""
 
     model: Any  # the learner's policy: put in eval mode first (the engine may share it)
-    engine: Engine
-    tokenizer: Any
-    reward: RewardFn | RewardRunner
+    make_worker: Callable[[], RolloutWorker]
     prompts: list[Prompt]
-    sampling: SamplingParams
-    env: Environment | None = None
     sync: Callable[..., None] | None = None  # brings an engine with its own copy to the policy
     by_task: dict[str, float] = field(default_factory=dict)  # of the last call, per task label
-
-    def __post_init__(self) -> None:
-        self.reward = as_runner(self.reward)  # one runner (and its threads) for every call
 
     def results(self) -> dict[str, float]:
         """`evaluate`'s figures for the policy as it is now."""
         self.model.eval()
         if self.sync is not None:
             self.sync()
-        return evaluate(
-            self.engine, self.tokenizer, self.reward, self.prompts, self.sampling, self.env
-        )
+        worker = self.make_worker()
+        try:
+            return evaluate(worker, self.prompts)
+        finally:
+            worker.close()
 
     def __call__(self) -> float:
         result = self.results()

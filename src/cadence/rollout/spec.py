@@ -11,10 +11,10 @@ holds. transformers is imported inside `build_worker`, not before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from cadence.engine import EngineWeights, SamplingParams
+from cadence.engine import Engine, EngineWeights, SamplingParams
 from cadence.envs import EnvSpec
 from cadence.rollout.worker import PartialRollouts, RolloutWorker
 
@@ -43,24 +43,42 @@ class WorkerSpec:
     partial: PartialRollouts | None = None  # new weights between decode steps (partial rollouts)
 
 
-def build_worker(spec: WorkerSpec) -> tuple[EngineWeights, RolloutWorker]:
-    """(what new weights load into, the worker) as `spec` describes: the weights are those of
-    the worker's engine (`EngineWeights.load` copies into its model, or hands them to an engine
-    that keeps its own copy)."""
+def evaluation_spec(spec: WorkerSpec, reward: str) -> WorkerSpec:
+    """The spec of held-out evaluation's worker: `spec` decoding greedily, one sample per prompt,
+    scored by `reward` (the run's reward function, even where a reward stage scores training),
+    without partial rollouts."""
+    greedy = replace(spec.sampling, temperature=0.0)
+    return replace(spec, sampling=greedy, group_size=1, run_seed=0, reward=reward, partial=None)
+
+
+def build_worker(
+    spec: WorkerSpec, engine: Engine | None = None, tokenizer=None
+) -> tuple[EngineWeights | None, RolloutWorker]:
+    """(what new weights load into, the worker) as `spec` describes: every rollout worker, in a
+    worker process, colocated with the learner or evaluating, is built here.
+
+    Without `engine` the worker opens its own (`spec.engine` over `spec.model_path`) and the
+    weights are that engine's (`EngineWeights.load` copies into its model, or hands them to an
+    engine that keeps its own copy). With `engine` (the learner's process: colocated generation,
+    held-out evaluation) it decodes with that one, whose weights its holder brings (None).
+    `tokenizer` saves loading the model's again. A chat environment whose template cannot
+    carry tool calls raises `ChatToolsError`."""
     from cadence.engine import open_engine
     from cadence.envs import make_env
     from cadence.models import load_tokenizer
     from cadence.rewards import load_runner
 
-    tokenizer = load_tokenizer(spec.model_path)
-    engine, weights = open_engine(
-        spec.engine,
-        spec.model_path,
-        tokenizer,
-        spec.max_num_seqs,
-        dtype=spec.dtype,
-        vllm=spec.vllm,
-    )
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(spec.model_path)
+    weights = None
+    if engine is None:
+        engine, weights = open_engine(
+            spec.engine,
+            spec.model_path,
+            tokenizer,
+            spec.max_num_seqs,
+            dtype=spec.dtype,
+            vllm=spec.vllm,
+        )
     reward = None
     if spec.reward:
         reward = load_runner(

@@ -50,7 +50,8 @@ from cadence.engine import (
 )
 from cadence.envs import Environment, VerifiersEnv
 from cadence.rewards import RewardCall, RewardFn, RewardResult, RewardRunner, as_runner
-from cadence.rollout.episodes import EpisodeRunner, Finished
+from cadence.rollout.episodes import Finished
+from cadence.rollout.runners import make_episodes
 from cadence.types import Completion, Group, Prompt
 
 
@@ -153,7 +154,7 @@ class RolloutWorker:
         self.group_size = group_size
         self.run_seed = run_seed
         if env is not None:
-            self.episodes = _episodes(env, self.engine, tokenizer, sampling)
+            self.episodes = make_episodes(env, self.engine, tokenizer, sampling)
 
     @property
     def engine(self) -> StreamingEngine:
@@ -336,14 +337,3 @@ class RolloutWorker:
             group.gen_s = time.perf_counter() - job.submitted
             out.append((job.task, group))
         return out
-
-
-def _episodes(
-    env: Environment | VerifiersEnv, engine: StreamingEngine, tokenizer, sampling: SamplingParams
-) -> Episodes:
-    """cadence's episode runner for its own environments; a verifiers environment runs its own."""
-    if isinstance(env, VerifiersEnv):
-        from cadence.rollout.verifiers import VerifiersRunner
-
-        return VerifiersRunner(env, engine, tokenizer, sampling)
-    return EpisodeRunner(engine, tokenizer, env, sampling)

@@ -22,8 +22,8 @@ def train_or_resume(config: str | None, overrides: list[str], out: Path) -> dict
     when a study stopped before recording its row)."""
     import json
 
+    from cadence.builder import build_run, train
     from cadence.config import load_config
-    from cadence.pipeline import build_run, train
     from cadence.pipeline.checkpoint import find_checkpoint, list_checkpoints
 
     cfg = load_config(config, overrides)

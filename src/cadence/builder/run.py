@@ -1,109 +1,75 @@
-"""The run builder: the one place that turns a whole `Config` into wired components.
+"""The run builder: the one place that turns a whole `Config` into a wired run.
 
-Components take plain keyword arguments; only this module, `params.py` and the CLI read the
-config tree. The backend (local processes or Ray) is chosen here and nowhere else, and so is the
-trainer: `build_trainer` makes the one-process learner or `learner.ranks` ranks, with a frozen
-reference exactly when the algorithm needs one (`algo.needs_reference`; LoRA's is the adapter
-switched off), restored from a checkpoint when resuming; everything after it sees a `Trainer`.
-Recipes that train without a run (`plan --calibrate`, `bench`) build theirs with `build_learner`.
+The backend (local processes or Ray) is chosen here and nowhere else, and so is the trainer:
+`build_trainer` makes the one-process learner or `learner.ranks` ranks, with a frozen reference
+exactly when the algorithm needs one (LoRA's is the adapter switched off), restored from a
+checkpoint when resuming; everything after it sees a `Trainer`. Recipes that train without a run
+(`plan --calibrate`, `bench`) build theirs with `build_learner`. The runtime it wires
+(`cadence.pipeline`) never sees the config.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Any
-
 import torch
 
 from cadence.algo import needs_reference
-from cadence.backend import RewardSpec, RewardStage, make_pool
-from cadence.config import Config, ConfigError, PipelineConfig, to_toml
+from cadence.backend import RewardStage, make_pool
+from cadence.builder.checks import (
+    check_group_size,
+    check_sharded,
+    max_prompt_tokens,
+    model_positions,
+    require_engine,
+)
+from cadence.builder.params import (
+    algo_params,
+    learner_params,
+    learner_threads,
+    loop_params,
+    producer_params,
+    rank_spec,
+    ray_options,
+    reward_spec,
+    sampling_params,
+    set_threads,
+    worker_spec,
+)
+from cadence.builder.rollout import Sync, heldout_evaluator, learner_engine, rollout_worker
+from cadence.builder.tasks import heldout_set, make_task, prompt_filter, prompt_render
+from cadence.config import Config, ConfigError
 from cadence.dataplane import Store
+from cadence.engine import Engine
 from cadence.learner import Learner, LearnerParams, Scorer, Trainer
 from cadence.learner.driver import RankedLearner, start_local_ranks, start_ray_ranks
 from cadence.metrics import Tracer
 from cadence.models import DTYPES, load_model, load_tokenizer, max_positions
 from cadence.models.lora import AdapterOff, LoraSpec, apply_lora, is_lora, plain_weights
+from cadence.pipeline import ColocatedSource, GroupSource, Run, WorkerSource
 from cadence.pipeline.checkpoint import (
     Checkpoint,
-    CheckpointError,
     check_reference,
     restore_scorer,
     restore_trainer,
     weights_digest,
 )
-from cadence.pipeline.loop import LoopParams, Run
-from cadence.pipeline.params import (
-    algo_params,
-    check_group_size,
-    learner_params,
-    learner_threads,
-    make_task,
-    max_prompt_tokens,
-    max_staleness,
-    model_positions,
-    prompt_filter,
-    prompt_render,
-    rank_spec,
-    require_engine,
-    set_threads,
-    worker_spec,
-)
-from cadence.pipeline.producer import ProducerParams
 from cadence.pipeline.prompts import PromptStream
-from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
-from cadence.pipeline.workers import (
-    Sync,
-    heldout_evaluator,
-    heldout_set,
-    learner_engine,
-    rollout_worker,
-    run_reward,
-)
-from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
-
-
-def loop_params(cfg: Config) -> LoopParams:
-    t = cfg.train
-    for tracker, extra in (("wandb", "wandb"), ("mlflow", "mlflow")):
-        if getattr(cfg.metrics, tracker) and importlib.util.find_spec(tracker) is None:
-            raise ConfigError(
-                f"metrics.{tracker} = true needs {tracker}: pip install 'cadence[{extra}]'"
-            )
-    return LoopParams(
-        iterations=t.iterations,
-        prompts_per_iteration=t.prompts_per_iteration,
-        max_staleness=max_staleness(cfg),
-        eval_every=t.eval_every,
-        checkpoint_every=t.checkpoint_every,
-        keep_checkpoints=t.keep_checkpoints,
-        max_error_fraction=cfg.reward.max_error_fraction,
-        mode=cfg.pipeline.mode,
-        placement=cfg.pipeline.placement,
-        slots=cfg.rollout.max_num_seqs,
-        tensorboard=cfg.metrics.tensorboard,
-        progress=cfg.metrics.progress,
-        reference_path=cfg.model.path,
-        config_toml=to_toml(cfg),
-        save_merged=cfg.model.lora is not None and cfg.model.lora.save_merged,
-        wandb=cfg.metrics.wandb,
-        mlflow=cfg.metrics.mlflow,
-    )
 
 
 def build_source(
     cfg: Config,
     model,
-    worker: RolloutWorker,
+    tokenizer,
+    engine: Engine,
     tracer: Tracer,
     stream: PromptStream,
     resume: Checkpoint | None = None,
     sync: Sync | None = None,
 ) -> GroupSource:
     """Where the run's groups come from; a resumed run's (from `resume`) begins where it stopped.
-    Colocated, `sync(version)` brings the worker's engine to the learner's weights before each
-    iteration (None: it decodes with the learner's model)."""
+    Colocated, a worker on `engine` generates, and `sync(version)` brings the engine to the
+    learner's weights before each iteration (None: it decodes with the learner's model);
+    separate, worker processes (or actors) built from the run's `WorkerSpec`."""
     p = cfg.pipeline
     first_iteration = resume.iteration if resume else 0
 
@@ -113,7 +79,7 @@ def build_source(
     filter_groups = p.filter_groups == "zero_variance"
     if p.placement == "colocated":
         return ColocatedSource(
-            worker,
+            rollout_worker(cfg, engine, tokenizer),
             tracer,
             next_prompts,
             filter_groups=filter_groups,
@@ -122,7 +88,7 @@ def build_source(
             sync=sync,
         )
     separate = cfg.reward.stage == "separate"
-    spec = worker_spec(cfg, worker.sampling)
+    spec = worker_spec(cfg, sampling_params(cfg, tokenizer))
     model = plain_weights(model)  # a LoRA policy's merged: the workers' model has no adapter
     pool, store = make_pool(
         p.backend, spec, model, p.num_workers, timeout_s=p.worker_timeout_s, **ray_options(p)
@@ -149,53 +115,11 @@ def build_source(
     )
 
 
-def producer_params(cfg: Config, first_iteration: int = 0) -> ProducerParams:
-    """How the producer feeds the workers; a resumed run's begins at `first_iteration`."""
-    p = cfg.pipeline
-    return ProducerParams(
-        prompts_per_task=p.prompts_per_task,
-        tasks_in_flight=p.tasks_in_flight,
-        max_staleness=max_staleness(cfg),
-        queue_size=p.queue_size,
-        iterations=cfg.train.iterations,
-        first_iteration=first_iteration,
-        group_size=cfg.rollout.group_size,
-        max_worker_restarts=p.max_worker_restarts,
-    )
-
-
-def ray_options(p: PipelineConfig) -> dict[str, Any]:
-    """`RayPool`'s keyword arguments (none for the local backend); Ray must be installed."""
-    if p.backend != "ray":
-        return {}
-    if importlib.util.find_spec("ray") is None:
-        raise ConfigError("pipeline.backend = 'ray' needs Ray: pip install 'cadence[ray]'")
-    return {
-        "address": p.ray_address,
-        "num_cpus": p.ray_num_cpus,
-        "num_cpus_per_worker": p.num_cpus_per_worker,
-        "num_gpus_per_worker": p.num_gpus_per_worker,
-        "custom_resources": p.ray_worker_resources,
-        "weight_sync": p.weight_sync,
-    }
-
-
 def reward_stage(cfg: Config, store: Store, tracer: Tracer) -> RewardStage:
     """The reward workers of `reward.stage = "separate"`, started, scorers loaded."""
     r = cfg.reward
-    spec = RewardSpec(
-        kind=r.kind,
-        function=r.function,
-        model_path=r.model_path,
-        batch_size=r.batch_size,
-        threads=r.threads_per_worker,
-        dtype=cfg.model.dtype,
-        timeout_s=r.timeout_s,
-        answer_format=r.answer_format,
-        concurrency=r.concurrency,
-    )
     return RewardStage(
-        spec,
+        reward_spec(cfg),
         r.num_workers,
         store,
         tracer,
@@ -220,8 +144,6 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
         model = apply_lora(model, spec, base_path=cfg.model.path)
     tracer = Tracer()
     engine, sync = learner_engine(cfg, model, tokenizer)
-    reward = run_reward(cfg)
-    worker = rollout_worker(cfg, engine, tokenizer, reward)
     task = make_task(cfg)
     cursor = resume.state["cursor"] if resume else 0
     positions = max_positions(model)
@@ -230,17 +152,17 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     replay = resume.state.get("pending_batches", []) if resume else []
     stream = PromptStream(task, render, cfg.data.task, start=cursor, fit=fit, replay=replay)
     heldout = heldout_set(cfg, tokenizer, positions, task)
-    source = build_source(cfg, model, worker, tracer, stream, resume, sync=sync)
+    evaluator = heldout_evaluator(cfg, model, engine, tokenizer, heldout, sync)
+    source = build_source(cfg, model, tokenizer, engine, tracer, stream, resume, sync=sync)
     try:  # after the source: it may start the Ray that learner ranks run in
-        learner, digest = build_trainer(cfg, model, tokenizer.pad_token_id, tracer, resume)
+        trainer, digest = build_trainer(cfg, model, tokenizer.pad_token_id, tracer, resume)
     except BaseException:
         source.close()
         raise
-    evaluator = heldout_evaluator(cfg, model, engine, tokenizer, reward, heldout, sync)
     return Run(
         params=loop_params(cfg),
         tokenizer=tokenizer,
-        learner=learner,
+        trainer=trainer,
         scorer=build_scorer(cfg, resume),
         source=source,
         heldout_accuracy=evaluator,
@@ -319,22 +241,6 @@ def build_scorer(cfg: Config, resume: Checkpoint | None = None) -> Scorer:
     if resume is not None:
         restore_scorer(scorer, resume)
     return scorer
-
-
-def check_sharded(ckpt: Checkpoint, ranks: int) -> None:
-    """Refuse a checkpoint whose optimizer state the learner cannot read: sharded state (DCP)
-    needs learner ranks, one process's state needs one process. Any N > 1 reads any N > 1."""
-    written_by = ckpt.trainer["ranks"]  # every trainer's state says (learner.TRAINER_KEYS)
-    if written_by > 1 and ranks == 1:
-        raise CheckpointError(
-            f"{ckpt.path} was written by {written_by} learner ranks (sharded optimizer "
-            "state): resume it with --set learner.ranks=N, any N > 1"
-        )
-    if written_by == 1 and ranks > 1:
-        raise CheckpointError(
-            f"{ckpt.path} was written by a single-process learner: resume it with "
-            "learner.ranks = 1 (its optimizer state is not sharded)"
-        )
 
 
 def start_ranks(cfg: Config, model, pad_id: int, tracer: Tracer) -> RankedLearner:

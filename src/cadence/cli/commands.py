@@ -1,15 +1,9 @@
-"""`cadence` command line: init-model, sft, train, eval, serve, and the measurements.
-
-Exit codes: 0 success, 1 a failure during the run, 2 bad input (config key or value, a model
-directory that is missing or not a causal LM, malformed data), with a message naming what is wrong.
-"""
+"""What each `cadence` command does (the parser is cli/args.py, exit codes cli/__init__.py)."""
 
 from __future__ import annotations
 
 import argparse
-import errno
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -23,8 +17,8 @@ def _config(args: argparse.Namespace) -> Config:
 def cmd_init_model(args: argparse.Namespace) -> int:
     if args.from_gguf:
         return _init_model_from_gguf(args)
+    from cadence.builder import tokenizer_corpus
     from cadence.models import init_model
-    from cadence.pipeline.params import tokenizer_corpus
 
     cfg = load_config(args.config, args.set)
     out = Path(args.out)
@@ -61,7 +55,7 @@ def _init_model_from_gguf(args: argparse.Namespace) -> int:
 
 
 def cmd_init_reward_model(args: argparse.Namespace) -> int:
-    from cadence.pipeline.params import make_task, set_threads
+    from cadence.builder import make_task, set_threads
     from cadence.rewards.model_recipe import train_reward_model
 
     cfg = load_config(args.config, args.set)
@@ -87,17 +81,18 @@ def cmd_init_reward_model(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
+    from cadence.builder import make_task, prompt_render, set_threads, sft_segments
+    from cadence.envs import kind_traits
     from cadence.learner.sft import cache_key, is_cached, run_sft
     from cadence.models import load_tokenizer
     from cadence.models.io import check_model_dir
-    from cadence.pipeline.params import make_task, prompt_render, set_threads, sft_segments
 
     cfg = _config(args)
     s = cfg.sft
     base, out = Path(s.base), Path(s.out)
     check_model_dir(base)
     data = cfg.data.model_dump()
-    if cfg.env.kind != "single_turn":  # the demonstrations differ (single-turn keys stay as were)
+    if kind_traits(cfg.env.kind).answers:  # the demonstrations differ (single-turn keys stay)
         data["env"] = cfg.env.model_dump()
     key = cache_key(s.model_dump(), data, cfg.train.seed, base)
     if is_cached(out, key) and not args.force:
@@ -125,7 +120,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from cadence.pipeline import build_run, train
+    from cadence.builder import build_run, train
     from cadence.pipeline.checkpoint import find_checkpoint
     from cadence.pipeline.loop import check_fresh
 
@@ -152,8 +147,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from cadence.pipeline.params import set_threads
-    from cadence.pipeline.workers import evaluate_model
+    from cadence.builder import evaluate_model, set_threads
 
     cfg = _config(args)
     set_threads(cfg.train.threads)
@@ -173,7 +167,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         parse_modes,
     )
     from cadence.bench.modes import PARTIAL_SUITE
-    from cadence.pipeline.params import set_threads
+    from cadence.builder import set_threads
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1; got {args.repeats}")
@@ -278,8 +272,8 @@ def cmd_study(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
+    from cadence.builder import set_threads
     from cadence.models.io import check_model_dir
-    from cadence.pipeline.params import set_threads
     from cadence.serve import build_server, check_binding, run
 
     token = args.token or os.environ.get("CADENCE_SERVE_TOKEN") or None
@@ -340,239 +334,3 @@ def _task_rows(summary: dict) -> list[tuple[str, str]]:
         value = f"{first:.3f} -> {last:.3f} / {before:.3f} -> {after:.3f}"
         rows.append((f"{task}: reward / held-out accuracy", value))
     return rows
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cadence", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
-
-    def with_config(sp: argparse.ArgumentParser, required: bool = True) -> None:
-        if required:
-            sp.add_argument("config", help="TOML config file")
-        sp.add_argument(
-            "--set",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a config key, e.g. --set train.iterations=10",
-        )
-
-    sp = sub.add_parser(
-        "init-model",
-        help="build the embedded default model and tokenizer, or convert a GGUF file",
-    )
-    source = sp.add_mutually_exclusive_group()
-    source.add_argument("--preset", default=None, help="model size: test, tiny (default), small")
-    source.add_argument(
-        "--from-gguf",
-        default=None,
-        metavar="FILE",
-        help="convert this GGUF file (llama.cpp's format) to a float32 Hugging Face directory",
-    )
-    sp.add_argument("--out", required=True, help="output model directory")
-    sp.add_argument("--config", default=None, help="config whose [data] task trains the tokenizer")
-    sp.add_argument("--corpus-size", type=int, default=20000, help="texts to train the tokenizer")
-    sp.add_argument("--force", action="store_true", help="rebuild even if --out holds a model")
-    with_config(sp, required=False)
-    sp.set_defaults(fn=cmd_init_model)
-
-    sp = sub.add_parser("init-reward-model", help="train a tiny reward model on the task")
-    sp.add_argument("--out", required=True, help="output reward model directory")
-    sp.add_argument("--config", default=None, help="config whose [data] task gives the samples")
-    sp.add_argument(
-        "--tokenizer", default=None, help="model directory whose tokenizer to share (model.path)"
-    )
-    sp.add_argument("--preset", default="test", help="model size: test, tiny, small")
-    sp.add_argument("--steps", type=int, default=400, help="training steps of 32 texts")
-    sp.add_argument("--force", action="store_true", help="rebuild even if --out holds a model")
-    with_config(sp, required=False)
-    sp.set_defaults(fn=cmd_init_reward_model)
-
-    sp = sub.add_parser("sft", help="supervised warm start on reference solutions (cached)")
-    with_config(sp)
-    sp.add_argument("--force", action="store_true", help="retrain even if cached")
-    sp.set_defaults(fn=cmd_sft)
-
-    sp = sub.add_parser("train", help="RL training")
-    sp.add_argument("config", nargs="?", default=None, help="TOML config file")
-    with_config(sp, required=False)
-    sp.add_argument(
-        "--out", default=None, help="run output directory (default runs/train; with --resume, RUN)"
-    )
-    sp.add_argument(
-        "--resume",
-        default=None,
-        metavar="RUN",
-        help="continue the run in directory RUN from its newest checkpoint (or from the "
-        "checkpoint directory RUN), with its own config.toml unless CONFIG is given",
-    )
-    sp.set_defaults(fn=cmd_train)
-
-    sp = sub.add_parser("bench", help="measurements side by side (modes, layouts, TRL, ablation)")
-    sp.add_argument(
-        "--suite",
-        default="modes",
-        choices=["modes", "shared-prompt", "engine", "trl", "ablation", "ranks", "partial"],
-        help="modes: the RL workload in each pipeline mode; shared-prompt: one training "
-        "iteration with the prompt shared or not; engine: static vs continuous batching vs "
-        "model.generate on long-tailed and uniform response lengths; trl: cadence and TRL's "
-        "GRPOTrainer on the same workload; ablation: pipeline x shared prompt x old-logprob "
-        "reuse, plus TRL; ranks: one learner process against learner.ranks ranks (time, memory); "
-        "partial: a long-tailed workload (configs/bench-longtail.toml) in sync, periodic, "
-        "offpolicy and offpolicy with partial rollouts",
-    )
-    sp.add_argument(
-        "--model",
-        default=None,
-        help="model directory for suite 'engine' (default: a fresh random-init 'tiny' model)",
-    )
-    sp.add_argument(
-        "--modes",
-        default=None,
-        help="comma-separated: sync-colocated, sync, periodic, offpolicy, partial, "
-        "partial-recompute (suite 'modes', default: the first four; suite 'partial', default: "
-        "sync, periodic, offpolicy, partial)",
-    )
-    sp.add_argument(
-        "--out", required=True, help="output directory (bench.json, bench.md; ablation: bench.png)"
-    )
-    sp.add_argument(
-        "--config",
-        default=None,
-        help="workload config (default: configs/bench-longtail.toml for suite 'partial', "
-        "configs/default.toml for the others)",
-    )
-    sp.add_argument("--repeats", type=int, default=3, help="repeats per mode (median)")
-    sp.add_argument(
-        "--iterations",
-        type=int,
-        default=0,
-        help="iterations (optimizer steps) per run, suites modes, trl, ablation (0: config)",
-    )
-    sp.add_argument(
-        "--cells",
-        default=None,
-        help="suite 'ablation': comma-separated cells to run instead of the whole grid, e.g. "
-        "'sync-colocated/share/reuse,periodic/share/reuse,trl'",
-    )
-    with_config(sp, required=False)
-    sp.set_defaults(fn=cmd_bench)
-
-    sp = sub.add_parser("plan", help="predict each mode's speed on a cluster; recommend a split")
-    sp.add_argument(
-        "spec",
-        nargs="?",
-        default=None,
-        help="plan TOML (default: the 7B example in docs/planner.md)",
-    )
-    sp.add_argument(
-        "--calibrate",
-        nargs="?",
-        const="",
-        default=None,
-        metavar="MODEL_DIR",
-        help="measure this machine with the real engine and learner on MODEL_DIR (default: "
-        "the --config model) and plan the --config workload on it",
-    )
-    sp.add_argument(
-        "--config", default="configs/default.toml", help="training config (with --calibrate)"
-    )
-    sp.add_argument("--out", default="runs/plan", help="output directory (plan.json, plan.png)")
-    with_config(sp, required=False)
-    sp.set_defaults(fn=cmd_plan)
-
-    sp = sub.add_parser("study", help="experiments over many runs (offpolicy, seeds)")
-    sp.add_argument(
-        "study",
-        choices=["offpolicy", "seeds"],
-        help="offpolicy: losses x staleness bound; seeds: the config over several seeds",
-    )
-    sp.add_argument("--losses", default="grpo,rloo,online_dpo", help="comma-separated losses")
-    sp.add_argument("--staleness", default="0,1,2,4,8", help="comma-separated N (0: periodic)")
-    sp.add_argument(
-        "--variants",
-        default="plain",
-        help="offpolicy: comma-separated plain, partial (pipeline.partial_rollout), "
-        "partial-corrected (and algo.rollout_correction = 'sequence_mask'); the partial ones "
-        "for N >= 1",
-    )
-    sp.add_argument("--seeds", default="0,1,2", help="seeds: comma-separated train.seed values")
-    sp.add_argument("--out", required=True, help="output directory (study.json, study.png)")
-    sp.add_argument(
-        "--config",
-        default=None,
-        help="workload config (default: configs/study-offpolicy.toml for offpolicy, "
-        "configs/default.toml for seeds)",
-    )
-    sp.add_argument("--iterations", type=int, default=0, help="iterations per run (0: config)")
-    with_config(sp, required=False)
-    sp.set_defaults(fn=cmd_study)
-
-    sp = sub.add_parser(
-        "serve", help="an OpenAI-compatible chat-completions endpoint over a model directory"
-    )
-    sp.add_argument("model_dir", help="local Hugging Face causal-LM directory")
-    sp.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    sp.add_argument("--port", type=int, default=8000, help="port to bind")
-    sp.add_argument(
-        "--token",
-        default=None,
-        help="bearer token every request must carry (default: $CADENCE_SERVE_TOKEN); needed "
-        "unless bound to loopback",
-    )
-    sp.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded at once")
-    sp.add_argument("--max-tokens", type=int, default=256, help="most tokens per completion")
-    sp.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
-    sp.set_defaults(fn=cmd_serve)
-
-    sp = sub.add_parser("eval", help="held-out accuracy of a model directory")
-    sp.add_argument("model_dir")
-    sp.add_argument("--config", default=None, help="TOML config (task, rollout settings)")
-    with_config(sp, required=False)
-    sp.set_defaults(fn=cmd_eval)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    try:  # Ctrl-C while the libraries import (seconds) is an interrupt too, not a traceback
-        return _run(args)
-    except KeyboardInterrupt:
-        print("cadence: interrupted", file=sys.stderr)
-        return 130
-
-
-def _run(args: argparse.Namespace) -> int:
-    """The command, with every error it can meet mapped to its exit code and one line."""
-    from cadence.backend import WorkerDied, WorkerError
-    from cadence.data import DataError
-    from cadence.learner import BadStepsError
-    from cadence.metrics.files import device_of
-    from cadence.models import ModelLoadError
-    from cadence.pipeline.checkpoint import CheckpointError
-    from cadence.rewards import RewardBudgetExceeded, RewardLoadError
-
-    try:
-        return args.fn(args)
-    except (ConfigError, ModelLoadError, DataError, CheckpointError, RewardLoadError) as e:
-        print(f"cadence: error: {e}", file=sys.stderr)
-        return 2
-    except (BadStepsError, WorkerDied, WorkerError, RewardBudgetExceeded) as e:
-        print(f"cadence: run stopped: {e}", file=sys.stderr)
-        return 1
-    except TimeoutError as e:  # workers that stopped answering (pipeline.worker_timeout_s)
-        print(f"cadence: run stopped: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        where = f" while writing {e.filename}" if e.filename else ""
-        print(
-            f"cadence: run stopped: no space left on {device_of(e.filename)}{where}",
-            file=sys.stderr,
-        )
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,245 @@
+"""From the config to the plain parameters components take: the one place these translations
+live, shared by the run builder and the recipes (`bench`, `plan`, `study`) that build parts of a
+run themselves. Translations only: refusals are checks.py's, tasks and environments tasks.py's.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cadence.algo import AlgoParams
+from cadence.builder.checks import check_trackers, require_ray
+from cadence.builder.tasks import env_spec
+from cadence.config import Config, ConfigError, PipelineConfig, to_toml
+from cadence.engine import SamplingParams
+from cadence.engine.vllm import VLLMOptions
+from cadence.learner import LearnerParams
+from cadence.learner.rank import RankSpec
+from cadence.models import stop_token_ids
+from cadence.pipeline.loop import LoopParams
+from cadence.pipeline.producer import ProducerParams
+from cadence.rewards import RewardSpec
+from cadence.rollout import PartialRollouts, WorkerSpec
+
+
+def set_threads(threads: int) -> None:
+    """torch threads of this process (0: every core)."""
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+def sampling_params(cfg: Config, tokenizer, model_path: str | Path | None = None) -> SamplingParams:
+    """How rollouts sample. A response ends at the tokenizer's EOS, the ids the generation config
+    of the model in `model_path` (default `model.path`) stops at, `rollout.stop_token_ids`, and
+    the `rollout.stop` strings."""
+    r = cfg.rollout
+    bad = [i for i in r.stop_token_ids if not 0 <= i < len(tokenizer)]
+    if bad:
+        raise ConfigError(
+            f"rollout.stop_token_ids: {bad} are not ids of the tokenizer's {len(tokenizer)} tokens"
+        )
+    path = model_path or cfg.model.path
+    return SamplingParams(
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        stop_token_ids=stop_token_ids(tokenizer, path, r.stop_token_ids),
+        stop=tuple(r.stop),
+    )
+
+
+def algo_params(cfg: Config) -> AlgoParams:
+    """The algorithm: `algo`'s keys, `reward`'s shaping, and the episode's cap on policy tokens
+    (`Config.max_policy_tokens`: the overlong penalty's and seq-sum-norm's, not one turn's)."""
+    a, r = cfg.algo, cfg.reward
+    return AlgoParams(
+        loss=a.loss,
+        advantage=a.advantage,
+        scale_by_std=a.scale_by_std,
+        std=a.std,
+        std_eps=a.std_eps,
+        loss_agg=a.loss_agg,
+        clip_low=a.clip_low,
+        clip_high=a.clip_high,
+        clip_ratio_c=a.clip_ratio_c,
+        kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator,
+        kl_clamp=a.kl_clamp,
+        rollout_correction=a.rollout_correction,
+        correction_clip_min=a.correction_clip_min,
+        correction_clip_max=a.correction_clip_max,
+        correction_proximal=a.correction_proximal,
+        tis_cap=a.tis_cap,
+        dpo_beta=a.dpo_beta,
+        dpo_loss=a.dpo_loss,
+        max_policy_tokens=cfg.max_policy_tokens,
+        overlong_buffer=r.overlong_buffer,
+        overlong_penalty=r.overlong_penalty,
+        mask_truncated=a.mask_truncated,
+    )
+
+
+def learner_params(cfg: Config) -> LearnerParams:
+    """How the learner steps and lays out its work (the algorithm is `algo_params`)."""
+    t = cfg.train
+    return LearnerParams(
+        lr=t.lr,
+        warmup_steps=t.warmup_iterations * t.mini_batches,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        micro_batch_groups=t.micro_batch_groups,
+        mini_batches=t.mini_batches,
+        temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
+        shared_prompt=cfg.learner.shared_prompt,
+        shared_prompt_impl=cfg.learner.shared_prompt_impl,
+        reuse_old_logprobs=cfg.learner.reuse_old_logprobs,
+        max_bad_steps=t.max_bad_steps,
+    )
+
+
+def learner_threads(cfg: Config) -> int:
+    """torch threads of the learner: the cores the workers leave it, unless set."""
+    p = cfg.pipeline
+    if p.placement == "colocated":
+        return cfg.train.threads
+    cores = os.cpu_count() or 1
+    others = p.num_workers * p.threads_per_worker
+    if cfg.reward.stage == "separate":
+        others += cfg.reward.num_workers * cfg.reward.threads_per_worker
+    return p.learner_threads or max(1, cores - others)
+
+
+def rank_threads(cfg: Config) -> int:
+    """torch threads of each learner rank: the learner's threads shared among its ranks."""
+    threads = learner_threads(cfg) or os.cpu_count() or 1
+    return cfg.learner.threads_per_rank or max(1, threads // cfg.learner.ranks)
+
+
+def rank_spec(cfg: Config, pad_id: int) -> RankSpec:
+    """What each of the `learner.ranks` ranks builds itself from."""
+    return RankSpec(
+        model_path=cfg.model.path,
+        params=learner_params(cfg),
+        algo=algo_params(cfg),
+        pad_id=pad_id,
+        world_size=cfg.learner.ranks,
+        strategy=cfg.learner.strategy,
+        dtype=cfg.model.dtype,
+        threads=rank_threads(cfg),
+        timeout_s=cfg.pipeline.worker_timeout_s,
+    )
+
+
+def max_staleness(cfg: Config) -> int:
+    """Versions a trained group may lag the learner: 0 except in off-policy mode."""
+    return cfg.pipeline.max_staleness if cfg.pipeline.mode == "offpolicy" else 0
+
+
+def worker_spec(cfg: Config, sampling: SamplingParams) -> WorkerSpec:
+    """What each rollout worker builds itself from; it scores only without a reward stage."""
+    return WorkerSpec(
+        model_path=cfg.model.path,
+        dtype=cfg.model.dtype,
+        reward="" if cfg.reward.stage == "separate" else cfg.reward.function,
+        sampling=sampling,
+        group_size=cfg.rollout.group_size,
+        run_seed=cfg.train.seed,
+        threads=cfg.pipeline.threads_per_worker,
+        max_num_seqs=cfg.rollout.max_num_seqs,
+        engine=cfg.rollout.engine,
+        vllm=vllm_options(cfg),  # read by an engine that takes them (vllm) only
+        reward_timeout_s=cfg.reward.timeout_s,
+        reward_concurrency=cfg.reward.concurrency,
+        answer_format=cfg.reward.answer_format,
+        env=env_spec(cfg),
+        partial=partial_rollouts(cfg),
+    )
+
+
+def partial_rollouts(cfg: Config) -> PartialRollouts | None:
+    """How workers take new weights mid-sequence (`pipeline.partial_rollout`; None: they wait
+    until their sequences finish). With `staleness_strategy = "wait"` an update waits while it
+    would leave a trajectory in flight staler than `max_staleness`."""
+    p = cfg.pipeline
+    if not p.partial_rollout:
+        return None
+    lag = max_staleness(cfg) if p.staleness_strategy == "wait" else None
+    return PartialRollouts(recompute=p.partial_rollout_kv == "recompute", max_lag=lag)
+
+
+def vllm_options(cfg: Config) -> VLLMOptions:
+    """The `[rollout.vllm]` table as the vLLM engine takes it."""
+    return VLLMOptions(**cfg.rollout.vllm.model_dump())
+
+
+def producer_params(cfg: Config, first_iteration: int = 0) -> ProducerParams:
+    """How the producer feeds the workers; a resumed run's begins at `first_iteration`."""
+    p = cfg.pipeline
+    return ProducerParams(
+        prompts_per_task=p.prompts_per_task,
+        tasks_in_flight=p.tasks_in_flight,
+        max_staleness=max_staleness(cfg),
+        queue_size=p.queue_size,
+        iterations=cfg.train.iterations,
+        first_iteration=first_iteration,
+        group_size=cfg.rollout.group_size,
+        max_worker_restarts=p.max_worker_restarts,
+    )
+
+
+def ray_options(p: PipelineConfig) -> dict[str, Any]:
+    """`RayPool`'s keyword arguments (none for the local backend); Ray must be installed."""
+    if p.backend != "ray":
+        return {}
+    require_ray()
+    return {
+        "address": p.ray_address,
+        "num_cpus": p.ray_num_cpus,
+        "num_cpus_per_worker": p.num_cpus_per_worker,
+        "num_gpus_per_worker": p.num_gpus_per_worker,
+        "custom_resources": p.ray_worker_resources,
+        "weight_sync": p.weight_sync,
+    }
+
+
+def loop_params(cfg: Config) -> LoopParams:
+    t = cfg.train
+    check_trackers(cfg)
+    return LoopParams(
+        iterations=t.iterations,
+        prompts_per_iteration=t.prompts_per_iteration,
+        max_staleness=max_staleness(cfg),
+        eval_every=t.eval_every,
+        checkpoint_every=t.checkpoint_every,
+        keep_checkpoints=t.keep_checkpoints,
+        max_error_fraction=cfg.reward.max_error_fraction,
+        mode=cfg.pipeline.mode,
+        placement=cfg.pipeline.placement,
+        slots=cfg.rollout.max_num_seqs,
+        tensorboard=cfg.metrics.tensorboard,
+        progress=cfg.metrics.progress,
+        reference_path=cfg.model.path,
+        config_toml=to_toml(cfg),
+        save_merged=cfg.model.lora is not None and cfg.model.lora.save_merged,
+        wandb=cfg.metrics.wandb,
+        mlflow=cfg.metrics.mlflow,
+    )
+
+
+def reward_spec(cfg: Config) -> RewardSpec:
+    """What each reward worker of `reward.stage = "separate"` builds its scorer from."""
+    r = cfg.reward
+    return RewardSpec(
+        kind=r.kind,
+        function=r.function,
+        model_path=r.model_path,
+        batch_size=r.batch_size,
+        threads=r.threads_per_worker,
+        dtype=cfg.model.dtype,
+        timeout_s=r.timeout_s,
+        answer_format=r.answer_format,
+        concurrency=r.concurrency,
+    )
