@@ -1,12 +1,12 @@
-"""docs/config.md is what `python -m cadence.config_doc` writes from the config's descriptions."""
+"""docs/config.md is what `python -m cadence.config.doc` writes from the config's descriptions."""
 
 from pathlib import Path
 
 import pytest
 from pydantic import BaseModel, Field
 
-from cadence import config_doc
 from cadence.config import Config
+from cadence.config import doc as config_doc
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "config.md"
@@ -15,7 +15,7 @@ PAGE = ROOT / "docs" / "config.md"
 def test_config_reference_is_up_to_date():
     assert PAGE.read_text() == config_doc.render(), (
         "docs/config.md differs from the config's field descriptions: regenerate it with "
-        "`python -m cadence.config_doc` from the repository root and commit the result"
+        "`python -m cadence.config.doc` from the repository root and commit the result"
     )
 
 
@@ -72,7 +72,7 @@ class _Root(BaseModel):
 def test_field_without_description_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"'pipeline\.undocumented' has no description") as e:
         config_doc.render(_Root)
-    assert "python -m cadence.config_doc" in str(e.value)
+    assert "python -m cadence.config.doc" in str(e.value)
 
 
 def test_check_flag_reports_a_stale_page(tmp_path, capsys):
@@ -81,4 +81,4 @@ def test_check_flag_reports_a_stale_page(tmp_path, capsys):
     assert config_doc.main(["--out", str(page), "--check"]) == 0
     page.write_text(page.read_text() + "edited by hand\n")
     assert config_doc.main(["--out", str(page), "--check"]) == 1
-    assert "python -m cadence.config_doc" in capsys.readouterr().err
+    assert "python -m cadence.config.doc" in capsys.readouterr().err

@@ -18,7 +18,8 @@ ROOT = Path(cadence.__file__).parent
 # What each top-level part may import of cadence (besides itself): down the layers only.
 ALLOWED = {
     "types": set(),
-    "config": set(),
+    # the algorithm's choice lists are cadence.types' names, read by both config/ and algo/
+    "config": {"types"},
     "algo": {"types"},
     "data": {"types"},
     "models": {"types"},

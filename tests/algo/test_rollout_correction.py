@@ -24,8 +24,9 @@ from cadence.algo import (
     correction_weights,
     get_loss,
 )
-from cadence.algo.correction import PROXIMAL_POLICIES, TRUNCATE_MODES, level_ratio
+from cadence.algo.correction import TRUNCATE_MODES, level_ratio
 from cadence.config import AlgoConfig, ConfigError, load_config
+from cadence.types import PROXIMAL_POLICIES
 
 # Two responses of 3 tokens; the second's last token is not trained (loss_mask 0) and carries a
 # log-ratio of 1000 that must change nothing. Token ratios rho = pi_old / pi_behaviour:

@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from cadence.backend import RewardSpec, RewardStage, WorkerDied, WorkerError
+from cadence.backend import RewardStage, WorkerDied, WorkerError
 from cadence.builder import build_run, train
 from cadence.data import DEFAULT_TEMPLATE, ArithmeticTask
 from cadence.dataplane import LEARNER, TRAIN, SampleStore, batch_groups, group_rows
 from cadence.metrics import MemorySink, Tracer
-from cadence.rewards import safe_reward
+from cadence.rewards import RewardSpec, safe_reward
 from cadence.rewards.model import RewardModel
 from cadence.rewards.model_recipe import train_reward_model
 from cadence.types import Completion, Group, Prompt
@@ -196,7 +196,7 @@ def test_a_reward_worker_that_cannot_load_its_reward_fails_the_build_with_its_tr
 
 def test_a_rule_reward_worker_scores_its_micro_batch_concurrently():
     # Before: one row after another, 16 x 0.5 s = 8 s per micro-batch.
-    from cadence.backend.reward_stage import RuleScorer
+    from cadence.rewards.stage import RuleScorer
 
     scorer = RuleScorer("fixtures_rewards:half_second_even_length", timeout_s=5.0, concurrency=8)
     prompts = [Prompt(f"u{i}", "q", "a", i) for i in range(16)]

@@ -6,7 +6,7 @@ import multiprocessing
 
 import pytest
 
-from cadence.builder import build_run, params, train
+from cadence.builder import build_run, checks, train
 from cadence.cli import main
 from cadence.config import ConfigError, load_config
 from cadence.engine import Request, SamplingParams
@@ -141,7 +141,7 @@ def test_partial_rollouts_with_a_vllm_worker(vllm_dir, tmp_path):
 
 
 def test_missing_vllm_exits_2_with_the_install_command(vllm_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(params, "vllm_available", lambda: False)
+    monkeypatch.setattr(checks, "vllm_available", lambda: False)
     (tmp_path / "run.toml").write_text("")
     args = ["train", str(tmp_path / "run.toml"), "--out", str(tmp_path / "run")]
     for o in _overrides(vllm_dir):

@@ -142,6 +142,10 @@ def test_public_surface() -> None:
     import cadence.rewards
 
     assert set(cadence.rewards.__all__) == {
+        "BatchScorer",
+        "RewardSpec",
+        "build_batch_scorer",
+        "finite_scores",
         "DEFAULT_CONCURRENCY",
         "ConstantReward",
         "MathReward",

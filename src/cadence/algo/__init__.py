@@ -15,10 +15,8 @@ from cadence.algo.aggregation import AGG_MODES, normaliser, token_weights
 from cadence.algo.correction import (
     CORRECTION_FIGURES,
     CORRECTION_MAXIMA,
-    CORRECTION_MODES,
     CORRECTION_SUMS,
     LARGEST_FIGURES,
-    PROXIMAL_POLICIES,
     SMALLEST_FIGURES,
     correction_figures,
     correction_sums,
@@ -38,7 +36,7 @@ from cadence.algo.losses import (
     ppo_clip_loss,
     rloo_loss,
 )
-from cadence.algo.params import DPO_LOSSES, KL_ESTIMATORS, RATIO_LOSSES, AlgoParams
+from cadence.algo.params import RATIO_LOSSES, AlgoParams
 from cadence.algo.registry import (
     ADVANTAGES,
     BATCH_ADVANTAGES,
@@ -54,6 +52,7 @@ from cadence.algo.registry import (
     needs_reference,
 )
 from cadence.algo.shaping import overlong_penalty
+from cadence.types import CORRECTION_MODES, DPO_LOSSES, KL_ESTIMATORS, PROXIMAL_POLICIES
 
 __all__ = [
     "ADVANTAGES",

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-STD_MODES = ("unbiased", "population")
+from cadence.types import STD_MODES
+
 STD_EPS = 1e-4
 
 

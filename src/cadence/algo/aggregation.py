@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-AGG_MODES = ("token-mean", "seq-mean", "seq-sum-norm")
+from cadence.types import LOSS_AGGREGATIONS
+
+AGG_MODES = LOSS_AGGREGATIONS
 
 
 def _check_mode(mode: str) -> None:

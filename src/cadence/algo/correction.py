@@ -40,16 +40,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-CORRECTION_MODES = (
-    "none",
-    "token_truncate",
-    "token_mask",
-    "sequence_truncate",
-    "sequence_mask",
-    "geometric_mask",
-    "icepop",
-)
-PROXIMAL_POLICIES = ("decoupled", "bypass")
 _LEVELS = {
     "none": "token",
     "token_truncate": "token",

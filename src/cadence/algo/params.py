@@ -20,10 +20,14 @@ from dataclasses import dataclass
 
 from cadence.algo.advantages import STD_EPS, STD_MODES
 from cadence.algo.aggregation import AGG_MODES
-from cadence.algo.correction import CORRECTION_MODES, PROXIMAL_POLICIES, TRUNCATE_MODES
+from cadence.algo.correction import TRUNCATE_MODES
+from cadence.types import (
+    CORRECTION_MODES,
+    DPO_LOSSES,
+    KL_ESTIMATORS,
+    PROXIMAL_POLICIES,
+)
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-DPO_LOSSES = ("sigmoid", "ipo", "ipo_token_mean")
 # Losses whose per-token term holds the ratio pi / pi_old: under the bypass (old = behaviour) that
 # ratio is already the importance weight, so a rollout correction adds only its mask to them.
 RATIO_LOSSES = frozenset({"ppo_clip", "gspo", "cispo"})

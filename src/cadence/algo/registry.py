@@ -31,6 +31,8 @@ from cadence.algo.losses import (
     rloo_loss,
 )
 from cadence.algo.params import AlgoParams
+from cadence.types import ADVANTAGES as ADVANTAGE_NAMES
+from cadence.types import LOSSES as LOSS_NAMES
 
 AdvantageFn = Callable[[Tensor, "AdvantageContext"], Tensor]  # rewards (N, G) -> (N, G)
 LossFn = Callable[[PolicyBatch, AlgoParams], tuple[Tensor, dict[str, Tensor]]]
@@ -93,6 +95,8 @@ LOSSES: dict[str, LossFn] = {
 # batch's number of pairs (their `num_pairs` metric), they need the frozen reference, and they
 # read no old_logprobs (no importance ratio).
 PAIR_LOSSES = frozenset({"online_dpo"})
+# one list of names for the registries and the config's allowed values (cadence.types)
+assert tuple(ADVANTAGES) == ADVANTAGE_NAMES and tuple(LOSSES) == LOSS_NAMES
 
 
 def _lookup(table: dict[str, F], kind: str, name: str) -> F:

@@ -1,37 +1,12 @@
 """`cadence bench --suite trl`: TRL's `GRPOTrainer` and cadence on one workload, side by side.
 
-Both tools get the same local model directory and tokenizer, the same prompts in the same order
-(cadence's task stream; TRL reads them from an in-memory `datasets.Dataset` with shuffling off),
-group size, max new tokens, temperature, top-p, prompts per optimizer step, micro-batch, learning
-rate and warm-up, clip range, KL coefficient (TRL's `beta`; k3 estimator in both), the same reward
-function (cadence's, wrapped) and the same torch thread count, for the same number of optimizer
-steps. What each tool was actually given is read back from it (cadence's resolved config; TRL's
-`trainer.args` and `trainer.state`) and written side by side, so a reader can check the claim.
-
-Figures, defined the same way for both:
-- trained tokens: prompt + response tokens of every trained sample, EOS included (cadence's
-  `Group.num_tokens`); for TRL, counted from the prompt and completion ids its `_generate` returns.
-- wall: from the start of training to the end of the last optimizer step. cadence: its
-  iterations' wall times, back to back; TRL: `on_train_begin` to the last `on_step_end`. Model
-  loading, worker start-up and TRL's trainer construction come before and are not timed; what
-  comes after the last step (cadence: closing workers, drawing timeline.png; TRL: its
-  end-of-training bookkeeping) is not either, but is kept in `loop_wall_s`.
-- TPSPD = trained tokens / wall / devices (a CPU machine is one device).
-- generation busy: sampling plus scoring. cadence: its generation spans. TRL: time inside
-  `GRPOTrainer._generate` (tokenise, `model.generate`, decode) and `_calculate_rewards`, measured
-  by wrapping those two methods on the trainer instance.
-- training busy: cadence: its forward/backward and optimizer-step spans (reference pass
-  included). TRL: the optimizer steps' spans (`on_step_begin` to `on_step_end` callbacks:
-  generation, the reference pass TRL makes right after it, micro-batch forward/backward,
-  clipping, the AdamW step) minus generation busy.
-- overlap: time both were busy (0 for TRL, which alternates). idle: wall time in which neither
-  was (loop overhead; TRL's data loader and logging).
-
-TRL runs with its CPU-compatible settings (`CPU_SETTINGS`). Every argument given to `GRPOConfig`
-is in the output. A config with `model.lora` trains the same adapter in TRL (`peft_config`, the
-trainer's own LoRA path; with a KL term its reference is the adapter switched off, as cadence's);
-TRL then generates through the unmerged adapter, cadence with the adapter merged in.
-trl is imported only inside `run_trl`: importing cadence never imports it.
+Both get the same local model and tokenizer, prompts in the same order, group size, response
+cap, sampling, prompts per step, micro-batch, learning rate, clip range, KL coefficient, reward
+function and torch threads, for the same number of optimizer steps; what each was actually given
+is read back from it and written side by side. TRL runs with its CPU-compatible settings
+(`CPU_SETTINGS`); a config with `model.lora` trains the same adapter in both. Every figure
+(trained tokens, wall, TPSPD, generation and training busy, overlap) is defined the same way for
+both: docs/benchmarks.md. trl is imported only inside `run_trl`.
 """
 
 from __future__ import annotations

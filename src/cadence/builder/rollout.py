@@ -108,7 +108,7 @@ def heldout_evaluator(
     spec = worker_spec(cfg, sampling_params(cfg, tokenizer, model_path))
     spec = evaluation_spec(spec, cfg.reward.function)
     _build(cfg, spec, engine, tokenizer).close()  # a broken environment fails before training
-    return Evaluator(model, lambda: _build(cfg, spec, engine, tokenizer), prompts, sync)
+    return Evaluator(model, engine, lambda e: _build(cfg, spec, e, tokenizer), prompts, sync)
 
 
 def evaluate_model(cfg: Config, model_dir: str | Path) -> dict[str, float]:

@@ -142,7 +142,7 @@ class SampleStore:
                 raise StoreClosed("put on a closed store")
             live = [i for i, r in enumerate(rows) if r.iteration not in self._cleared]
             self._late_rows += len(rows) - len(live)
-            self._check_put([rows[i] for i in live], fields)
+            check_put([rows[i] for i in live], fields, self._rows, self._groups)
             for i in live:
                 entry = self._entry(rows[i])
                 for name, values in fields.items():
@@ -150,29 +150,6 @@ class SampleStore:
             for name in fields:
                 self._put[name] += len(live)
             self._cond.notify_all()
-
-    def _check_put(self, rows: Sequence[SampleRow], fields: Mapping[str, Sequence[Any]]) -> None:
-        seen: set[int] = set()
-        new_groups: dict[int, list[SampleRow]] = {}  # group -> its rows this put creates
-        for row in rows:
-            if not 0 <= row.index_in_group < row.group_size:
-                raise ValueError(f"row {row}: index_in_group outside 0..group_size-1")
-            if row.index in seen:
-                raise ValueError(f"row index {row.index} appears twice in one put")
-            seen.add(row.index)
-            entry = self._rows.get(row.index)
-            if entry is None:
-                new_groups.setdefault(row.group, []).append(row)
-            elif entry.row != row:
-                raise ValueError(f"row {row} conflicts with the stored {entry.row}")
-            elif written := [name for name in fields if name in entry.data]:
-                raise ValueError(f"row {row.index}: field(s) {written} already written")
-        for group, new in new_groups.items():
-            members = [e.row for e in self._groups.get(group, {}).values()] + new
-            if len({(r.group_size, r.iteration) for r in members}) > 1:
-                raise ValueError(f"group {group}: rows disagree on group_size or iteration: {new}")
-            if len({r.index_in_group for r in members}) < len(members):
-                raise ValueError(f"group {group}: two rows share an index_in_group: {new}")
 
     def _entry(self, row: SampleRow) -> Entry:
         entry = self._rows.get(row.index)
@@ -390,3 +367,34 @@ def _checked(chosen: list[Unit], units: list[Unit], batch_size: int) -> list[Uni
     if any(id(u) not in offered for u in chosen):
         raise ValueError("sampler returned a unit it was not offered")
     return chosen
+
+
+def check_put(
+    rows: Sequence[SampleRow],
+    fields: Mapping[str, Sequence[Any]],
+    stored: Mapping[int, Entry],
+    groups: Mapping[int, Mapping[int, Entry]],
+) -> None:
+    """Refuse a put that would break the store's rows: an index twice, a row that conflicts with
+    the stored one, a field written twice, a group whose rows disagree."""
+    seen: set[int] = set()
+    new_groups: dict[int, list[SampleRow]] = {}  # group -> its rows this put creates
+    for row in rows:
+        if not 0 <= row.index_in_group < row.group_size:
+            raise ValueError(f"row {row}: index_in_group outside 0..group_size-1")
+        if row.index in seen:
+            raise ValueError(f"row index {row.index} appears twice in one put")
+        seen.add(row.index)
+        entry = stored.get(row.index)
+        if entry is None:
+            new_groups.setdefault(row.group, []).append(row)
+        elif entry.row != row:
+            raise ValueError(f"row {row} conflicts with the stored {entry.row}")
+        elif written := [name for name in fields if name in entry.data]:
+            raise ValueError(f"row {row.index}: field(s) {written} already written")
+    for group, new in new_groups.items():
+        members = [e.row for e in groups.get(group, {}).values()] + new
+        if len({(r.group_size, r.iteration) for r in members}) > 1:
+            raise ValueError(f"group {group}: rows disagree on group_size or iteration: {new}")
+        if len({r.index_in_group for r in members}) < len(members):
+            raise ValueError(f"group {group}: two rows share an index_in_group: {new}")

@@ -351,12 +351,8 @@ class ContinuousEngine:
             slot.versions.append(slot.logits_version)
             if slot.job.oldest is None or slot.logits_version < slot.job.oldest:
                 slot.job.oldest = slot.logits_version
-            if tok in p.stop_token_ids:
-                finished.append((s, "eos"))
-            elif p.stop and self._hits_stop(slot.tokens, p.stop):
-                finished.append((s, "stop"))
-            elif len(slot.tokens) >= slot.job.request.limit(p):
-                finished.append((s, "length"))
+            if reason := finish_reason(self.tokenizer, slot.tokens, slot.job.request.limit(p), p):
+                finished.append((s, reason))
         return finished
 
     def _retire(self, finished: list[tuple[int, str]]) -> list[tuple[Hashable, list[Completion]]]:
@@ -400,9 +396,19 @@ class ContinuousEngine:
         for slot in self.slots:
             slot.logits_version = self.version
 
-    def _hits_stop(self, ids: list[int], stop: tuple[str, ...]) -> bool:
-        tail = self.tokenizer.decode(ids[-16:], skip_special_tokens=True)
-        return any(s in tail for s in stop)
-
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+
+def finish_reason(tokenizer, tokens: list[int], limit: int, p: SamplingParams) -> str | None:
+    """Why a sequence ends at its last token: "eos" (a stop token), "stop" (a stop string in
+    its last 16 tokens' text), "length" (`limit` tokens), or None: it goes on."""
+    if tokens[-1] in p.stop_token_ids:
+        return "eos"
+    if p.stop and any(
+        s in tokenizer.decode(tokens[-16:], skip_special_tokens=True) for s in p.stop
+    ):
+        return "stop"
+    if len(tokens) >= limit:
+        return "length"
+    return None

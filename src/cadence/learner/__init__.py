@@ -16,15 +16,11 @@ one-process learner and the ranks' own processes never need.
 """
 
 from cadence.learner.fake import FakeTrainer
-from cadence.learner.learner import (
-    BadStepsError,
-    Collective,
-    Learner,
-    LearnerParams,
-    frozen_copy,
-)
+from cadence.learner.learner import Collective, Learner, LearnerParams
 from cadence.learner.scorer import Scored, Scorer, reward_figures, score
+from cadence.learner.steps import BadStepsError
 from cadence.learner.sums import StepSums, iteration_stats
+from cadence.learner.tensors import frozen_copy
 from cadence.learner.trainer import TRAINER_KEYS, Trainer
 
 __all__ = [

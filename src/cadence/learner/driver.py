@@ -37,7 +37,6 @@ Checkpoints. `state` has the ranks write their shards into the checkpoint being 
 
 from __future__ import annotations
 
-import math
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
@@ -51,6 +50,7 @@ from cadence.backend.ranks import BUILD, LocalRanks, Ranks
 from cadence.learner.learner import LearnerParams
 from cadence.learner.rank import Rank, RankSpec, Rendezvous, RoundReply, build_rank
 from cadence.learner.scorer import Scored
+from cadence.learner.steps import BadSteps, step_chunks
 from cadence.learner.sums import iteration_stats
 from cadence.metrics import TRAIN_SPANS
 from cadence.metrics.trace import Span, Tracer
@@ -153,7 +153,7 @@ class RankedLearner:
         self.clock_offsets = clock_offsets or [0.0] * self.num_ranks  # rank clock -> ours
         self.strategy, self.on_close = strategy, on_close
         self.version = 0  # policy version: number of iterations trained
-        self.bad_steps_in_a_row = 0
+        self.bad_steps = BadSteps(params.max_bad_steps)
         self.described = self.ranks.describe()  # per rank: what it holds, its pid
         self.frozen_copies_bytes = self.described[0]["frozen_bytes"]  # per rank
         self._figures: list[list[dict[str, Any]]] = [[] for _ in range(self.num_ranks)]
@@ -162,23 +162,15 @@ class RankedLearner:
 
     def train_iteration(self, scored: Iterable[Scored], num_groups: int) -> dict[str, Any]:
         """Train on `num_groups` scored groups as they come, in rounds; step after each
-        mini-batch's last group (fewer may come: what did is trained and stepped when the
-        iterable ends)."""
-        per_step = math.ceil(num_groups / self.params.mini_batches)
+        mini-batch's last group (learner/steps.py: fewer may come, and what did is trained)."""
         per_round = self.num_ranks * self.params.micro_batch_groups
         start = self.tracer.now()
         self.ranks.begin(self.version)
-        buffer: list[Scored] = []
         steps: list[dict[str, float]] = []
-        open_step = False  # rounds sent since the last step
-        for i, group in enumerate(scored, start=1):
-            buffer.append(group)
-            end_of_step = i % per_step == 0 or i == num_groups
-            if len(buffer) == per_round or end_of_step:
-                self._round(buffer, step=end_of_step, steps=steps)
-                buffer, open_step = [], not end_of_step
-        if buffer or open_step:
-            self._round(buffer, step=True, steps=steps)
+        for chunk, ends_step in step_chunks(
+            scored, num_groups, self.params.mini_batches, per_round
+        ):
+            self._round(chunk, step=ends_step, steps=steps)
         if not steps:
             raise RuntimeError(f"learner got no groups (expected {num_groups})")
         self._publish()
@@ -198,8 +190,16 @@ class RankedLearner:
                 self._take(rank, reply)
         figures = replies[0][-1].step
         assert figures is not None  # a round that steps answers with the step's figures
-        self.bad_steps_in_a_row = self.bad_steps_in_a_row + 1 if figures["skipped_steps"] else 0
+        self.bad_steps.count(bool(figures["skipped_steps"]))  # each rank counted them too
         steps.append(figures)
+
+    @property
+    def bad_steps_in_a_row(self) -> int:
+        return self.bad_steps.in_a_row
+
+    @bad_steps_in_a_row.setter
+    def bad_steps_in_a_row(self, n: int) -> None:
+        self.bad_steps.in_a_row = n
 
     def _take(self, rank: int, reply: RoundReply) -> None:
         """A rank's spans onto the run's timeline; its memory figures kept for the iteration."""

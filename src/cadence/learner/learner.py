@@ -1,43 +1,17 @@
 """The one-process trainer: consumes scored groups, computes log-probs and the loss, steps the
 optimizer. It satisfies the Trainer seam (learner/trainer.py); each of a sharded learner's ranks
-runs one too (learner/rank.py).
+runs one too (learner/rank.py, through `Collective`).
 
-Groups arrive one at a time, scored (learner/scorer.py: shaped rewards, advantages), streamed or
-all at once: the learner does not care. They are packed into micro-batches on group boundaries;
-each micro-batch's loss is an unnormalised weighted sum, and gradients are divided by the
-global-batch normaliser at step time. The update therefore does not depend on the micro-batch
-size or the order groups arrive in.
-
-A micro-batch's layout (learner/packing.py) is built once and shared by every model that reads it:
-by default each group's prompt is computed once for its G responses (`shared_prompt`). The loss
-needs three log-probs per token, from as few passes as the algorithm allows (the unified
-tri-model): `logprobs` from the policy, with grad; `old_logprobs` from the policy as it was at the
-iteration's start, which before the iteration's first optimizer step *is* the policy, so they are
-its log-probs detached and cost no pass (a frozen old copy, refreshed each iteration, is evaluated
-only after a step, i.e. with `mini_batches` > 1, or when `reuse_old_logprobs` is off); and
-`ref_logprobs` from the frozen reference, under no_grad. The loss comes from `algo.registry`; the
-learner never branches on algorithm names, and of the algorithm's settings (`AlgoParams`) it
-reads only what the loss takes, the aggregation and the cap (seq-sum-norm's constant). Rewards
-and advantages are the Scorer's: the learner never computes them.
-
-Stale data: a group whose `policy_version` is older than the learner's `version` was sampled by
-older weights, so the policy at the iteration's start is not its behaviour policy. For such a row
-`old_logprobs` are the behaviour log-probs the engine recorded at sampling time (chosen per row:
-a micro-batch may mix fresh and stale groups). With a rollout correction
-(`algo.rollout_correction`, algo/correction.py) every row keeps the iteration-start log-probs as
-`old_logprobs` and the loss weighs each token by the mode's weight of pi_old / pi_behaviour
-instead (decoupled); with `correction_proximal = "bypass"` every row, fresh or stale, takes the
-behaviour log-probs as `old_logprobs`, and no old pass or frozen old copy is ever needed. The
-correction's sums and largest values are added up over the step like the loss's, and the step
-reports verl's figures from them (`correction_figures`).
+Each micro-batch's loss is an unnormalised weighted sum and gradients are divided by the global
+batch's normaliser at step time, so the update does not depend on micro-batching or arrival
+order. Log-probs come from as few passes as the algorithm allows (the policy's, the old policy's
+reused before the first step, the reference's under no_grad). It never branches on an
+algorithm's name and never computes a reward or an advantage (the Scorer's). docs/learner.md.
 """
 
 from __future__ import annotations
 
-import copy
-import logging
 import math
-import sys
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -47,13 +21,8 @@ from typing import Any
 import torch
 
 from cadence.algo import (
-    CORRECTION_MAXIMA,
-    CORRECTION_SUMS,
-    COUNT_METRICS,
-    TOKEN_METRICS,
     AlgoParams,
     PolicyBatch,
-    correction_figures,
     get_loss,
     is_pair_loss,
     needs_reference,
@@ -61,19 +30,20 @@ from cadence.algo import (
     token_weights,
 )
 from cadence.learner.batch import Responses, responses
+from cadence.learner.logprobs import token_logprobs
 from cadence.learner.packing import LAYOUTS, Layout, check_layout
 from cadence.learner.scorer import Scored
+from cadence.learner.steps import BadSteps, step_chunks
 from cadence.learner.sums import (
-    TOTALS,
+    Passes,
     StepSums,
-    behaviour_figures,
-    behaviour_sums,
     iteration_stats,
     peak_memory,
+    record_micro_batch,
+    step_figures,
 )
+from cadence.learner.tensors import frozen_copy, model_bytes, scalar
 from cadence.metrics.trace import Tracer
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -93,10 +63,6 @@ class LearnerParams:
     max_bad_steps: int = 3  # steps in a row with a non-finite loss or gradient before giving up
 
 
-class BadStepsError(RuntimeError):
-    """Too many optimizer steps in a row had a non-finite loss or gradient."""
-
-
 @dataclass(frozen=True)
 class Collective:
     """How a learner that is one of several torch.distributed ranks differs from a lone one
@@ -114,20 +80,6 @@ class Collective:
     reduce_sums: Callable[[StepSums], None]
     forward_model: torch.nn.Module | None = None
     old_copy: Callable[[torch.nn.Module], torch.nn.Module] | None = None
-
-
-def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy for no_grad passes: no gradient buffers, never in an optimizer, in eval mode."""
-    return copy.deepcopy(model).requires_grad_(False).eval()
-
-
-def model_bytes(model: torch.nn.Module | None) -> int:
-    """Bytes of `model`'s parameters and buffers this process holds (a sharded tensor: its
-    local shard)."""
-    if model is None:
-        return 0
-    tensors = [local_tensor(t) for t in (*model.parameters(), *model.buffers())]
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class Learner:
@@ -169,7 +121,7 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup)
         )
-        self.layout = self._choose_layout()
+        self.layout = choose_layout(model, params, pad_id)
         self.bypass = algo.correction_proximal == "bypass"  # old log-probs: the behaviour ones
         after_a_step = params.mini_batches > 1 or not params.reuse_old_logprobs
         # pair losses read no old log-probs; the bypass reads the behaviour ones
@@ -179,7 +131,7 @@ class Learner:
         self.frozen_copies_bytes = model_bytes(ref_model) + model_bytes(self.old_model)
         self.version = 0  # policy version: number of iterations trained
         self._steps_this_iteration = 0
-        self.bad_steps_in_a_row = 0
+        self.bad_steps = BadSteps(params.max_bad_steps)
 
     def close(self) -> None:
         """Nothing to release: this learner lives in the run's process (or in its rank's)."""
@@ -207,46 +159,18 @@ class Learner:
         self.version = state["version"]
         self.bad_steps_in_a_row = state["bad_steps_in_a_row"]
 
-    def _choose_layout(self) -> str:
-        if not self.params.shared_prompt:
-            return "unpacked"
-        name = self.params.shared_prompt_impl
-        if name not in LAYOUTS or name == "unpacked":
-            raise ValueError(f"unknown shared_prompt_impl {name!r}; allowed: prefix, dense")
-        reason = check_layout(self.model, name, self.pad_id)
-        if reason is None:
-            return name
-        warnings.warn(
-            f"shared-prompt packing ('{name}') is off for this model: {reason}. Training uses the "
-            "unpacked layout (each response repeats its prompt; same result, more compute). "
-            "Set learner.shared_prompt = false to silence this.",
-            stacklevel=3,
-        )
-        return "unpacked"
-
     def train_iteration(self, scored: Iterable[Scored], num_groups: int) -> dict[str, Any]:
-        """Train on `num_groups` scored groups as they come; step after each mini-batch's last
-        group.
-
-        Fewer may come (the pipeline dropped a group staler than allowed): what did is trained
-        and stepped when the iterable ends."""
-        per_step = math.ceil(num_groups / self.params.mini_batches)
+        """Train on `num_groups` scored groups as they come, in micro-batches; step after each
+        mini-batch's last group (learner/steps.py: fewer may come, and what did is trained)."""
         self.begin_iteration()
-        buffer: list[Scored] = []
         sums, steps = StepSums(), []
-        for i, group in enumerate(scored, start=1):
-            buffer.append(group)
-            end_of_step = i % per_step == 0 or i == num_groups
-            if len(buffer) == self.params.micro_batch_groups or end_of_step:
-                self.forward_backward(buffer, sums)
-                buffer = []
-            if end_of_step:
+        size = self.params.micro_batch_groups
+        for chunk, ends_step in step_chunks(scored, num_groups, self.params.mini_batches, size):
+            if chunk:
+                self.forward_backward(chunk, sums)
+            if ends_step and sums.values:
                 steps.append(self.step(sums))
                 sums = StepSums()
-        if buffer:
-            self.forward_backward(buffer, sums)
-        if sums.values:
-            steps.append(self.step(sums))
         if not steps:
             raise RuntimeError(f"learner got no groups (expected {num_groups})")
         self.version += 1
@@ -271,58 +195,41 @@ class Learner:
 
         `idle`: the same passes with the loss multiplied by 0 (gradients 0), every sum recorded
         as 0: a rank without groups in a round runs one to keep in step with the others."""
-        groups = [s.group for s in scored]
         with self.tracer.span("forward_backward", self.track):
-            device = next(self.model.parameters()).device
-            tokens = [(g.prompt_ids, [c.token_ids for c in g.completions]) for g in groups]
-            layout = LAYOUTS[self.layout](tokens, self.pad_id).to(device)
-            resp = self._responses(scored, device)
-            logprobs, entropy = self._logprobs(self.forward_model, layout, resp, True)
-            old_logprobs, old_passes = self._old_logprobs(logprobs, layout, resp)
-            passes = 1 + old_passes
-            ref_logprobs = None
-            if self.ref_model is not None:
-                ref_logprobs = self._frozen_logprobs(self.ref_model, layout, resp)
-                passes += 1
-            batch = PolicyBatch(
-                logprobs=logprobs,
-                old_logprobs=old_logprobs,
-                advantages=resp.advantages,
-                loss_mask=resp.loss_mask,
-                token_weights=token_weights(resp.loss_mask, self.algo.loss_agg),
-                ref_logprobs=ref_logprobs,
-                behaviour_logprobs=resp.behaviour_logprobs,
-                rewards=resp.rewards,
-                group_ids=resp.group_ids,
-            )
-            loss, metrics = self.loss_fn(batch, self.algo)
-            (loss * 0.0 if idle else loss).backward()
-        mask = resp.loss_mask
+            passes = self._passes(scored)
+            (passes.loss * 0.0 if idle else passes.loss).backward()
         # before the iteration's first step the policy is the behaviour policy of fresh rows
         first = self._steps_this_iteration == 0
-        on_policy = mask * ~resp.stale[:, None] if first else torch.zeros_like(mask)  # (B, T)
-        behaviour, maxima = behaviour_sums(logprobs, resp.behaviour_logprobs, on_policy)
-        loss_metrics = {"loss": loss.item(), **{k: v.item() for k, v in metrics.items()}}
-        correction = {k: loss_metrics.pop(k) for k in CORRECTION_SUMS if k in loss_metrics}
-        maxima |= {k: loss_metrics.pop(k) for k in CORRECTION_MAXIMA if k in loss_metrics}
-        own = {
-            "entropy_sum": float((entropy * mask).sum()),
-            "num_stale_tokens": float(mask[resp.stale].sum()),
-            "num_response_tokens": float(mask.sum()),
-            "num_seqs": float(mask.shape[0]),  # empty and masked responses count (TRL's way)
-            "num_tokens": float(sum(g.num_tokens for g in groups)),
-            "tokens_computed": float(layout.tokens_computed),
-            "forward_passes": float(passes),
-            "micro_batches": 1.0,
-            **behaviour,
-            **correction,
-        }
-        if idle:  # every name a real pass records (the ranks add their sums up by name), as 0
-            loss_metrics, own = dict.fromkeys(loss_metrics, 0.0), dict.fromkeys(own, 0.0)
-            maxima = dict.fromkeys(maxima, 0.0)
-        sums.add_loss_metrics(**loss_metrics)
-        sums.add(**own)
-        sums.add_max(**maxima)
+        record_micro_batch(sums, passes, [s.group for s in scored], first, idle)
+
+    def _passes(self, scored: list[Scored]) -> Passes:
+        """The micro-batch's layout, its passes (policy with grad; old and reference as the
+        algorithm needs them) and the loss, not yet backpropagated."""
+        groups = [s.group for s in scored]
+        device = next(self.model.parameters()).device
+        tokens = [(g.prompt_ids, [c.token_ids for c in g.completions]) for g in groups]
+        layout = LAYOUTS[self.layout](tokens, self.pad_id).to(device)
+        resp = self._responses(scored, device)
+        logprobs, entropy = self._logprobs(self.forward_model, layout, resp, True)
+        old_logprobs, old_passes = self._old_logprobs(logprobs, layout, resp)
+        count = 1 + old_passes
+        ref_logprobs = None
+        if self.ref_model is not None:
+            ref_logprobs = self._frozen_logprobs(self.ref_model, layout, resp)
+            count += 1
+        batch = PolicyBatch(
+            logprobs=logprobs,
+            old_logprobs=old_logprobs,
+            advantages=resp.advantages,
+            loss_mask=resp.loss_mask,
+            token_weights=token_weights(resp.loss_mask, self.algo.loss_agg),
+            ref_logprobs=ref_logprobs,
+            behaviour_logprobs=resp.behaviour_logprobs,
+            rewards=resp.rewards,
+            group_ids=resp.group_ids,
+        )
+        loss, metrics = self.loss_fn(batch, self.algo)
+        return Passes(loss, metrics, logprobs, entropy, resp, layout.tokens_computed, count)
 
     def _old_logprobs(
         self, logprobs: torch.Tensor, layout: Layout, resp: Responses
@@ -366,15 +273,7 @@ class Learner:
 
     def _logprobs(self, model, layout: Layout, resp: Responses, with_entropy: bool):
         """Log-probs (and entropy) of each response token under softmax(logits / temperature)."""
-        pred = layout.logits(model).float() / self.params.temperature  # (B, T, V)
-        log_z = pred.logsumexp(-1)  # (B, T)
-        logprobs = pred.gather(-1, resp.tokens[:, :, None]).squeeze(-1) - log_z  # (B, T)
-        if not with_entropy:
-            return logprobs, None
-        with torch.no_grad():
-            p = torch.softmax(pred, -1)  # (B, T, V)
-            entropy = log_z - (p * pred).sum(-1)  # (B, T)
-        return logprobs, entropy
+        return token_logprobs(model, layout, resp.tokens, self.params.temperature, with_entropy)
 
     def _normaliser(self, sums: StepSums) -> float:
         if self.pair_loss:  # the mean over the global batch's pairs; none (all ties): grads are 0
@@ -398,7 +297,7 @@ class Learner:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.div_(norm)
-            grad_norm = _scalar(
+            grad_norm = scalar(
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.params.max_grad_norm)
             )
             bad = not (math.isfinite(grad_norm) and math.isfinite(sums["loss"]))
@@ -407,49 +306,33 @@ class Learner:
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self._steps_this_iteration += 1
-        self._count_bad_step(bad)
-        num_response_tokens = max(sums["num_response_tokens"], 1.0)
-        divisor = {k: 1.0 for k in COUNT_METRICS} | {k: num_response_tokens for k in TOKEN_METRICS}
-        out = {k: sums[k] / divisor.get(k, norm) for k in sums.loss_metrics}
-        out["entropy"] = sums["entropy_sum"] / num_response_tokens
-        out["stale_token_frac"] = sums["num_stale_tokens"] / num_response_tokens
-        out["grad_norm"] = float(grad_norm)
-        out["skipped_steps"] = float(bad)
-        out["num_response_tokens"] = sums["num_response_tokens"]
-        if self.algo.corrects:
-            out |= correction_figures(sums.values, sums.maxima)
-        return out | behaviour_figures(sums) | {k: sums[k] for k in TOTALS}
+        self.bad_steps.count(bad)
+        return step_figures(sums, norm, grad_norm, bad, self.algo)
 
-    def _count_bad_step(self, bad: bool) -> None:
-        """A step whose loss or gradient is NaN or inf is skipped (weights and optimizer state
-        untouched); `max_bad_steps` of them in a row stop training."""
-        self.bad_steps_in_a_row = self.bad_steps_in_a_row + 1 if bad else 0
-        if self.bad_steps_in_a_row > self.params.max_bad_steps:
-            raise BadStepsError(
-                f"{self.bad_steps_in_a_row} optimizer steps in a row had a non-finite loss or "
-                f"gradient and were skipped (train.max_bad_steps = {self.params.max_bad_steps}); "
-                "the weights are those of the last good step"
-            )
-        if bad:
-            log.warning(
-                "optimizer step skipped: non-finite loss or gradient (%d in a row, at most %d)",
-                self.bad_steps_in_a_row,
-                self.params.max_bad_steps,
-            )
+    @property
+    def bad_steps_in_a_row(self) -> int:
+        return self.bad_steps.in_a_row
+
+    @bad_steps_in_a_row.setter
+    def bad_steps_in_a_row(self, n: int) -> None:
+        self.bad_steps.in_a_row = n
 
 
-def _scalar(norm: torch.Tensor) -> float:
-    """A gradient norm as a float; a sharded model's is a DTensor, replicated on every rank."""
-    return float(norm.full_tensor() if is_dtensor(norm) else norm)
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    """Whether `t` is a sharded DTensor. (torch.distributed.tensor is looked up, not imported: it
-    costs a second to import, and a DTensor cannot exist before something else imported it.)"""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and isinstance(t, dtensor.DTensor)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The part of `t` this process holds: a DTensor's local shard, else `t` itself."""
-    return t.to_local() if is_dtensor(t) else t
+def choose_layout(model: torch.nn.Module, params: LearnerParams, pad_id: int) -> str:
+    """The micro-batch layout: the shared-prompt one asked for, unless `check_layout` finds the
+    model does not reproduce its unpacked log-probs in it (then "unpacked", with a warning)."""
+    if not params.shared_prompt:
+        return "unpacked"
+    name = params.shared_prompt_impl
+    if name not in LAYOUTS or name == "unpacked":
+        raise ValueError(f"unknown shared_prompt_impl {name!r}; allowed: prefix, dense")
+    reason = check_layout(model, name, pad_id)
+    if reason is None:
+        return name
+    warnings.warn(
+        f"shared-prompt packing ('{name}') is off for this model: {reason}. Training uses the "
+        "unpacked layout (each response repeats its prompt; same result, more compute). "
+        "Set learner.shared_prompt = false to silence this.",
+        stacklevel=3,
+    )
+    return "unpacked"

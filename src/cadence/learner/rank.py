@@ -39,17 +39,11 @@ import numpy as np
 import torch
 
 from cadence.algo import AlgoParams, needs_reference
-from cadence.learner.learner import (
-    Collective,
-    Learner,
-    LearnerParams,
-    is_dtensor,
-    local_tensor,
-    model_bytes,
-)
+from cadence.learner.learner import Collective, Learner, LearnerParams
 from cadence.learner.scorer import Scored
 from cadence.learner.sharded_state import load_sharded, save_sharded
 from cadence.learner.sums import StepSums, peak_memory
+from cadence.learner.tensors import is_dtensor, local_tensor, model_bytes
 from cadence.metrics.trace import Span, Tracer
 from cadence.models import DTYPES, load_model
 from cadence.types import Completion, Group, Prompt

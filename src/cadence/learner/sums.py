@@ -19,10 +19,22 @@ They reuse the log-probs the loss needs; no pass is added.
 from __future__ import annotations
 
 import resource
+from dataclasses import dataclass
 
 import torch
 
-from cadence.algo import COUNT_METRICS, LARGEST_FIGURES, SMALLEST_FIGURES
+from cadence.algo import (
+    CORRECTION_MAXIMA,
+    CORRECTION_SUMS,
+    COUNT_METRICS,
+    LARGEST_FIGURES,
+    SMALLEST_FIGURES,
+    TOKEN_METRICS,
+    AlgoParams,
+    correction_figures,
+)
+from cadence.learner.batch import Responses
+from cadence.types import Group
 
 # figures summed over an iteration's optimizer steps (the others are averaged)
 TOTALS = ("num_tokens", "tokens_computed", "forward_passes", "micro_batches")
@@ -52,6 +64,75 @@ class StepSums:
 
     def __getitem__(self, k: str) -> float:
         return self.values.get(k, 0.0)
+
+
+@dataclass
+class Passes:
+    """What one micro-batch's passes made: the loss (not yet backpropagated) and its metrics,
+    the policy's log-probs and entropy, the micro-batch's tensors, the tokens the layout
+    computed and the forward passes it took."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+    logprobs: torch.Tensor  # (B, T)
+    entropy: torch.Tensor | None  # (B, T)
+    resp: Responses
+    tokens_computed: int
+    passes: int
+
+
+def record_micro_batch(
+    sums: StepSums, out: Passes, groups: list[Group], first_step: bool, idle: bool
+) -> None:
+    """Add one micro-batch to its step's sums: the loss's sums and counts, the correction's sums
+    and maxima, and the learner's own (tokens, sequences, passes, entropy, staleness, and before
+    the iteration's `first_step` the gap to the behaviour log-probs on fresh rows). An `idle`
+    pass records every name, as 0 (the ranks add their sums up by name)."""
+    resp, mask = out.resp, out.resp.loss_mask
+    on_policy = mask * ~resp.stale[:, None] if first_step else torch.zeros_like(mask)  # (B, T)
+    behaviour, maxima = behaviour_sums(out.logprobs, resp.behaviour_logprobs, on_policy)
+    loss_metrics = {"loss": out.loss.item(), **{k: v.item() for k, v in out.metrics.items()}}
+    correction = {k: loss_metrics.pop(k) for k in CORRECTION_SUMS if k in loss_metrics}
+    maxima |= {k: loss_metrics.pop(k) for k in CORRECTION_MAXIMA if k in loss_metrics}
+    entropy = out.entropy if out.entropy is not None else torch.zeros_like(mask)
+    own = {
+        "entropy_sum": float((entropy * mask).sum()),
+        "num_stale_tokens": float(mask[resp.stale].sum()),
+        "num_response_tokens": float(mask.sum()),
+        "num_seqs": float(mask.shape[0]),  # empty and masked responses count (TRL's way)
+        "num_tokens": float(sum(g.num_tokens for g in groups)),
+        "tokens_computed": float(out.tokens_computed),
+        "forward_passes": float(out.passes),
+        "micro_batches": 1.0,
+        **behaviour,
+        **correction,
+    }
+    if idle:
+        loss_metrics, own = dict.fromkeys(loss_metrics, 0.0), dict.fromkeys(own, 0.0)
+        maxima = dict.fromkeys(maxima, 0.0)
+    sums.add_loss_metrics(**loss_metrics)
+    sums.add(**own)
+    sums.add_max(**maxima)
+
+
+def step_figures(
+    sums: StepSums, norm: float, grad_norm: float, skipped: bool, algo: AlgoParams
+) -> dict[str, float]:
+    """An optimizer step's figures from its complete sums (all ranks'): the loss's metrics over
+    the normaliser `norm` (counts as they are, per-token figures per response token), entropy,
+    staleness, the gradient norm, whether the step was skipped, the correction's and the
+    behaviour figures, and the totals."""
+    num_response_tokens = max(sums["num_response_tokens"], 1.0)
+    divisor = {k: 1.0 for k in COUNT_METRICS} | {k: num_response_tokens for k in TOKEN_METRICS}
+    out = {k: sums[k] / divisor.get(k, norm) for k in sums.loss_metrics}
+    out["entropy"] = sums["entropy_sum"] / num_response_tokens
+    out["stale_token_frac"] = sums["num_stale_tokens"] / num_response_tokens
+    out["grad_norm"] = float(grad_norm)
+    out["skipped_steps"] = float(skipped)
+    out["num_response_tokens"] = sums["num_response_tokens"]
+    if algo.corrects:
+        out |= correction_figures(sums.values, sums.maxima)
+    return out | behaviour_figures(sums) | {k: sums[k] for k in TOTALS}
 
 
 def behaviour_sums(

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cadence.engine import Request, generate_by_steps
+from cadence.engine import Engine, Request, generate_by_steps
 from cadence.metrics.tasks import task_accuracy
 from cadence.rewards import RewardCall
 from cadence.rollout.worker import RolloutWorker, prompt_ids
@@ -52,12 +52,13 @@ def evaluate(worker: RolloutWorker, prompts: list[Prompt]) -> dict[str, float]:
 @dataclass
 class Evaluator:
     """Held-out accuracy of the learner's current policy, as the run loop asks for it: each call
-    builds the evaluation worker (`make_worker`, as the builder wires it: `build_worker` with
-    `evaluation_spec`), runs it and closes it (an environment's episodes let go of what they
-    hold)."""
+    builds the evaluation worker on `engine` (`make_worker`, as the builder wires it:
+    `build_worker` with `evaluation_spec`), runs it and closes it (an environment's episodes let
+    go of what they hold)."""
 
     model: Any  # the learner's policy: put in eval mode first (the engine may share it)
-    make_worker: Callable[[], RolloutWorker]
+    engine: Engine
+    make_worker: Callable[[Engine], RolloutWorker]
     prompts: list[Prompt]
     sync: Callable[..., None] | None = None  # brings an engine with its own copy to the policy
     by_task: dict[str, float] = field(default_factory=dict)  # of the last call, per task label
@@ -67,7 +68,7 @@ class Evaluator:
         self.model.eval()
         if self.sync is not None:
             self.sync()
-        worker = self.make_worker()
+        worker = self.make_worker(self.engine)
         try:
             return evaluate(worker, self.prompts)
         finally:

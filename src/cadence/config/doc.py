@@ -1,8 +1,8 @@
 """The configuration reference, docs/config.md, written from the config's own field descriptions.
 
-Run `python -m cadence.config_doc` from the repository root after adding or changing a config
+Run `python -m cadence.config.doc` from the repository root after adding or changing a config
 field; `tests/test_config_doc.py` fails while the page and this output differ, so the reference
-cannot drift from the code. Everything here is read from the pydantic models in `config.py`
+cannot drift from the code. Everything here is read from the pydantic models of `config/`
 (section by section: key, type, default, allowed values, description); nothing is written by
 hand, and nothing of cadence but the config is imported, so the page says what validation
 enforces and this module must never grow a second description of a key.
@@ -25,11 +25,11 @@ from pydantic.fields import FieldInfo
 from cadence.config import Config, ConfigError, load_config
 
 DEFAULT_OUT = Path("docs/config.md")
-REGENERATE = "python -m cadence.config_doc"
+REGENERATE = "python -m cadence.config.doc"
 
 HEADER = """# Configuration reference
 
-Generated from the field descriptions in `src/cadence/config.py` by `{regenerate}`
+Generated from the field descriptions in `src/cadence/config/` by `{regenerate}`
 (run it from the repository root after changing a config field; a test fails while this page
 is out of date). Do not edit it by hand.
 

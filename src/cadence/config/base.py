@@ -1,0 +1,30 @@
+"""What every section of the configuration shares: the error a bad key raises, the strict base
+class (unknown keys refused, assignments validated), and Ray's resource check."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# Ray's own resources, which have keys of their own (num_cpus_per_worker, num_gpus_per_rank...)
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def check_custom_resources(key: str, resources: dict[str, float]) -> None:
+    """Custom Ray resources: a name Ray does not own, an amount above 0."""
+    for name, amount in resources.items():
+        if name in RAY_BUILTIN_RESOURCES or name.startswith("node:"):
+            raise ValueError(
+                f"{key}.{name} is a resource Ray defines itself: CPUs and GPUs have keys of their "
+                "own (num_cpus_per_*, num_gpus_per_*); name a custom resource of your nodes"
+            )
+        if not amount > 0:
+            raise ValueError(f"{key}.{name} = {amount}: a resource amount must be above 0")

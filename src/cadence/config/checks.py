@@ -1,0 +1,209 @@
+"""The checks across sections: settings each valid on its own that cannot run together. Each is
+a plain function of the whole config that raises ValueError naming the keys and the fix;
+`check_all` runs them in order (the root's one validator)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from cadence.config.algo import AlgoConfig
+from cadence.config.base import check_custom_resources
+from cadence.config.data import DataConfig
+from cadence.config.env import EnvConfig
+from cadence.config.model import ModelConfig
+from cadence.config.reward import RewardConfig
+from cadence.config.rollout import RolloutConfig
+from cadence.config.train import LearnerConfig, PipelineConfig
+
+
+class Sections(Protocol):
+    """What the checks read of the whole config (config/root.py's `Config`)."""
+
+    model: ModelConfig
+    data: DataConfig
+    rollout: RolloutConfig
+    reward: RewardConfig
+    algo: AlgoConfig
+    learner: LearnerConfig
+    pipeline: PipelineConfig
+    env: EnvConfig
+
+    @property
+    def max_policy_tokens(self) -> int: ...
+
+    @property
+    def response_budget(self) -> tuple[int, str]: ...
+
+
+def check_reasoning_gym_rows(cfg: Sections) -> None:
+    if cfg.reward.function == "reasoning_gym" and cfg.data.task != "reasoning_gym":
+        raise ValueError(
+            "reward.function = 'reasoning_gym' scores reasoning-gym rows with their own "
+            f"metadata: it needs data.task = 'reasoning_gym', not '{cfg.data.task}'"
+        )
+
+
+def check_chat_environments_need_a_chat_template(cfg: Sections) -> None:
+    if cfg.env.kind in ("class", "openenv") and cfg.data.chat_template is False:
+        raise ValueError(
+            f"env.kind = '{cfg.env.kind}' writes tool calls and replies in the model's chat "
+            "template: set data.chat_template = true (the tokenizer's, if it renders tools) "
+            "or to a Jinja file that does (configs/chat-tools.jinja)"
+        )
+
+
+def check_correction_needs_sampled_logprobs(cfg: Sections) -> None:
+    mode = cfg.algo.rollout_correction
+    if cfg.rollout.temperature == 0 and (mode != "none" or cfg.algo.tis_cap > 0):
+        raise ValueError(
+            f"algo.rollout_correction = '{mode if mode != 'none' else 'token_truncate'}' "
+            "weighs by pi_old / pi_behaviour, but with rollout.temperature = 0 the engine "
+            "decodes greedily: the log-probs it records are not those of the policy that "
+            "chose the tokens (greedy gives each probability 1). Sample (rollout.temperature "
+            "> 0) or set algo.rollout_correction = 'none' and algo.tis_cap = 0"
+        )
+
+
+def check_reward_stage_needs_workers(cfg: Sections) -> None:
+    if cfg.reward.stage == "separate" and cfg.pipeline.placement != "separate":
+        raise ValueError(
+            "reward.stage = 'separate' (the default for reward.kind = 'model') scores in "
+            "reward workers beside the rollout workers: set pipeline.placement = 'separate'"
+        )
+
+
+def check_prompt_fits_vllm(cfg: Sections) -> None:
+    """rollout.vllm.max_model_len caps prompt and response together: a response budget that
+    leaves no prompt room is refused here (the model's own positions once it is read)."""
+    r, cap = cfg.rollout, cfg.rollout.vllm.max_model_len
+    if not cap:
+        return
+    reply, what = cfg.response_budget
+    where = f"rollout.vllm.max_model_len = {cap}"
+    if cap - reply < 1:
+        raise ValueError(f"{what} = {reply} leaves no room for a prompt in {where}: lower it")
+    if r.max_prompt_tokens > cap - reply:
+        raise ValueError(
+            f"rollout.max_prompt_tokens = {r.max_prompt_tokens} plus {what} = {reply} "
+            f"exceeds {where}: set rollout.max_prompt_tokens <= {cap - reply}, or 0 for "
+            "that limit"
+        )
+
+
+def check_overlong_buffer_fits(cfg: Sections) -> None:
+    buffer, longest = cfg.reward.overlong_buffer, cfg.max_policy_tokens
+    if buffer > longest:
+        what = "rollout.max_new_tokens"
+        if cfg.env.kind != "single_turn":
+            what = "the episode's cap (env.max_turns x rollout.max_new_tokens, at most "
+            what += "env.max_total_tokens)"
+        raise ValueError(
+            f"reward.overlong_buffer = {buffer} is longer than {what} = {longest}: the "
+            "penalty ramps over the last policy tokens before that cap; set "
+            f"reward.overlong_buffer <= {longest}"
+        )
+
+
+def check_learner_ranks(cfg: Sections) -> None:
+    ranks, backend = cfg.learner, cfg.pipeline.backend
+    if backend != "ray":
+        for key in ("num_cpus_per_rank", "num_gpus_per_rank", "ray_rank_resources"):
+            default = LearnerConfig.model_fields[key].get_default(call_default_factory=True)
+            if getattr(ranks, key) != default:
+                raise ValueError(
+                    f"learner.{key} applies to pipeline.backend = 'ray' only: set the "
+                    f"backend or leave learner.{key} out"
+                )
+    check_custom_resources("learner.ray_rank_resources", ranks.ray_rank_resources)
+    on_gpu = cfg.model.device.startswith("cuda")
+    if ranks.ranks > 1 and backend == "ray" and on_gpu and ranks.num_gpus_per_rank == 0:
+        raise ValueError(
+            f"learner.ranks = {ranks.ranks} on Ray with model.device = "
+            f"'{cfg.model.device}': set learner.num_gpus_per_rank > 0 (each rank "
+            "trains on a GPU of its own)"
+        )
+    if ranks.ranks > 1 and cfg.model.lora is not None:
+        raise ValueError(
+            f"learner.ranks = {ranks.ranks} with model.lora: the ranks shard a full model; "
+            "train a LoRA adapter with learner.ranks = 1"
+        )
+
+
+def check_verifiers_env(cfg: Sections) -> None:
+    """A verifiers environment brings its tasks, prompts and rewards: the keys that would
+    choose them otherwise are refused rather than ignored."""
+    if cfg.env.kind != "verifiers":
+        return
+    if cfg.data.task != DataConfig.model_fields["task"].default:
+        raise ValueError(
+            "env.kind = 'verifiers' takes its tasks from the environment's taskset: leave "
+            "data.task out"
+        )
+    if isinstance(cfg.data.chat_template, str):
+        raise ValueError(
+            "env.kind = 'verifiers': data.chat_template = true renders with the model's own "
+            "template (verifiers' renderer for it), false with cadence's plain renderer; a "
+            "template file is not supported"
+        )
+    if cfg.reward.stage == "separate":
+        raise ValueError(
+            "env.kind = 'verifiers' scores each episode with the environment's rubric in "
+            "the rollout worker: set reward.stage = 'worker'"
+        )
+
+
+def check_partial_rollout_engine(cfg: Sections) -> None:
+    """Partial rollouts need an engine that takes weights between decode steps and stamps
+    each token's version, and responses of one turn."""
+    if not cfg.pipeline.partial_rollout:
+        return
+    engine = cfg.rollout.engine
+    if engine == "vllm" and cfg.pipeline.partial_rollout_kv == "recompute":
+        raise ValueError(
+            "pipeline.partial_rollout_kv = 'recompute' with rollout.engine = 'vllm': the "
+            "vLLM engine keeps the keys and values of requests in flight; use "
+            "partial_rollout_kv = 'keep', or rollout.engine = 'continuous' to recompute"
+        )
+    if engine == "static":
+        raise ValueError(
+            "pipeline.partial_rollout = true with rollout.engine = 'static': static batches "
+            "decode a whole batch in one call, with no step between tokens to load weights "
+            "at; use rollout.engine = 'continuous' (or 'vllm')"
+        )
+    if cfg.env.kind != "single_turn":
+        raise ValueError(
+            f"pipeline.partial_rollout = true with env.kind = '{cfg.env.kind}': partial "
+            "rollouts load weights between decode steps of single responses, not inside "
+            "multi-turn episodes; use env.kind = 'single_turn' or turn partial_rollout off"
+        )
+
+
+def check_broadcast_devices(cfg: Sections) -> None:
+    p = cfg.pipeline
+    on_gpu = cfg.model.device.startswith("cuda")
+    if p.weight_sync == "broadcast" and on_gpu and p.num_gpus_per_worker == 0:
+        raise ValueError(
+            f"pipeline.weight_sync = 'broadcast' with model.device = '{cfg.model.device}' "
+            "broadcasts over NCCL, GPU to GPU: set pipeline.num_gpus_per_worker > 0 or use "
+            "pipeline.weight_sync = 'object_store'"
+        )
+
+
+CHECKS = (
+    check_reasoning_gym_rows,
+    check_chat_environments_need_a_chat_template,
+    check_correction_needs_sampled_logprobs,
+    check_reward_stage_needs_workers,
+    check_prompt_fits_vllm,
+    check_overlong_buffer_fits,
+    check_learner_ranks,
+    check_verifiers_env,
+    check_partial_rollout_engine,
+    check_broadcast_devices,
+)
+
+
+def check_all(cfg: Sections) -> None:
+    """Every check across sections, in order."""
+    for check in CHECKS:
+        check(cfg)
