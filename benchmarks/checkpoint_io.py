@@ -22,7 +22,13 @@ from cadence.algo import AlgoParams
 from cadence.data import ArithmeticTask
 from cadence.learner import Learner, LearnerParams, Scorer
 from cadence.models import init_model, load_model, load_tokenizer
-from cadence.pipeline.checkpoint import find_checkpoint, restore_trainer, save_checkpoint
+from cadence.pipeline.checkpoint import (
+    RunState,
+    find_checkpoint,
+    restore_trainer,
+    rng_state,
+    save_checkpoint,
+)
 
 
 def learner_with_state(model_dir: Path) -> Learner:
@@ -47,14 +53,14 @@ def main() -> None:
         init_model("tiny", root / "model", ArithmeticTask(seed=0).corpus(2000), seed=0)
         learner, tokenizer = learner_with_state(root / "model"), load_tokenizer(root / "model")
         scorer = Scorer(AlgoParams())
-        extra = {
-            "cursor": 0,
-            "metrics_bytes": 0,
-            "records": [{"iteration": i, "loss": 0.1, "reward_mean": 0.5} for i in range(100)],
-            "accuracy_before": 0.3,
-            "reference_path": str(root / "model"),
-            "reference_digest": None,
-        }
+        extra = RunState(
+            cursor=0,
+            metrics_bytes=0,
+            records=[{"iteration": i, "loss": 0.1, "reward_mean": 0.5} for i in range(100)],
+            accuracy_before=0.3,
+            rng=rng_state(),
+            reference_path=str(root / "model"),
+        )
         save_s, restore_s = [], []
         for i in range(args.repeats):
             t0 = time.perf_counter()

@@ -18,6 +18,7 @@ ROOT = Path(cadence.__file__).parent
 # What each top-level part may import of cadence (besides itself): down the layers only.
 ALLOWED = {
     "types": set(),
+    "imports": set(),  # user code by "module:attribute"
     # the algorithm's choice lists are cadence.types' names, read by both config/ and algo/
     "config": {"types"},
     "algo": {"types"},
@@ -27,8 +28,8 @@ ALLOWED = {
     # the vLLM engine loads its model itself: a model it cannot run is a ModelLoadError, an
     # engine argument vLLM does not know a ConfigError
     "engine": {"types", "models", "config"},
-    "rewards": {"types", "data", "models"},
-    "envs": {"types", "data", "rewards"},
+    "rewards": {"types", "imports", "data", "models"},
+    "envs": {"types", "imports", "data", "rewards"},
     # the sharded learner's driver (learner/driver.py) reaches its ranks through backend's
     # process and actor transports; backend imports nothing of the learner
     "learner": {"types", "algo", "data", "metrics", "models", "backend"},

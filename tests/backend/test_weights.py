@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
-from cadence.backend import InMemoryWeights, WeightGate, learner_sync
+from cadence.backend import InMemoryWeights, learner_sync
 from cadence.engine import EngineWeights, ScriptedEngine, load_into
+from cadence.pipeline.gate import WeightGate
 
 
 def _model(value: float) -> torch.nn.Module:

@@ -296,7 +296,7 @@ def test_a_non_finite_step_is_skipped_and_too_many_in_a_row_stop_training(model,
 
     poison["on"] = False  # a good step resets the count
     stats = train(learner, groups)
-    assert stats["skipped_steps"] == 0 and learner.bad_steps_in_a_row == 0
+    assert stats["skipped_steps"] == 0 and learner.bad_steps.in_a_row == 0
     good = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
     assert any(not torch.equal(good[n], before[n]) for n in good)
 

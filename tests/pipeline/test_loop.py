@@ -15,9 +15,11 @@ from cadence.metrics import Tracer
 from cadence.pipeline.checkpoint import (
     MANIFEST,
     CheckpointError,
+    RunState,
     find_checkpoint,
     restore_scorer,
     restore_trainer,
+    rng_state,
     save_checkpoint,
 )
 from cadence.pipeline.loop import LoopParams, Run, StaleGroupError, run_iteration
@@ -90,8 +92,8 @@ def test_a_stale_group_never_reaches_the_scorer_or_the_trainer():
 
 
 def _extra(**kw):
-    keys = ("cursor", "metrics_bytes", "records", "accuracy_before", "reference_path")
-    return dict.fromkeys(keys, 0) | {"records": [], "reference_digest": None} | kw
+    fields = {"cursor": 0, "metrics_bytes": 0, "records": [], "accuracy_before": 0.0}
+    return RunState(**fields, rng=rng_state(), **kw)
 
 
 def test_a_checkpoint_saves_and_restores_through_the_seams(model, tokenizer, tmp_path):

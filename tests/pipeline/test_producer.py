@@ -98,7 +98,12 @@ def _run(params: ProducerParams, seed: int, stream=None, checkpoint_at=None, **s
     try:
         for k in range(params.first_iteration, params.iterations):
             if k == checkpoint_at:
-                state = {**stream.resume_state(k), **source.resume_state(k)}
+                cursor, pending = stream.position(k)
+                state = {
+                    "cursor": cursor,
+                    "pending_batches": pending,
+                    "behaviour_policies": source.behaviour_policies(k),
+                }
                 buffer = io.BytesIO()
                 torch.save(state, buffer)
                 state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)

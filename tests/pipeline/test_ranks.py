@@ -213,7 +213,7 @@ def test_every_rank_trains_advantages_against_the_baseline_over_all_ranks_groups
 def test_the_drivers_state_is_its_ranks_shards_and_comes_back_through_them(tmp_path):
     RecordingRank.log = log = []
     learner = _recording_learner(2)
-    learner.version, learner.bad_steps_in_a_row = 4, 1
+    learner.version, learner.bad_steps.in_a_row = 4, 1
     state = learner.state(tmp_path)
     shards = str(tmp_path / "learner")
     assert [e for e in log if e[0] == "save"] == [("save", 0, shards), ("save", 1, shards)]
@@ -223,7 +223,7 @@ def test_the_drivers_state_is_its_ranks_shards_and_comes_back_through_them(tmp_p
     loads = [e for e in log if e[0] == "load"]
     assert [e[1] for e in loads] == [0, 1, 2] and {e[2] for e in loads} == {shards}
     assert all(e[3] == state["rank"] for e in loads)
-    assert (other.version, other.bad_steps_in_a_row) == (4, 1)
+    assert (other.version, other.bad_steps.in_a_row) == (4, 1)
     with pytest.raises(ValueError, match="single-process learner cannot be read"):
         other.load_state(tmp_path, state | {"ranks": 1})
 

@@ -95,8 +95,8 @@ def test_the_taskset_is_the_prompt_stream_with_its_last_tasks_held_out(model_dir
 @pytest.mark.parametrize(
     ("factory", "extra", "reason"),
     [
-        ("no_such_module:load", [], "cannot import 'no_such_module'"),
-        ("fixtures_verifiers:nothing", [], "has no function 'nothing'"),
+        ("no_such_module:load", [], "cannot import module 'no_such_module'"),
+        ("fixtures_verifiers:nothing", [], "has no 'nothing'"),
         ("fixtures_verifiers:not_an_env", [], "returned str, not a verifiers.v1.Env"),
         ("fixtures_verifiers:single_turn", ["data.num_heldout=8"], "leaves none to train on"),
     ],

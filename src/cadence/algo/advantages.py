@@ -1,17 +1,6 @@
 """Advantage estimators: one scalar advantage per sampled response, from its group's rewards.
 
-Every function maps rewards of shape (N, G), N prompts with G responses each, to advantages of
-the same shape. They are pure tensor functions: no model, no config, no state across calls. GRPO,
-RLOO and REINFORCE look at one group at a time; REINFORCE++ normalises over every response it is
-given, so the caller must give it the whole batch at once (`registry.BATCH_ADVANTAGES`).
-
-Dividing by a standard deviation: `std` is "unbiased" (divide the squared deviations by n - 1,
-`torch.std`'s default, which verl and TRL use) or "population" (divide by n), and `eps` is added
-to the std, not under the root. The default eps is 1e-4 (TRL's): a spread of rewards far below
-1e-4 is below the resolution of a reward on a 0-1 scale (a learned reward model's float noise, a
-tiny length bonus), and it stays far below 1 in advantage instead of being blown up to full scale
-(a group [1, 1 + 1e-6] gets +-0.005, where eps = 1e-6 gave +-0.3). A reward on another scale
-wants an eps at its own resolution (`algo.std_eps`).
+The design in full: docs/internals.md, `cadence/algo/advantages.py`.
 """
 
 from __future__ import annotations

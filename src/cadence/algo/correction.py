@@ -8,28 +8,7 @@ proximal policy (its old log-probs, "decoupled") or the policy itself ("bypass";
 `AlgoParams.correction_proximal`), each mode turns rho into a weight w_t that multiplies the
 token's policy-gradient term:
 
-  mode               weight w_t                          also known as
-  none               1                                   -
-  token_truncate     clip(rho_t, lo, hi)                 TRL token_truncate; verl rollout_is=token
-  token_mask         rho_t if lo <= rho_t <= hi, else 0  TRL token_mask
-  icepop             the same as token_mask              IcePop, M(k) of the Ring-1T report
-  sequence_truncate  clip(R_i, lo, hi)                   TRL sequence_truncate; verl rollout_is=seq.
-  sequence_mask      R_i if lo <= R_i <= hi, else 0      TRL sequence_mask (its default, hi = 3)
-  geometric_mask     1 if lo <= G_i <= hi, else 0        verl Geo-RS (rollout_rs=seq_mean_k1)
-
-with lo = `correction_clip_min` (0: no lower bound), hi = `correction_clip_max`, over the tokens
-of response i where `loss_mask` is set (environment replies and padding take no part):
-  R_i = prod_t rho_t = exp(sum_t log rho_t)           the sequence ratio (TRL's, verl's)
-  G_i = exp(1/|y_i| * sum_t log rho_t)                the geometric mean of the token ratios.
-Every exponentiated log-ratio is first clamped to [-20, 20] (verl's bound), so weights stay
-finite. A sequence-level weight is given to every token of its sequence. The weights are
-detached: they rescale the gradient, they are not trained through. "Masked" tokens keep their
-place in the loss's normaliser with weight 0 (TRL's way). geometric_mask rejects and never
-reweighs (verl's Geo-RS): G_i is not an importance weight.
-
-`correction_sums` returns what the learner adds up over micro-batches and ranks, and
-`correction_figures` turns the step's sums into verl's metric names (definitions there).
-Pure: imports torch only; knows nothing of models, learners or configs.
+The design in full: docs/internals.md, `cadence/algo/correction.py`.
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """Policy losses and the KL penalty, as pure functions (aggregation.py: weights; dpo.py: DPO).
 
-A loss returns `(loss, metrics)` where `loss` is the weighted SUM of per-token losses over one
-micro-batch, not a mean. Aggregation is split in two (aggregation.py): `token_weights` is known
-per micro-batch, `normaliser` only once the whole global batch is in. The learner sums
-micro-batch gradients and divides by the normaliser at step time, so streaming micro-batches
-gives the same update as one big batch. Metrics are sums too: `*_frac` metrics
-(`TOKEN_METRICS`) count tokens, each valid token weighing 1 whatever the aggregation, and are
-divided by the global batch's number of response tokens (a token-weighted fraction in every
-mode); every other metric is a weighted sum with the loss's weights, divided by the loss's
-normaliser.
-
-Padding is masked by selection (`torch.where`), never by multiplying with zero, so a padded
-position holding a huge or infinite log-prob cannot turn the loss or its gradient into NaN.
-A log-ratio that is exponentiated (the policy ratio pi / pi_old, GSPO's sequence ratio, the
-rollout correction's pi_old / pi_behaviour, k3's pi_ref / pi) is first clamped to [-LOG_RATIO_CLAMP,
-LOG_RATIO_CLAMP] = [-20, 20] (verl's bounds), so exp() stays finite (at most e^20 = 4.85e8) and a
-stale token whose behaviour log-prob is far below the policy's gives a finite loss and a finite
-gradient instead of NaN: the clamp's gradient is zero outside the bounds, so a clamped token
-contributes nothing to the gradient through its ratio. k3 itself can also be capped at
-`kl_clamp` (verl caps it at 10; 0, the default, leaves it uncapped as TRL does), where its
-gradient is zero too. `ratio_clamped_frac` counts tokens whose policy ratio's or k3's log-ratio
-was clamped (the correction weight's clamp is not counted: its band ends far below e^20),
-`kl_clamped_frac` tokens whose k3 was capped.
-
 Policy-gradient losses may read `behaviour_logprobs` (what the inference engine recorded when it
 sampled) for the rollout correction (`algo.rollout_correction`, correction.py), which multiplies
 each token's policy-gradient term (not the KL term) by a weight; `rloo_loss` reads each
 response's reward and group.
 This module must not know about models, optimisers or configs.
+
+The design in full: docs/internals.md, `cadence/algo/losses.py`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """Every algorithm setting in one record: what the loss, the advantage estimator and the reward
 shaping are, and their hyper-parameters.
 
-`AlgoParams` is the `algo` section of the config plus the shaping keys of `reward` and the
-episode's cap, as the components take them: the Scorer (learner/scorer.py) reads the shaping
-and advantage settings, a loss function reads its clipping, KL, rollout-correction or DPO
-settings, and the
-learner reads the aggregation and the cap. Each reads the fields it uses; none branches on
-another's. How the optimizer steps, how groups are micro-batched and laid out is not algorithm
-but learner (`learner.LearnerParams`).
-
-Values are checked here, so a bad one fails when the record is made; the names of the loss and
-the estimator are checked by the registry's lookups (`get_loss`, `get_advantage`), which the
-components make when they are built. Pure: imports nothing of cadence beyond `algo`.
+The design in full: docs/internals.md, `cadence/algo/params.py`.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Rollout workers (`cadence.rollout`, each run by a `WorkerLoop`) in slots of a `P
 processes (`LocalPool`), Ray actors (`RayPool`, `backend.ray_pool`) or threads
 (`backend.fake.ThreadPool`, the test double); reward workers (`RewardStage`) on the same process
 machinery (`procs`); weight transports behind `WeightSync` (shared memory, Ray's object store, a
-torch.distributed broadcast; `InMemoryWeights` the fake), the `WeightGate` that is the version
-barrier, and `learner_sync` for an engine with its own copy in the learner's process. It must
+torch.distributed broadcast; `InMemoryWeights` the fake), each with its receiving half, and
+`learner_sync` for an engine with its own copy in the learner's process. It must
 not know what an iteration is, which engine or reward a worker holds, nor read the config: the
 run builder passes plain values. Ray is imported only inside the Ray modules' functions, when
 asked for.
@@ -24,8 +24,9 @@ from cadence.backend.reward_stage import RewardStage
 from cadence.backend.weights import (
     InMemoryWeights,
     LearnerWeights,
+    Receiver,
+    SharedReceiver,
     SharedWeights,
-    WeightGate,
     WeightSync,
     learner_sync,
 )
@@ -72,10 +73,11 @@ __all__ = [
     "Lost",
     "Pool",
     "Processes",
+    "Receiver",
     "RewardStage",
+    "SharedReceiver",
     "SharedWeights",
     "TaskResult",
-    "WeightGate",
     "WeightSync",
     "WorkerDied",
     "WorkerError",

@@ -11,7 +11,6 @@ workers are alive), a worker's exception comes back with its traceback, and a de
 from __future__ import annotations
 
 import collections
-import functools
 import time
 from typing import Any
 
@@ -19,7 +18,7 @@ import torch
 
 from cadence.backend.pool import InFlight, Lost
 from cadence.backend.procs import Processes, Sender, WorkerDied, WorkerError
-from cadence.backend.weights import SharedWeights
+from cadence.backend.weights import SharedReceiver, SharedWeights
 from cadence.backend.worker_loop import WorkerLoop
 from cadence.rollout import WorkerSpec, build_worker
 from cadence.types import Prompt
@@ -40,8 +39,8 @@ def worker_main(wid: int, spec: WorkerSpec, tensors: dict, inbox, results) -> No
         outbox.report_error(wid)
         return
     try:
-        load = functools.partial(target.load, tensors)  # load(version)
-        WorkerLoop(wid, worker, load, inbox, outbox).run()
+        receiver = SharedReceiver(tensors, target)
+        WorkerLoop(wid, worker, receiver.load, inbox, outbox).run()
     except BaseException:
         outbox.report_error(wid)
 

@@ -6,21 +6,7 @@ killed while writing would leave a shared queue locked, or half a message in it,
 process. The owner keeps only the read end, so a dead process's pipe ends in end-of-file, never
 in a read that waits forever.
 
-Processes are forked from a fork server that has already imported torch, transformers and
-cadence's worker code (`PRELOAD`), so a start costs a fork, not the ~5 s of CPU a fresh
-interpreter takes to import them; nothing is forked from the owner itself (its threads, locks
-and CUDA state stay out of the child). A child gets the owner's environment as it was at the
-start, as a spawned process would (the fork server's own is that of its first start). Its
-parent is the fork server, which outlives an owner killed outright, so a process asks
-`owner_gone()`, not its parent, whether its owner is still there.
-
-A process is started as `target(wid, *args(wid), inbox, results)` (`args(wid)` reaches it as
-its inbox's first message: shared-memory tensors included, however many), says ("ready", wid,
-None) once built, sends ("error", wid, traceback) if anything fails, and ends on ("stop",
-None). Messages are (kind, wid, payload) tuples. Nothing here waits without a timeout;
-`close()` asks every process to stop, then terminates, then kills any that lingers. What the
-messages mean is the owner's business (`LocalPool`, `RewardStage`): this module knows no message
-but ready, error and stop.
+The design in full: docs/internals.md, `cadence/backend/procs.py`.
 """
 
 from __future__ import annotations

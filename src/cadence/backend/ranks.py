@@ -1,28 +1,6 @@
 """Rank processes: N copies of one object, each in a process of its own, driven by calls.
 
-The learner's ranks (learner/driver.py) are started and driven through this seam, which knows
-nothing of what they compute. A rank's object is built in its process by `factory(rank, *args)`
-on the first call, `build`; every later call `(method, args)` runs in order, one at a time, and
-is answered by exactly one reply (the method's return value). A call that raises answers with
-its traceback and ends the process; a rank asked to stop calls its object's `close()` first.
-`call` does not wait; `wait` returns every reply due, per rank in call order; `poll` raises
-what went wrong meanwhile without waiting.
-
-A wait's limit measures a rank's silence, not the work queued for it: a rank with calls due is
-late once it has been quiet (no reply) for longer than the limit since its last reply, or since
-its oldest unanswered call was sent if that came later. A driver may queue many calls at once
-(every round of a step), each well within the limit, and still wait far longer than it for them
-all; a rank that really hangs is named with the calls it owes.
-
-- `LocalRanks`: spawned processes on the shared process machinery (`procs.Processes`), so a rank
-  has its own result pipe, and one killed mid-write cannot wedge the others. A rank notices a
-  driver that died without stopping it (its parent changes) and exits.
-- `InlineRanks`: the deterministic fake: the objects live in this process and each call runs at
-  once (no collectives possible: for objects that need none).
-- `RayRanks` (`backend.ray_ranks`): Ray actors in a placement group.
-
-A failure names the rank and carries its traceback. When one rank dies, the others usually
-fail soon after in a collective that lost its peer; the dead rank is then named as the cause.
+The design in full: docs/internals.md, `cadence/backend/ranks.py`.
 """
 
 from __future__ import annotations

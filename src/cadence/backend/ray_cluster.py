@@ -1,19 +1,7 @@
 """The Ray a run uses: one it starts on this machine, or a cluster it joins, and where actors
 may run on it.
 
-A Ray started for the run must have its environment set before Ray is first imported (every
-listener on loopback, an authentication token that lives in the environment and not in
-~/.ray, no usage statistics): `local_ray_env`, and `reload_ray_auth` for a Ray imported before
-(vLLM imports it). A cluster joined by address keeps its own settings: the run's environment
-must carry the cluster's token settings (`RAY_AUTH_*`), as `ray start` did on its nodes.
-
-Ray keeps an actor that no node can hold pending for ever (it waits for an autoscaler). A worker
-whose node died, replaced with the same resources, would then wait out `pipeline.worker_timeout_s`
-and end the run with a timeout that does not say why. `missing` answers at once whether some
-live node has the resources an actor asks for (its totals, free or not: one that is busy now
-will free them) and, when none has, which resource is missing. The driver's own node is where
-what must outlive any worker node lives (the sample store). Ray is imported only inside
-functions; nothing here but `start_ray` and `shutdown_ray` starts or stops anything.
+The design in full: docs/internals.md, `cadence/backend/ray_cluster.py`.
 """
 
 from __future__ import annotations

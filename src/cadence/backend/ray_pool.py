@@ -1,23 +1,6 @@
 """Ray backend: the same inference workers as Ray actors, on this machine or across a cluster.
 
-Each actor builds its worker with `build_worker` and runs the very `WorkerLoop` that a local
-worker process runs, in a thread of its own. Its inbox is a queue fed by the actor method `send`;
-its outbox a list that the driver long-polls with `drain` (one call outstanding per actor, so a
-result reaches the driver as soon as it exists). A threaded actor may run two calls out of order,
-so every message carries a sequence number and `send` restores the order. `RayPool` implements
-`Pool` over the actors: the producer (versions, barrier, admission by staleness) is unchanged.
-
-Weights travel once per version (`ray_weights`): through the object store, or broadcast with
-torch.distributed. An actor that dies fails its pending `drain`: the next poll raises
-`WorkerDied` naming it and its prompts in flight; its replacement asks for the same resources
-(custom ones pin workers to the nodes that offer them), and when no live node has them the run
-stops at once naming the missing resource (`ray_cluster.missing`) instead of waiting for a node
-that will not come. `close()` kills the actors and shuts down the Ray that the pool started (not
-one it joined).
-
-Ray is imported only inside functions: a Ray started for the run must have its environment set
-before Ray is first imported (`ray_cluster`). The loop runs outside the actor's main thread, so
-the math reward calls math-verify without its signal-based timeouts there.
+The design in full: docs/internals.md, `cadence/backend/ray_pool.py`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """Rank processes as Ray actors, one per bundle of a placement group, so ranks span machines.
 
-The same seam as `backend.ranks` (`Ranks`): `RankActor` builds its object with the factory on
-the `build` call and runs each later call; an actor runs one call at a time, in the order one
-caller submitted them, so a rank's calls keep their order. Every call's ObjectRef is kept per
-rank; `poll` and `wait` fetch the finished ones in order. A call that raised fails its ref with
-the rank's traceback (`WorkerError`); an actor that died fails it with `RayActorError`
-(`WorkerDied`, naming the rank, its pid and node).
-
-The placement group holds one bundle of `resources` per rank (PACK: on as few nodes as fit), so
-all ranks start together or not at all; custom resources among them pin the ranks to the nodes
-that offer them, and a bundle no live node can hold is refused at once. Ray is imported only
-inside functions (see `backend.ray_cluster`).
+The design in full: docs/internals.md, `cadence/backend/ray_ranks.py`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Stop a Ray started for the run when its learner dies without stopping it (SIGKILL, OOM).
 
-Ray makes its own processes share the driver's fate, but its dashboard and runtime-env agents,
-on finding their raylet gone that way, first try to report the raylet's unexpected death to the
-GCS (dead too) and give up only after a timeout Ray fixes at 60 s: they outlived a SIGKILLed
-learner by 60-95 s. So a run that starts a Ray of its own also starts this reaper, in a session
-of its own, given the Ray session's directory. The reaper waits for end-of-file on its stdin,
-whose write end only the learner holds: that comes when the learner closes it after
-`ray.shutdown()`, or when the learner dies. It then sends SIGTERM to every process of that Ray
-still running (SIGKILL to any left after a few seconds) and exits.
-
 A process of that Ray is one running the Python interpreter or a binary of the Ray package with a
 file open in the session's directory (its logs): the agents rename themselves (`ray::...`) and
 overwrite their environment, but keep their logs open, and the session directory is unique to
 one `ray.init`. Linux only (it reads /proc); elsewhere no reaper is started. This module must not
 import Ray or anything of cadence: it runs as a script, `python .../ray_reaper.py SESSION RAY_DIR`.
+
+The design in full: docs/internals.md, `cadence/backend/ray_reaper.py`.
 """
 
 from __future__ import annotations

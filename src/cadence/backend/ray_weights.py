@@ -1,20 +1,6 @@
 """Weight sync for the Ray backend: each version reaches every worker actor once.
 
-`ObjectStoreWeights` puts the learner's parameters into Ray's object store once per version, as
-numpy arrays (a put of numpy arrays costs a fraction of a put of torch tensors); every actor's
-sync message carries the same ObjectRef. Ray moves the object once to each node that asks for it,
-and actors on one node read the same shared-memory copy.
-
-`BroadcastWeights` makes the learner and the actors one torch.distributed group, the learner rank
-0: publishing copies the parameters into flat buffers (so training can go on meanwhile) and
-broadcasts them without waiting; each actor receives when its loop acts on the sync. NCCL between
-GPUs, gloo on CPU. Every member takes part in every broadcast, in order: the pool's barrier lets
-one version out at a time, and the group's membership is fixed (a replaced actor cannot join).
-
-Learner side: `publish(model, version)` (the `WeightSync` protocol), `message(version)` (what a
-sync message carries) and `close()`. Actor side (`receiver`): `stage(version, message)` when the
-sync message arrives, `load(version)` when the loop acts on it. Ray is imported only inside
-functions (see `backend.ray_pool`).
+The design in full: docs/internals.md, `cadence/backend/ray_weights.py`.
 """
 
 from __future__ import annotations
@@ -40,12 +26,6 @@ class RayWeights(WeightSync, Protocol):
     def message(self, version: int) -> Any: ...
 
     def close(self) -> None: ...
-
-
-class Receiver(Protocol):
-    def stage(self, version: int, message: Any) -> None: ...
-
-    def load(self, version: int) -> None: ...
 
 
 def num_bytes(model: torch.nn.Module) -> int:

@@ -1,24 +1,11 @@
 """The reward stage: reward worker processes that score responses as they reach the sample store.
 
-With `reward.stage = "separate"` the rollout workers do not score. A driver thread in the
-learner's process takes rows that have a response and no score yet from the store (task
-"reward", rows rather than groups, up to `reward.batch_size` at a time: whatever has arrived
-when a reward worker is free), hands each micro-batch to a free reward worker process, and puts
-the scores back as the fields `reward` and `reward_error`; the learner takes a group once all of
-its rows are scored. A slow stage shows as rows waiting in the store; more reward workers drain
-it faster.
-
-A reward worker is a spawned process with its own torch threads that builds one scorer:
-- kind "rule": `reward.function`, a micro-batch's responses scored at once by the reward runner
-  (`reward.concurrency` calls in flight, each within `reward.timeout_s`), exactly as a rollout
-  worker scores them (an exception or a non-finite value is a reward error, counted as before);
-- kind "model": `RewardModel` (a local sequence classifier) on the token ids the policy saw and
-  sampled, in forward passes of `reward.batch_size`; a non-finite score is a reward error.
-
 Failure is loud, as with rollout workers: a reward worker that cannot build its scorer, raises
 while scoring or exits makes the driver stop with `WorkerError` (with the worker's traceback) or
 `WorkerDied`, close the store (which wakes the learner, who re-raises it) and leave no process.
 A dead reward worker is not replaced. This module must not import transformers at import time.
+
+The design in full: docs/internals.md, `cadence/backend/reward_stage.py`.
 """
 
 from __future__ import annotations

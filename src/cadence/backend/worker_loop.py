@@ -1,21 +1,7 @@
 """A rollout worker's life in any process: its message loop (the worker itself is built from a
 `WorkerSpec` by `cadence.rollout.build_worker`, before the loop starts).
 
-The loop obeys three messages, in order: `sync` (load the published weights, acknowledge the
-version), `rollout` (generate and score a task of prompts with the loaded version) and `stop`.
-Results, acknowledgements and errors go to its outbox, carrying the worker id. A worker stamps
-each group with the version it actually has loaded, so a prompt sent before a sync finished is
-caught by the learner's version check, not trusted.
-
-A worker streams: tasks join its engine while others decode (continuous batching keeps the slots
-full across tasks), and each group is sent the moment it is complete, its result saying whether
-it was its task's last. Weights change only when the worker allows it (`may_load`): without
-partial rollouts only between requests, so a `sync` that arrives while the engine is busy waits,
-with every message behind it, until the engine has drained; with them between two decode steps,
-the sequences in flight going on under the new weights.
-
-Local worker processes (`backend.local`), Ray actors (`backend.ray_pool`) and the in-thread fake
-(`backend.fake`) all run this loop; only what carries its messages and weights differs.
+The design in full: docs/internals.md, `cadence/backend/worker_loop.py`.
 """
 
 from __future__ import annotations

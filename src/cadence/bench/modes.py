@@ -12,6 +12,8 @@ import json
 import statistics
 from pathlib import Path
 
+from cadence.metrics.tables import markdown_table as table
+
 # name -> (pipeline.mode, pipeline.placement)
 MODES: dict[str, tuple[str, str]] = {
     "sync-colocated": ("sync", "colocated"),
@@ -104,19 +106,21 @@ def markdown_table(rows: list[dict]) -> str:
     base = {r["name"]: r["tpspd"] for r in rows}
     ref = base.get("sync-colocated") or rows[0]["tpspd"]
     same, off = base.get("sync"), base.get("offpolicy")
-    lines = [
-        "| name | mode | placement | TPSPD | x sync-colocated | x sync (same placement) "
-        "| x offpolicy | wall s | gen busy s | train busy s | learner idle "
-        "| pipeline efficiency |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    header = [
+        *("name", "mode", "placement", "TPSPD", "x sync-colocated", "x sync (same placement)"),
+        *("x offpolicy", "wall s", "gen busy s", "train busy s", "learner idle"),
+        "pipeline efficiency",
     ]
+    cells = []
     for r in rows:
         vs_same = f"{r['tpspd'] / same:.2f}" if same and r["placement"] == "separate" else "-"
         vs_off = f"{r['tpspd'] / off:.2f}" if off and r["placement"] == "separate" else "-"
-        lines.append(
-            f"| {r['name']} | {r['mode']} | {r['placement']} | {r['tpspd']:,.0f} "
-            f"| {r['tpspd'] / ref:.2f} | {vs_same} | {vs_off} | {r['wall_s']:.1f} "
-            f"| {r['gen_busy_s']:.1f} | {r['train_busy_s']:.1f} | {r['learner_idle']:.2f} "
-            f"| {r['pipeline_efficiency']:.2f} |"
+        cells.append(
+            [
+                *(r["name"], r["mode"], r["placement"], f"{r['tpspd']:,.0f}"),
+                *(f"{r['tpspd'] / ref:.2f}", vs_same, vs_off, f"{r['wall_s']:.1f}"),
+                *(f"{r['gen_busy_s']:.1f}", f"{r['train_busy_s']:.1f}"),
+                *(f"{r['learner_idle']:.2f}", f"{r['pipeline_efficiency']:.2f}"),
+            ]
         )
-    return "\n".join(lines)
+    return table(header, cells)

@@ -1,16 +1,6 @@
 """`cadence bench --suite ranks`: one learner process against learner ranks, side by side.
 
-The same fixed groups (random tokens, rewards alternating 0/1) are trained for `iterations`
-iterations by each cell, cells interleaved across repeats, each cell in fresh processes so that
-peak memory is its own:
-- `1 x T threads`: the single-process `Learner`, in a process of its own with T threads;
-- `N x T/N threads fsdp` and `... ddp`: `learner.ranks = N`, each rank with T/N threads.
-
-Per cell: seconds per iteration (the first iteration warms up and is not counted; the ranks'
-figure is the driver's, so it includes handing out the groups and gathering the weights back),
-each process's peak resident memory (`learner_peak_rss_mb`) and the training state it holds
-(parameters, Adam's state and frozen copies, a shard of each with FSDP; gradients, while they
-exist, as large as the parameters). Writes `bench.json` and `bench.md` in `--out`.
+The design in full: docs/internals.md, `cadence/bench/ranks.py`.
 """
 
 from __future__ import annotations
@@ -25,6 +15,7 @@ from typing import Any
 import torch
 
 from cadence.bench.shared_prompt import synthetic_groups
+from cadence.metrics.tables import markdown_table as table
 
 # the workload: groups of one prompt and G responses, fixed lengths
 WORKLOAD = dict(num_groups=4, prompt_len=16, response_len=16, group_size=4)
@@ -178,19 +169,18 @@ def _row(name: str, runs: list[dict], groups) -> dict:
 
 def markdown_table(rows: list[dict]) -> str:
     one = rows[0]["iteration_s"]
-    lines = [
-        "| cell | iteration s | x the single process | of which gathering weights s "
-        "| peak RSS MB per process | parameters + Adam + frozen MB per process |",
-        "|---|---|---|---|---|---|",
+    header = [
+        *("cell", "iteration s", "x the single process", "of which gathering weights s"),
+        *("peak RSS MB per process", "parameters + Adam + frozen MB per process"),
     ]
+    cells = []
     for r in rows:
         state = [
             f"{p:,.0f} + {o:,.0f} + {f:,.0f}"
             for p, o, f in zip(r["param_mb"], r["optimizer_mb"], r["frozen_mb"], strict=True)
         ]
         rss = ", ".join(f"{m:,.0f}" for m in r["peak_rss_mb_per_process"])
-        lines.append(
-            f"| {r['cell']} | {r['iteration_s']:.2f} | {one / r['iteration_s']:.2f} "
-            f"| {r['gather_s']:.2f} | {rss} | {'; '.join(state)} |"
-        )
-    return "\n".join(lines)
+        speed = f"{one / r['iteration_s']:.2f}"
+        cells.append([r["cell"], f"{r['iteration_s']:.2f}", speed, f"{r['gather_s']:.2f}"])
+        cells[-1] += [rss, "; ".join(state)]
+    return table(header, cells)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from cadence.metrics.tables import markdown_table as table
 from cadence.types import Completion, Group, Prompt
 
 # variant -> (learner.shared_prompt, learner.shared_prompt_impl)
@@ -156,16 +157,17 @@ def bench_shared_prompt(config: str | None, overrides: list[str], repeats: int, 
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = [
-        "| workload | layout | prompt / response tokens (mean) | tokens computed "
-        "| x fewer tokens | iteration s | speedup vs off |",
-        "|---|---|---|---|---|---|---|",
+    header = [
+        *("workload", "layout", "prompt / response tokens (mean)", "tokens computed"),
+        *("x fewer tokens", "iteration s", "speedup vs off"),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['workload']} | {r['layout']} "
-            f"| {r['prompt_tokens_mean']:.0f} / {r['response_tokens_mean']:.1f} "
-            f"| {r['tokens_computed']:,.0f} | {r['tokens_ratio']:.2f} | {r['time_s']:.3f} "
-            f"| {r['speedup']:.2f} |"
-        )
-    return "\n".join(lines)
+    cells = [
+        [
+            *(r["workload"], r["layout"]),
+            f"{r['prompt_tokens_mean']:.0f} / {r['response_tokens_mean']:.1f}",
+            *(f"{r['tokens_computed']:,.0f}", f"{r['tokens_ratio']:.2f}", f"{r['time_s']:.3f}"),
+            f"{r['speedup']:.2f}",
+        ]
+        for r in rows
+    ]
+    return table(header, cells)

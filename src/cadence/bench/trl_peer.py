@@ -22,6 +22,7 @@ from pathlib import Path
 from cadence.bench.common import interleave, machine, median_row, package_version
 from cadence.bench.runs import FIGURES, lora_setting, run_cadence, workload_config
 from cadence.config import Config, ConfigError
+from cadence.metrics.tables import markdown_table as table
 
 INSTALL_HINT = "pip install 'cadence[bench]'"
 
@@ -401,34 +402,36 @@ def bench_trl(config: str | Path | None, overrides: list[str], repeats: int, out
 
 def settings_table(settings: dict[str, dict]) -> str:
     """The settings each tool reports it ran with, one row per setting."""
-    lines = ["| setting | cadence | trl | same |", "|---|---|---|---|"]
+    cells = []
     for key in SHARED_SETTINGS:
         c, t = settings["cadence"][key], settings["trl"][key]
-        lines.append(f"| {key} | {c} | {t} | {'yes' if c == t else '**no**'} |")
-    return "\n".join(lines)
+        cells.append([key, c, t, "yes" if c == t else "**no**"])
+    return table(["setting", "cadence", "trl", "same"], cells)
 
 
 def markdown_table(report: dict) -> str:
     rows = {r["tool"]: r for r in report["rows"]}
     base = rows["trl"]["tpspd"]
-    lines = [
-        "| tool | TPSPD | x TRL | wall s | trained tokens | gen busy s | train busy s | idle s "
-        "| prompt / response tokens (mean) | reward first -> last |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+    header = [
+        *("tool", "TPSPD", "x TRL", "wall s", "trained tokens", "gen busy s", "train busy s"),
+        *("idle s", "prompt / response tokens (mean)", "reward first -> last"),
     ]
+    cells = []
     for name in CELLS:
         r = rows[name]
-        lines.append(
-            f"| {name} | {r['tpspd']:,.0f} | {r['tpspd'] / base:.2f} | {r['wall_s']:.1f} "
-            f"| {r['num_tokens']:,.0f} | {r['gen_busy_s']:.1f} | {r['train_busy_s']:.1f} "
-            f"| {r['idle_s']:.1f} | {r['prompt_tokens_mean']:.1f} / "
-            f"{r['response_tokens_mean']:.1f} "
-            f"| {r['reward_mean_first']:.3f} -> {r['reward_mean_last']:.3f} |"
+        cells.append(
+            [
+                *(name, f"{r['tpspd']:,.0f}", f"{r['tpspd'] / base:.2f}", f"{r['wall_s']:.1f}"),
+                *(f"{r['num_tokens']:,.0f}", f"{r['gen_busy_s']:.1f}", f"{r['train_busy_s']:.1f}"),
+                f"{r['idle_s']:.1f}",
+                f"{r['prompt_tokens_mean']:.1f} / {r['response_tokens_mean']:.1f}",
+                f"{r['reward_mean_first']:.3f} -> {r['reward_mean_last']:.3f}",
+            ]
         )
     pipe = report["cadence_pipeline"]
     return "\n".join(
         [
-            *lines,
+            table(header, cells),
             "",
             f"cadence pipeline: {pipe['mode']} / {pipe['placement']}, shared prompt "
             f"{'on (' + pipe['shared_prompt_impl'] + ')' if pipe['shared_prompt'] else 'off'}, "

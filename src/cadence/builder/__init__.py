@@ -8,6 +8,7 @@ held-out evaluation (`rollout.py`). The runtime it wires (`cadence.pipeline`) is
 """
 
 from cadence.builder.checks import (
+    check_before_loading,
     check_group_size,
     check_sharded,
     learns_from_one_sample,
@@ -65,6 +66,7 @@ __all__ = [
     "build_scorer",
     "build_source",
     "build_trainer",
+    "check_before_loading",
     "check_group_size",
     "check_sharded",
     "env_spec",

@@ -19,6 +19,15 @@ from cadence.engine.vllm import INSTALL_HINT, vllm_available
 from cadence.pipeline.checkpoint import Checkpoint, CheckpointError
 
 
+def check_before_loading(cfg: Config) -> None:
+    """What can be refused before any weight loads: a group size the algorithm cannot learn
+    from, an engine that is not installed, a response budget that leaves no room for a prompt
+    in the model's positions (read from its config.json)."""
+    check_group_size(cfg)
+    require_engine(cfg.rollout.engine)
+    max_prompt_tokens(cfg, model_positions(cfg.model.path))
+
+
 def check_group_size(cfg: Config) -> None:
     """Refuse `rollout.group_size = 1` with an advantage or loss that compares the samples of a
     group with each other: every advantage would be 0 (loss 0, grad norm 0) and the run would

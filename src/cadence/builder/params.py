@@ -5,9 +5,10 @@ run themselves. Translations only: refusals are checks.py's, tasks and environme
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -20,10 +21,25 @@ from cadence.engine.vllm import VLLMOptions
 from cadence.learner import LearnerParams
 from cadence.learner.rank import RankSpec
 from cadence.models import stop_token_ids
-from cadence.pipeline.loop import LoopParams
 from cadence.pipeline.producer import ProducerParams
+from cadence.pipeline.run import LoopParams
 from cadence.rewards import RewardSpec
 from cadence.rollout import PartialRollouts, WorkerSpec
+
+T = TypeVar("T")
+
+
+def from_sections(cls: type[T], *sections: Any, **given: Any) -> T:
+    """Dataclass `cls` with each field the config `sections` have a key of the same name for
+    (the first that has it), and the fields `given` (which win): a translation written once
+    where the names agree, and by hand where a key means something under another name."""
+    same: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        for section in sections:
+            if f.name in type(section).model_fields:
+                same[f.name] = getattr(section, f.name)
+                break
+    return cls(**(same | given))
 
 
 def set_threads(threads: int) -> None:
@@ -54,49 +70,18 @@ def sampling_params(cfg: Config, tokenizer, model_path: str | Path | None = None
 def algo_params(cfg: Config) -> AlgoParams:
     """The algorithm: `algo`'s keys, `reward`'s shaping, and the episode's cap on policy tokens
     (`Config.max_policy_tokens`: the overlong penalty's and seq-sum-norm's, not one turn's)."""
-    a, r = cfg.algo, cfg.reward
-    return AlgoParams(
-        loss=a.loss,
-        advantage=a.advantage,
-        scale_by_std=a.scale_by_std,
-        std=a.std,
-        std_eps=a.std_eps,
-        loss_agg=a.loss_agg,
-        clip_low=a.clip_low,
-        clip_high=a.clip_high,
-        clip_ratio_c=a.clip_ratio_c,
-        kl_coef=a.kl_coef,
-        kl_estimator=a.kl_estimator,
-        kl_clamp=a.kl_clamp,
-        rollout_correction=a.rollout_correction,
-        correction_clip_min=a.correction_clip_min,
-        correction_clip_max=a.correction_clip_max,
-        correction_proximal=a.correction_proximal,
-        tis_cap=a.tis_cap,
-        dpo_beta=a.dpo_beta,
-        dpo_loss=a.dpo_loss,
-        max_policy_tokens=cfg.max_policy_tokens,
-        overlong_buffer=r.overlong_buffer,
-        overlong_penalty=r.overlong_penalty,
-        mask_truncated=a.mask_truncated,
-    )
+    return from_sections(AlgoParams, cfg.algo, cfg.reward, max_policy_tokens=cfg.max_policy_tokens)
 
 
 def learner_params(cfg: Config) -> LearnerParams:
     """How the learner steps and lays out its work (the algorithm is `algo_params`)."""
     t = cfg.train
-    return LearnerParams(
-        lr=t.lr,
+    return from_sections(
+        LearnerParams,
+        t,
+        cfg.learner,
         warmup_steps=t.warmup_iterations * t.mini_batches,
-        weight_decay=t.weight_decay,
-        max_grad_norm=t.max_grad_norm,
-        micro_batch_groups=t.micro_batch_groups,
-        mini_batches=t.mini_batches,
         temperature=cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0,
-        shared_prompt=cfg.learner.shared_prompt,
-        shared_prompt_impl=cfg.learner.shared_prompt_impl,
-        reuse_old_logprobs=cfg.learner.reuse_old_logprobs,
-        max_bad_steps=t.max_bad_steps,
     )
 
 
@@ -177,16 +162,13 @@ def vllm_options(cfg: Config) -> VLLMOptions:
 
 def producer_params(cfg: Config, first_iteration: int = 0) -> ProducerParams:
     """How the producer feeds the workers; a resumed run's begins at `first_iteration`."""
-    p = cfg.pipeline
-    return ProducerParams(
-        prompts_per_task=p.prompts_per_task,
-        tasks_in_flight=p.tasks_in_flight,
+    return from_sections(
+        ProducerParams,
+        cfg.pipeline,
+        cfg.train,
+        cfg.rollout,
         max_staleness=max_staleness(cfg),
-        queue_size=p.queue_size,
-        iterations=cfg.train.iterations,
         first_iteration=first_iteration,
-        group_size=cfg.rollout.group_size,
-        max_worker_restarts=p.max_worker_restarts,
     )
 
 
@@ -206,40 +188,21 @@ def ray_options(p: PipelineConfig) -> dict[str, Any]:
 
 
 def loop_params(cfg: Config) -> LoopParams:
-    t = cfg.train
+    """What the run loop needs to know of the configuration."""
     check_trackers(cfg)
-    return LoopParams(
-        iterations=t.iterations,
-        prompts_per_iteration=t.prompts_per_iteration,
+    sections = (cfg.train, cfg.reward, cfg.pipeline, cfg.metrics)
+    return from_sections(
+        LoopParams,
+        *sections,
         max_staleness=max_staleness(cfg),
-        eval_every=t.eval_every,
-        checkpoint_every=t.checkpoint_every,
-        keep_checkpoints=t.keep_checkpoints,
-        max_error_fraction=cfg.reward.max_error_fraction,
-        mode=cfg.pipeline.mode,
-        placement=cfg.pipeline.placement,
         slots=cfg.rollout.max_num_seqs,
-        tensorboard=cfg.metrics.tensorboard,
-        progress=cfg.metrics.progress,
         reference_path=cfg.model.path,
         config_toml=to_toml(cfg),
         save_merged=cfg.model.lora is not None and cfg.model.lora.save_merged,
-        wandb=cfg.metrics.wandb,
-        mlflow=cfg.metrics.mlflow,
     )
 
 
 def reward_spec(cfg: Config) -> RewardSpec:
     """What each reward worker of `reward.stage = "separate"` builds its scorer from."""
     r = cfg.reward
-    return RewardSpec(
-        kind=r.kind,
-        function=r.function,
-        model_path=r.model_path,
-        batch_size=r.batch_size,
-        threads=r.threads_per_worker,
-        dtype=cfg.model.dtype,
-        timeout_s=r.timeout_s,
-        answer_format=r.answer_format,
-        concurrency=r.concurrency,
-    )
+    return from_sections(RewardSpec, r, threads=r.threads_per_worker, dtype=cfg.model.dtype)

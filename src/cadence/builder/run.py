@@ -14,13 +14,7 @@ import torch
 
 from cadence.algo import needs_reference
 from cadence.backend import RewardStage, make_pool
-from cadence.builder.checks import (
-    check_group_size,
-    check_sharded,
-    max_prompt_tokens,
-    model_positions,
-    require_engine,
-)
+from cadence.builder.checks import check_before_loading, check_sharded
 from cadence.builder.params import (
     algo_params,
     learner_params,
@@ -111,7 +105,7 @@ def build_source(
         max_oversample=p.max_oversample,
         next_extra=stream.extra,
         checkpoint_every=cfg.train.checkpoint_every,
-        behaviour=resume.state.get("behaviour_policies", []) if resume else [],
+        behaviour=resume.run.behaviour_policies if resume else [],
     )
 
 
@@ -130,9 +124,7 @@ def reward_stage(cfg: Config, store: Store, tracer: Tracer) -> RewardStage:
 
 def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     """Every component of a run, wired; from `resume` on, if given (see pipeline/checkpoint.py)."""
-    check_group_size(cfg)
-    require_engine(cfg.rollout.engine)
-    max_prompt_tokens(cfg, model_positions(cfg.model.path))  # no room: refused before weights load
+    check_before_loading(cfg)
     set_threads(learner_threads(cfg))
     torch.manual_seed(cfg.train.seed)
     dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
@@ -145,11 +137,11 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     tracer = Tracer()
     engine, sync = learner_engine(cfg, model, tokenizer)
     task = make_task(cfg)
-    cursor = resume.state["cursor"] if resume else 0
+    cursor = resume.run.cursor if resume else 0
     positions = max_positions(model)
     fit = prompt_filter(cfg, tokenizer, positions)
     render = prompt_render(cfg, tokenizer)
-    replay = resume.state.get("pending_batches", []) if resume else []
+    replay = resume.run.pending_batches if resume else []
     stream = PromptStream(task, render, cfg.data.task, start=cursor, fit=fit, replay=replay)
     heldout = heldout_set(cfg, tokenizer, positions, task)
     evaluator = heldout_evaluator(cfg, model, engine, tokenizer, heldout, sync)

@@ -122,7 +122,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from cadence.builder import build_run, train
     from cadence.pipeline.checkpoint import find_checkpoint
-    from cadence.pipeline.loop import check_fresh
+    from cadence.pipeline.outputs import check_fresh
 
     if args.resume is None:
         if args.config is None:

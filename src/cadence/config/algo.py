@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from cadence.config.base import Section
+from cadence.config.base import Section, changed
 from cadence.types import (
     ADVANTAGES,
     CORRECTION_MODES,
@@ -21,112 +21,75 @@ from cadence.types import (
 
 
 class AlgoConfig(Section):
-    loss: Literal[LOSSES] = Field(
-        "ppo_clip",
-        description="Loss (registry name): ppo_clip (clipped surrogate), pg (REINFORCE), rloo "
-        "(REINFORCE with leave-one-out advantages), online_dpo (each group's best vs worst "
-        "response, against the frozen reference), gspo (one clipped geometric-mean ratio per "
-        "sequence; loss_agg 'seq-mean' unless set), cispo (REINFORCE weighted by the clipped, "
-        "detached ratio).",
-    )
-    advantage: Literal[ADVANTAGES] = Field(
-        "grpo",
-        description="Advantage estimator (registry name). reinforce_pp: REINFORCE++, rewards "
-        "normalised over the whole batch's tokens; reinforce_pp_baseline: each group's mean "
-        "subtracted first. With loss 'rloo' it must be 'rloo' (the default there); "
-        "online_dpo uses none.",
-    )
-    scale_by_std: bool = Field(True, description="GRPO: divide by the group's reward std.")
-    std: Literal[STD_MODES] = Field(
-        "unbiased",
-        description="GRPO and REINFORCE++: the std divides by n - 1 (unbiased, verl's and TRL's) "
-        "or by n (population, which makes GRPO's advantages sqrt(G / (G - 1)) larger).",
-    )
-    std_eps: float = Field(
-        1e-4,
-        ge=0.0,
-        description="Added to that std (TRL's 1e-4; verl's is 1e-6): reward differences far "
-        "below it stay far below 1 in advantage. Set it to the reward's resolution.",
-    )
-    clip_low: float = Field(
-        0.2, ge=0.0, le=1.0, description="Ratio floor is 1 - clip_low (1: no floor)."
-    )
-    clip_high: float = Field(0.2, ge=0.0, description="Ratio ceiling is 1 + clip_high.")
-    clip_ratio_c: float = Field(
-        0.0,
-        ge=0.0,
-        description="Dual-clip PPO (loss 'ppo_clip'): a token with a negative advantage A has a "
-        "loss of at most -A * clip_ratio_c (> 1; verl's default is 3). 0: off.",
-    )
-    mask_truncated: bool = Field(
-        False,
-        description="Drop responses cut at their length cap (finish_reason 'length') from "
-        "the loss (TRL's mask_truncated_completions): they train no token but still count in "
-        "their group's advantages and, like empty responses, in seq-mean's number of sequences.",
-    )
-    kl_coef: float = Field(0.0, ge=0.0, description="Weight of KL(policy || reference).")
-    kl_estimator: Literal[KL_ESTIMATORS] = Field("k3", description="KL estimator.")
-    kl_clamp: float = Field(
-        0.0,
-        ge=0.0,
-        description="Cap on each token's k3 estimate, with zero gradient beyond it (verl caps "
-        "at 10); 0: no cap (TRL's). Its log-ratio is clamped to [-20, 20] either way.",
-    )
-    loss_agg: Literal[LOSS_AGGREGATIONS] = Field(
-        "token-mean",
-        description="Loss aggregation over the global batch (online_dpo: the mean over pairs); "
-        "seq-sum-norm divides by the number of sequences times the episode's cap on policy "
-        "tokens (see reward.overlong_buffer).",
-    )
-    rollout_correction: Literal[CORRECTION_MODES] = Field(
-        "none",
-        description="Correct for the gap between the engine that sampled (its behaviour "
-        "log-probs) and the learner: each token's policy-gradient term is multiplied by a weight "
-        "of rho = pi_old / pi_behaviour (see correction_proximal), band [lo, hi] = "
-        "[correction_clip_min, correction_clip_max]. token_truncate: clip(rho_t, lo, hi); "
-        "token_mask: rho_t inside the band, else 0; icepop: the same as token_mask (IcePop's "
-        "name, from the Ring-1T report); sequence_truncate / sequence_mask: the same with "
-        "the sequence's product of token ratios; geometric_mask: 1 if the geometric mean of the "
-        "sequence's token ratios is inside the band, else 0 (verl's Geo-RS). TRL's default is "
-        "sequence_mask with hi = 3. Formulas, defaults and verl/TRL names: docs/corrections.md.",
-    )
-    correction_clip_min: float = Field(
-        0.0,
-        ge=0.0,
-        description="rollout_correction: the band's lower end (0: no lower bound, TRL's "
-        "default); the band must hold 1.",
-    )
-    correction_clip_max: float = Field(
-        3.0,
-        gt=0.0,
-        description="rollout_correction: the band's upper end (TRL's default, 3); the band must "
-        "hold 1.",
-    )
-    correction_proximal: Literal[PROXIMAL_POLICIES] = Field(
-        "decoupled",
-        description="The proximal policy. decoupled: old log-probs are the learner's policy at "
-        "the iteration's start and the correction weighs by pi_old / pi_behaviour on top of the "
-        "loss's pi / pi_old. bypass: old log-probs are the engine's behaviour log-probs (no old "
-        "pass, no frozen old copy, for every row), the correction acts on pi / pi_behaviour, and "
-        "a loss with a ratio (ppo_clip, gspo, cispo) takes only its mask (verl's bypass_mode).",
-    )
-    tis_cap: float = Field(
-        0.0,
-        ge=0.0,
-        description="The older name of rollout_correction = 'token_truncate' with "
-        "correction_clip_max = tis_cap (min(pi_old / pi_behaviour, tis_cap) per token; the same "
-        "numbers); 0 leaves it unset, else >= 1. Not together with the rollout_correction and "
-        "correction_* keys.",
-    )
-    dpo_beta: float = Field(
-        0.1, gt=0.0, description="online_dpo: beta of DPO (tau of IPO), the pull to the reference."
-    )
-    dpo_loss: Literal[DPO_LOSSES] = Field(
-        "sigmoid",
-        description="online_dpo: sigmoid (DPO), ipo (IPO on summed sequence log-ratios: the "
-        "paper's, TRL's OnlineDPOTrainer's) or ipo_token_mean (IPO on per-token mean "
-        "log-ratios: TRL's DPOTrainer's).",
-    )
+    loss: Literal[LOSSES] = "ppo_clip"
+    """Loss (registry name): ppo_clip (clipped surrogate), pg (REINFORCE), rloo (REINFORCE with
+    leave-one-out advantages), online_dpo (each group's best vs worst response, against the frozen
+    reference), gspo (one clipped geometric-mean ratio per sequence; loss_agg 'seq-mean' unless
+    set), cispo (REINFORCE weighted by the clipped, detached ratio)."""
+    advantage: Literal[ADVANTAGES] = "grpo"
+    """Advantage estimator (registry name). reinforce_pp: REINFORCE++, rewards normalised over the
+    whole batch's tokens; reinforce_pp_baseline: each group's mean subtracted first. With loss
+    'rloo' it must be 'rloo' (the default there); online_dpo uses none."""
+    scale_by_std: bool = True
+    """GRPO: divide by the group's reward std."""
+    std: Literal[STD_MODES] = "unbiased"
+    """GRPO and REINFORCE++: the std divides by n - 1 (unbiased, verl's and TRL's) or by n
+    (population, which makes GRPO's advantages sqrt(G / (G - 1)) larger)."""
+    std_eps: float = Field(1e-4, ge=0.0)
+    """Added to that std (TRL's 1e-4; verl's is 1e-6): reward differences far below it stay far
+    below 1 in advantage. Set it to the reward's resolution."""
+    clip_low: float = Field(0.2, ge=0.0, le=1.0)
+    """Ratio floor is 1 - clip_low (1: no floor)."""
+    clip_high: float = Field(0.2, ge=0.0)
+    """Ratio ceiling is 1 + clip_high."""
+    clip_ratio_c: float = Field(0.0, ge=0.0)
+    """Dual-clip PPO (loss 'ppo_clip'): a token with a negative advantage A has a loss of at most -A
+    * clip_ratio_c (> 1; verl's default is 3). 0: off."""
+    mask_truncated: bool = False
+    """Drop responses cut at their length cap (finish_reason 'length') from the loss (TRL's
+    mask_truncated_completions): they train no token but still count in their group's advantages
+    and, like empty responses, in seq-mean's number of sequences."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of KL(policy || reference)."""
+    kl_estimator: Literal[KL_ESTIMATORS] = "k3"
+    """KL estimator."""
+    kl_clamp: float = Field(0.0, ge=0.0)
+    """Cap on each token's k3 estimate, with zero gradient beyond it (verl caps at 10); 0: no cap
+    (TRL's). Its log-ratio is clamped to [-20, 20] either way."""
+    loss_agg: Literal[LOSS_AGGREGATIONS] = "token-mean"
+    """Loss aggregation over the global batch (online_dpo: the mean over pairs); seq-sum-norm
+    divides by the number of sequences times the episode's cap on policy tokens (see
+    reward.overlong_buffer)."""
+    rollout_correction: Literal[CORRECTION_MODES] = "none"
+    """Correct for the gap between the engine that sampled (its behaviour log-probs) and the
+    learner: each token's policy-gradient term is multiplied by a weight of rho = pi_old /
+    pi_behaviour (see correction_proximal), band [lo, hi] = [correction_clip_min,
+    correction_clip_max]. token_truncate: clip(rho_t, lo, hi); token_mask: rho_t inside the band,
+    else 0; icepop: the same as token_mask (IcePop's name, from the Ring-1T report);
+    sequence_truncate / sequence_mask: the same with the sequence's product of token ratios;
+    geometric_mask: 1 if the geometric mean of the sequence's token ratios is inside the band,
+    else 0 (verl's Geo-RS). TRL's default is sequence_mask with hi = 3. Formulas, defaults and
+    verl/TRL names: docs/corrections.md."""
+    correction_clip_min: float = Field(0.0, ge=0.0)
+    """rollout_correction: the band's lower end (0: no lower bound, TRL's default); the band must
+    hold 1."""
+    correction_clip_max: float = Field(3.0, gt=0.0)
+    """rollout_correction: the band's upper end (TRL's default, 3); the band must hold 1."""
+    correction_proximal: Literal[PROXIMAL_POLICIES] = "decoupled"
+    """The proximal policy. decoupled: old log-probs are the learner's policy at the iteration's
+    start and the correction weighs by pi_old / pi_behaviour on top of the loss's pi / pi_old.
+    bypass: old log-probs are the engine's behaviour log-probs (no old pass, no frozen old copy,
+    for every row), the correction acts on pi / pi_behaviour, and a loss with a ratio (ppo_clip,
+    gspo, cispo) takes only its mask (verl's bypass_mode)."""
+    tis_cap: float = Field(0.0, ge=0.0)
+    """The older name of rollout_correction = 'token_truncate' with correction_clip_max = tis_cap
+    (min(pi_old / pi_behaviour, tis_cap) per token; the same numbers); 0 leaves it unset, else >= 1.
+    Not together with the rollout_correction and correction_* keys."""
+    dpo_beta: float = Field(0.1, gt=0.0)
+    """online_dpo: beta of DPO (tau of IPO), the pull to the reference."""
+    dpo_loss: Literal[DPO_LOSSES] = "sigmoid"
+    """online_dpo: sigmoid (DPO), ipo (IPO on summed sequence log-ratios: the paper's, TRL's
+    OnlineDPOTrainer's) or ipo_token_mean (IPO on per-token mean log-ratios: TRL's DPOTrainer's)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -184,12 +147,7 @@ class AlgoConfig(Section):
         return self
 
     def _check_correction(self) -> None:
-        # compared with the defaults, not by what was set: a written-out config sets every key
-        newer = [
-            k
-            for k in ("rollout_correction", "correction_clip_min", "correction_clip_max")
-            if getattr(self, k) != type(self).model_fields[k].default
-        ]
+        newer = changed(self, ("rollout_correction", "correction_clip_min", "correction_clip_max"))
         if self.tis_cap > 0 and newer:
             raise ValueError(
                 f"algo.tis_cap = {self.tis_cap} is the older name of algo.rollout_correction = "

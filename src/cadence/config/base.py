@@ -3,6 +3,8 @@ class (unknown keys refused, assignments validated), and Ray's resource check.""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from pydantic import BaseModel, ConfigDict
 
 
@@ -11,7 +13,12 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """A section: unknown keys refused, assignments validated, and each field described by the
+    docstring under it (what docs/config.md shows)."""
+
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
 
 # Ray's own resources, which have keys of their own (num_cpus_per_worker, num_gpus_per_rank...)
@@ -28,3 +35,12 @@ def check_custom_resources(key: str, resources: dict[str, float]) -> None:
             )
         if not amount > 0:
             raise ValueError(f"{key}.{name} = {amount}: a resource amount must be above 0")
+
+
+def changed(section: BaseModel, keys: Iterable[str]) -> list[str]:
+    """The `keys` of `section` whose value differs from their default: the keys a config sets
+    (compared with the defaults, not by what was written: a written-out config sets every key)."""
+    fields = type(section).model_fields
+    return [
+        k for k in keys if getattr(section, k) != fields[k].get_default(call_default_factory=True)
+    ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from cadence.config.algo import AlgoConfig
-from cadence.config.base import check_custom_resources
+from cadence.config.base import changed, check_custom_resources
 from cadence.config.data import DataConfig
 from cadence.config.env import EnvConfig
 from cadence.config.model import ModelConfig
@@ -107,13 +107,12 @@ def check_overlong_buffer_fits(cfg: Sections) -> None:
 def check_learner_ranks(cfg: Sections) -> None:
     ranks, backend = cfg.learner, cfg.pipeline.backend
     if backend != "ray":
-        for key in ("num_cpus_per_rank", "num_gpus_per_rank", "ray_rank_resources"):
-            default = LearnerConfig.model_fields[key].get_default(call_default_factory=True)
-            if getattr(ranks, key) != default:
-                raise ValueError(
-                    f"learner.{key} applies to pipeline.backend = 'ray' only: set the "
-                    f"backend or leave learner.{key} out"
-                )
+        ray_keys = ("num_cpus_per_rank", "num_gpus_per_rank", "ray_rank_resources")
+        for key in changed(ranks, ray_keys):
+            raise ValueError(
+                f"learner.{key} applies to pipeline.backend = 'ray' only: set the "
+                f"backend or leave learner.{key} out"
+            )
     check_custom_resources("learner.ray_rank_resources", ranks.ray_rank_resources)
     on_gpu = cfg.model.device.startswith("cuda")
     if ranks.ranks > 1 and backend == "ray" and on_gpu and ranks.num_gpus_per_rank == 0:
@@ -134,7 +133,7 @@ def check_verifiers_env(cfg: Sections) -> None:
     choose them otherwise are refused rather than ignored."""
     if cfg.env.kind != "verifiers":
         return
-    if cfg.data.task != DataConfig.model_fields["task"].default:
+    if changed(cfg.data, ["task"]):
         raise ValueError(
             "env.kind = 'verifiers' takes its tasks from the environment's taskset: leave "
             "data.task out"

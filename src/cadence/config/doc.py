@@ -138,10 +138,10 @@ def _section_model(field: FieldInfo) -> type[BaseModel] | None:
 def _description(dotted: str, field: FieldInfo) -> str:
     if not field.description:
         raise ValueError(
-            f"config key '{dotted}' has no description: give it Field(..., description=...) in "
-            f"src/cadence/config.py, then run `{REGENERATE}`"
+            f"config key '{dotted}' has no description: give it a docstring under the field in "
+            f"its section of src/cadence/config/, then run `{REGENERATE}`"
         )
-    return field.description
+    return " ".join(field.description.split())  # a docstring's lines, as one paragraph
 
 
 def _table(name: str, model: type[BaseModel], intro: str, out: list[str]) -> None:

@@ -8,66 +8,44 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from cadence.config.base import Section
+from cadence.config.base import Section, changed
 
 
 class EnvConfig(Section):
-    kind: Literal["single_turn", "tool", "class", "openenv", "verifiers"] = Field(
-        "single_turn",
-        description="single_turn: one prompt, one response; tool: multi-turn episodes in which "
-        "the policy calls tools with <call>NAME: ARGUMENT</call> and reads <result>...</result> "
-        "(src/cadence/envs/syntax.py); a turn without a call is the final answer; class: an "
-        "environment class on TRL's environment_factory contract (env.factory or "
-        "env.factories), its methods the tools, called and answered in the model's chat "
-        "template; openenv: an OpenEnv Environment class run in the rollout worker, no server "
-        "(env.factory; the 'openenv' extra). class and openenv need data.chat_template; "
-        "verifiers: the episodes of a verifiers environment (env.factory), run by verifiers "
-        "against cadence's own endpoint in each rollout worker (the 'verifiers' extra; "
-        "docs/envs.md).",
-    )
-    tools: list[str] = Field(
-        default_factory=lambda: ["calculator"],
-        description="kind 'tool': the tools the policy may call: 'calculator' (arithmetic, parsed "
-        "safely) or 'module:function' (fn(argument: str) -> str, called by its function name).",
-    )
-    factory: str | None = Field(
-        None,
-        description="kind 'class': the environment class, 'package.module:Class', made with no "
-        "arguments: reset(**row) -> str | None, every other public method a tool (type hints "
-        "and an Args: docstring), optional get_reward() -> float (TRL's environment_factory "
-        "contract; 'cadence.envs.calculator:Calculator' ships). kind 'openenv': an OpenEnv "
-        "Environment class (an MCPEnvironment's tools are called in the chat format; any other "
-        "gets the policy's text as its action). kind 'verifiers': 'module:function' returning "
-        "the environment (a verifiers.v1.Env, as an environment package's load_environment "
-        "does), importable where the workers run; prompts come from its taskset, rewards from "
-        "its tasks' rubric.",
-    )
-    factories: dict[str, str] | None = Field(
-        None,
-        description="kind 'class', instead of factory: several environment classes by name, "
-        "{ name = 'package.module:Class' }; each row picks one by its 'environment' field (a "
-        "data set column), as TRL's dict environment_factory does, and its prompt shows that "
-        "class's tools only.",
-    )
-    max_turns: int = Field(
-        4,
-        ge=1,
-        description="kinds but single_turn: most policy turns per episode (each a call or the "
-        "end).",
-    )
-    max_total_tokens: int = Field(
-        256,
-        ge=1,
-        description="kinds but single_turn: most tokens per episode after the prompt, policy and "
-        "environment replies together (each turn is also capped by rollout.max_new_tokens).",
-    )
-    tool_timeout_s: float = Field(
-        5.0,
-        gt=0,
-        description="kinds but single_turn: a tool call (an OpenEnv step) still running after "
-        "this many seconds is cut off; the policy reads an error (counted as tool_timeouts), "
-        "the run goes on.",
-    )
+    kind: Literal["single_turn", "tool", "class", "openenv", "verifiers"] = "single_turn"
+    """single_turn: one prompt, one response; tool: multi-turn episodes in which the policy calls
+    tools with <call>NAME: ARGUMENT</call> and reads <result>...</result>
+    (src/cadence/envs/syntax.py); a turn without a call is the final answer; class: an
+    environment class on TRL's environment_factory contract (env.factory or env.factories), its
+    methods the tools, called and answered in the model's chat template; openenv: an OpenEnv
+    Environment class run in the rollout worker, no server (env.factory; the 'openenv' extra).
+    class and openenv need data.chat_template; verifiers: the episodes of a verifiers environment
+    (env.factory), run by verifiers against cadence's own endpoint in each rollout worker (the
+    'verifiers' extra; docs/envs.md)."""
+    tools: list[str] = Field(default_factory=lambda: ["calculator"])
+    """kind 'tool': the tools the policy may call: 'calculator' (arithmetic, parsed safely) or
+    'module:function' (fn(argument: str) -> str, called by its function name)."""
+    factory: str | None = None
+    """kind 'class': the environment class, 'package.module:Class', made with no arguments:
+    reset(**row) -> str | None, every other public method a tool (type hints and an Args:
+    docstring), optional get_reward() -> float (TRL's environment_factory contract;
+    'cadence.envs.calculator:Calculator' ships). kind 'openenv': an OpenEnv Environment class (an
+    MCPEnvironment's tools are called in the chat format; any other gets the policy's text as its
+    action). kind 'verifiers': 'module:function' returning the environment (a verifiers.v1.Env, as
+    an environment package's load_environment does), importable where the workers run; prompts come
+    from its taskset, rewards from its tasks' rubric."""
+    factories: dict[str, str] | None = None
+    """kind 'class', instead of factory: several environment classes by name, { name =
+    'package.module:Class' }; each row picks one by its 'environment' field (a data set column), as
+    TRL's dict environment_factory does, and its prompt shows that class's tools only."""
+    max_turns: int = Field(4, ge=1)
+    """kinds but single_turn: most policy turns per episode (each a call or the end)."""
+    max_total_tokens: int = Field(256, ge=1)
+    """kinds but single_turn: most tokens per episode after the prompt, policy and environment
+    replies together (each turn is also capped by rollout.max_new_tokens)."""
+    tool_timeout_s: float = Field(5.0, gt=0)
+    """kinds but single_turn: a tool call (an OpenEnv step) still running after this many seconds is
+    cut off; the policy reads an error (counted as tool_timeouts), the run goes on."""
 
     @field_validator("factory")
     @classmethod
@@ -89,9 +67,9 @@ class EnvConfig(Section):
 
     @model_validator(mode="after")
     def _keys_of_the_kind(self) -> EnvConfig:
-        for key, kinds in ENV_KEYS.items():
-            default = EnvConfig.model_fields[key].get_default(call_default_factory=True)
-            if self.kind not in kinds and getattr(self, key) != default:
+        for key in changed(self, ENV_KEYS):
+            kinds = ENV_KEYS[key]
+            if self.kind not in kinds:
                 names = [f"'{k}'" for k in kinds]
                 allowed = " or ".join([", ".join(names[:-1]), names[-1]] if names[1:] else names)
                 raise ValueError(

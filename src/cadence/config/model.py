@@ -10,27 +10,29 @@ from cadence.config.base import Section
 
 
 class LoraSettings(Section):
-    r: int = Field(16, ge=1, description="Rank of each adapter's update B @ A.")
-    alpha: float = Field(32.0, gt=0.0, description="Scale numerator: the update is alpha / r * BA.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
+    r: int = Field(16, ge=1)
+    """Rank of each adapter's update B @ A."""
+    alpha: float = Field(32.0, gt=0.0)
+    """Scale numerator: the update is alpha / r * BA."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input."""
     target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        min_length=1,
-        description="Names of the linear layers that get an adapter (module name suffixes, as "
-        "peft matches them); one that matches no module of the model is an error.",
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1
     )
-    save_merged: bool = Field(
-        False, description="Also write final/merged/: a whole model with the adapter merged in."
-    )
+    """Names of the linear layers that get an adapter (module name suffixes, as peft matches them);
+    one that matches no module of the model is an error."""
+    save_merged: bool = False
+    """Also write final/merged/: a whole model with the adapter merged in."""
 
 
 class ModelConfig(Section):
-    path: str = Field("runs/sft", description="Local Hugging Face causal-LM directory to train.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
-    device: str = Field("cpu", description="Torch device for learner and colocated engine.")
-    lora: LoraSettings | None = Field(
-        None,
-        description="Train a LoRA adapter (peft) instead of every weight: {r, alpha, dropout, "
-        "target_modules}. The reference is the same model with the adapter disabled; rollout "
-        "workers receive merged weights; final/ holds the adapter (save_merged: and the model).",
-    )
+    path: str = "runs/sft"
+    """Local Hugging Face causal-LM directory to train."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype."""
+    device: str = "cpu"
+    """Torch device for learner and colocated engine."""
+    lora: LoraSettings | None = None
+    """Train a LoRA adapter (peft) instead of every weight: {r, alpha, dropout, target_modules}. The
+    reference is the same model with the adapter disabled; rollout workers receive merged weights;
+    final/ holds the adapter (save_merged: and the model)."""

@@ -15,38 +15,25 @@ VLLM_RESERVED_ARGS = ("model", "tokenizer", "seed", "logprobs_mode", "max_num_se
 class VLLMConfig(Section):
     """`[rollout.vllm]`: each key is the vLLM engine argument of the same name."""
 
-    gpu_memory_utilization: float = Field(
-        0.9,
-        gt=0.0,
-        le=1.0,
-        description="Fraction of the GPU's memory vLLM takes (weights, activations, KV cache); "
-        "lower it when the learner shares the GPU (placement 'colocated'). On CPU the KV cache "
-        "is VLLM_CPU_KVCACHE_SPACE GiB instead (cadence's default: 1).",
-    )
-    enforce_eager: bool = Field(
-        False,
-        description="Run the model eagerly: no torch.compile, no CUDA graphs (a faster start, "
-        "slower decoding on a GPU).",
-    )
-    max_model_len: int = Field(
-        0, ge=0, description="Longest prompt + response vLLM plans for (0: the model's own)."
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights and activations in vLLM (auto: model.dtype)."
-    )
-    enable_prefix_caching: bool = Field(
-        True,
-        description="Reuse the keys and values of whole blocks of a prompt across its G samples "
-        "(emptied at each weight update).",
-    )
-    tensor_parallel_size: int = Field(
-        1, ge=1, description="GPUs one engine's model is split across (vLLM's own workers)."
-    )
-    engine_args: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Any other vLLM engine argument by its name (e.g. block_size, "
-        "kv_cache_dtype, swap_space), passed as given; checked when the engine starts.",
-    )
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    """Fraction of the GPU's memory vLLM takes (weights, activations, KV cache); lower it when the
+    learner shares the GPU (placement 'colocated'). On CPU the KV cache is VLLM_CPU_KVCACHE_SPACE
+    GiB instead (cadence's default: 1)."""
+    enforce_eager: bool = False
+    """Run the model eagerly: no torch.compile, no CUDA graphs (a faster start, slower decoding on a
+    GPU)."""
+    max_model_len: int = Field(0, ge=0)
+    """Longest prompt + response vLLM plans for (0: the model's own)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and activations in vLLM (auto: model.dtype)."""
+    enable_prefix_caching: bool = True
+    """Reuse the keys and values of whole blocks of a prompt across its G samples (emptied at each
+    weight update)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one engine's model is split across (vLLM's own workers)."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Any other vLLM engine argument by its name (e.g. block_size, kv_cache_dtype, swap_space),
+    passed as given; checked when the engine starts."""
 
     @model_validator(mode="after")
     def _no_owned_args(self) -> VLLMConfig:
@@ -64,44 +51,37 @@ class VLLMConfig(Section):
 
 
 class RolloutConfig(Section):
-    group_size: int = Field(8, ge=1, description="Responses sampled per prompt (G).")
-    max_new_tokens: int = Field(48, ge=1, description="Longest response, in tokens.")
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy).")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always).")
-    stop_token_ids: list[int] = Field(
-        default_factory=list,
-        description="Extra token ids a response stops at (kept in it). Always stopped at: the "
-        "tokenizer's EOS and the model's generation_config.json eos_token_id (an int or a list: "
-        "a chat model's end-of-turn token).",
-    )
-    max_prompt_tokens: int = Field(
-        0,
-        ge=0,
-        description="Longest prompt, in tokens; see on_long_prompt. 0: what the model takes "
-        "(its max_position_embeddings, or rollout.vllm.max_model_len where that is lower) minus "
-        "max_new_tokens, or with env.kind = 'tool' minus env.max_total_tokens (a whole "
-        "episode). A value over that is refused: prompt and response always fit.",
-    )
-    on_long_prompt: Literal["skip", "truncate"] = Field(
-        "skip",
-        description="A prompt over max_prompt_tokens: skip it (the next example takes its place) "
-        "or keep its last max_prompt_tokens tokens; counted as prompts_skipped / "
-        "prompts_truncated in metrics.jsonl.",
-    )
-    max_num_seqs: int = Field(
-        256, ge=1, description="Most sequences an engine decodes at once (its slots)."
-    )
-    engine: Literal["continuous", "static", "vllm"] = Field(
-        "continuous",
-        description="continuous: a finished sequence's slot is refilled at once and each group "
-        "leaves as soon as it is complete; static: batches that end with their slowest sequence; "
-        "vllm: vLLM's engine (paged attention, CUDA graphs, prefix cache, tensor parallelism), "
-        "set up by [rollout.vllm]; needs the 'vllm' extra (docs/engines.md).",
-    )
-    vllm: VLLMConfig = Field(
-        default_factory=lambda: VLLMConfig(), description="engine 'vllm': its settings."
-    )
+    group_size: int = Field(8, ge=1)
+    """Responses sampled per prompt (G)."""
+    max_new_tokens: int = Field(48, ge=1)
+    """Longest response, in tokens."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature (0 = greedy)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    stop: list[str] = Field(default_factory=list)
+    """Extra stop strings (EOS always)."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Extra token ids a response stops at (kept in it). Always stopped at: the tokenizer's EOS and
+    the model's generation_config.json eos_token_id (an int or a list: a chat model's end-of-turn
+    token)."""
+    max_prompt_tokens: int = Field(0, ge=0)
+    """Longest prompt, in tokens; see on_long_prompt. 0: what the model takes (its
+    max_position_embeddings, or rollout.vllm.max_model_len where that is lower) minus
+    max_new_tokens, or with env.kind = 'tool' minus env.max_total_tokens (a whole episode). A value
+    over that is refused: prompt and response always fit."""
+    on_long_prompt: Literal["skip", "truncate"] = "skip"
+    """A prompt over max_prompt_tokens: skip it (the next example takes its place) or keep its last
+    max_prompt_tokens tokens; counted as prompts_skipped / prompts_truncated in metrics.jsonl."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Most sequences an engine decodes at once (its slots)."""
+    engine: Literal["continuous", "static", "vllm"] = "continuous"
+    """continuous: a finished sequence's slot is refilled at once and each group leaves as soon as
+    it is complete; static: batches that end with their slowest sequence; vllm: vLLM's engine
+    (paged attention, CUDA graphs, prefix cache, tensor parallelism), set up by [rollout.vllm];
+    needs the 'vllm' extra (docs/engines.md)."""
+    vllm: VLLMConfig = Field(default_factory=lambda: VLLMConfig())
+    """engine 'vllm': its settings."""
 
     @model_validator(mode="after")
     def _vllm_keys_for_vllm(self) -> RolloutConfig:

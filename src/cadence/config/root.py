@@ -25,65 +25,42 @@ from cadence.config.train import (
 
 
 class Config(Section):
-    model: ModelConfig = Field(
-        default_factory=ModelConfig,
-        description="The policy: a local Hugging Face causal-LM directory, its dtype and device, "
-        "and optionally a LoRA adapter (docs/data.md).",
-    )
-    data: DataConfig = Field(
-        default_factory=DataConfig,
-        description="Where prompts and reference answers come from: the procedural arithmetic "
-        "task, GSM8K-format rows or any local data set; the held-out split; prompt rendering and "
-        "chat templates (docs/data.md).",
-    )
-    rollout: RolloutConfig = Field(
-        default_factory=RolloutConfig,
-        description="Sampling: group size, response length, temperature, stop strings, the "
-        "engine that generates (continuous, static, vLLM) and its settings (docs/engines.md).",
-    )
-    reward: RewardConfig = Field(
-        default_factory=RewardConfig,
-        description="Scoring: a rule function or a learned reward model, where it runs (inside "
-        "the rollout worker or as a separate stage), its error budget and timeout, and DAPO's "
-        "overlong shaping (docs/data.md, docs/pipeline.md).",
-    )
-    algo: AlgoConfig = Field(
-        default_factory=AlgoConfig,
-        description="The RL objective: advantage estimator, loss, clipping, KL to the "
-        "reference, aggregation, importance-sampling correction, online DPO "
-        "(docs/algorithms.md).",
-    )
-    train: TrainConfig = Field(
-        default_factory=TrainConfig,
-        description="The optimisation: iterations, prompts per iteration, AdamW, micro-batches, "
-        "held-out evaluation, threads, checkpoints and bad-step tolerance.",
-    )
-    learner: LearnerConfig = Field(
-        default_factory=LearnerConfig,
-        description="How the learner computes: shared-prompt packing, old-logprob reuse "
-        "(docs/learner.md), and learner ranks with FSDP2 or DDP (docs/ranks.md).",
-    )
-    pipeline: PipelineConfig = Field(
-        default_factory=PipelineConfig,
-        description="How generation and training overlap: the mode (sync, periodic, offpolicy), "
-        "placement, workers, dynamic sampling, worker recovery, and the Ray backend "
-        "(docs/pipeline.md, docs/ray.md).",
-    )
-    env: EnvConfig = Field(
-        default_factory=EnvConfig,
-        description="What a sample is: one response, a multi-turn episode with tools, or an "
-        "episode of a verifiers environment (docs/envs.md).",
-    )
-    sft: SFTConfig = Field(
-        default_factory=SFTConfig,
-        description="`cadence sft`: the supervised warm start on the task's reference "
-        "solutions, cached by its settings.",
-    )
-    metrics: MetricsConfig = Field(
-        default_factory=MetricsConfig,
-        description="Where figures go besides metrics.jsonl: the console, TensorBoard, "
-        "Weights & Biases, MLflow (docs/outputs.md).",
-    )
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy: a local Hugging Face causal-LM directory, its dtype and device, and optionally a
+    LoRA adapter (docs/data.md)."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Where prompts and reference answers come from: the procedural arithmetic task, GSM8K-format
+    rows or any local data set; the held-out split; prompt rendering and chat templates
+    (docs/data.md)."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Sampling: group size, response length, temperature, stop strings, the engine that generates
+    (continuous, static, vLLM) and its settings (docs/engines.md)."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Scoring: a rule function or a learned reward model, where it runs (inside the rollout worker
+    or as a separate stage), its error budget and timeout, and DAPO's overlong shaping
+    (docs/data.md, docs/pipeline.md)."""
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    """The RL objective: advantage estimator, loss, clipping, KL to the reference, aggregation,
+    importance-sampling correction, online DPO (docs/algorithms.md)."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """The optimisation: iterations, prompts per iteration, AdamW, micro-batches, held-out
+    evaluation, threads, checkpoints and bad-step tolerance."""
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    """How the learner computes: shared-prompt packing, old-logprob reuse (docs/learner.md), and
+    learner ranks with FSDP2 or DDP (docs/ranks.md)."""
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """How generation and training overlap: the mode (sync, periodic, offpolicy), placement,
+    workers, dynamic sampling, worker recovery, and the Ray backend (docs/pipeline.md,
+    docs/ray.md)."""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """What a sample is: one response, a multi-turn episode with tools, or an episode of a verifiers
+    environment (docs/envs.md)."""
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    """`cadence sft`: the supervised warm start on the task's reference solutions, cached by its
+    settings."""
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    """Where figures go besides metrics.jsonl: the console, TensorBoard, Weights & Biases, MLflow
+    (docs/outputs.md)."""
 
     @model_validator(mode="before")
     @classmethod

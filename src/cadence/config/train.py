@@ -7,207 +7,148 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from cadence.config.base import Section, check_custom_resources
+from cadence.config.base import Section, changed, check_custom_resources
 
 
 class TrainConfig(Section):
-    iterations: int = Field(100, ge=1, description="Optimizer rounds (policy versions).")
-    seed: int = Field(0, description="Run seed: data order, sampling seeds, initialisation.")
-    prompts_per_iteration: int = Field(16, ge=1, description="Groups per iteration.")
-    lr: float = Field(1e-4, gt=0.0, description="AdamW learning rate.")
-    warmup_iterations: int = Field(
-        0, ge=0, description="Linear learning-rate warm-up over the first N optimizer steps."
-    )
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
-    max_grad_norm: float = Field(1.0, gt=0.0, description="Gradient clipping norm.")
-    micro_batch_groups: int = Field(4, ge=1, description="Groups per forward/backward.")
-    mini_batches: int = Field(1, ge=1, description="Optimizer steps per iteration.")
-    eval_every: int = Field(0, ge=0, description="Held-out eval every N iterations (0: ends).")
-    threads: int = Field(0, ge=0, description="torch threads (0: all cores).")
-    checkpoint_every: int = Field(
-        10,
-        ge=0,
-        description="Write a checkpoint (policy, optimizer, RNG, data cursor, version, metrics "
-        "offset) every N iterations and at the end, for `cadence train --resume`; 0: never.",
-    )
-    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
-    max_bad_steps: int = Field(
-        3,
-        ge=0,
-        description="An optimizer step whose loss or gradient is NaN or inf is skipped (weights "
-        "untouched) and counted; one more than this many in a row stops the run.",
-    )
+    iterations: int = Field(100, ge=1)
+    """Optimizer rounds (policy versions)."""
+    seed: int = 0
+    """Run seed: data order, sampling seeds, initialisation."""
+    prompts_per_iteration: int = Field(16, ge=1)
+    """Groups per iteration."""
+    lr: float = Field(1e-4, gt=0.0)
+    """AdamW learning rate."""
+    warmup_iterations: int = Field(0, ge=0)
+    """Linear learning-rate warm-up over the first N optimizer steps."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    """Gradient clipping norm."""
+    micro_batch_groups: int = Field(4, ge=1)
+    """Groups per forward/backward."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per iteration."""
+    eval_every: int = Field(0, ge=0)
+    """Held-out eval every N iterations (0: ends)."""
+    threads: int = Field(0, ge=0)
+    """torch threads (0: all cores)."""
+    checkpoint_every: int = Field(10, ge=0)
+    """Write a checkpoint (policy, optimizer, RNG, data cursor, version, metrics offset) every N
+    iterations and at the end, for `cadence train --resume`; 0: never."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Newest checkpoints kept on disk."""
+    max_bad_steps: int = Field(3, ge=0)
+    """An optimizer step whose loss or gradient is NaN or inf is skipped (weights untouched) and
+    counted; one more than this many in a row stops the run."""
 
 
 class LearnerConfig(Section):
-    shared_prompt: bool = Field(
-        True,
-        description="Pack each group as [prompt | r1 | ... | rG] so its prompt is computed once "
-        "for its G responses (same log-probs as the unpacked forward).",
-    )
-    shared_prompt_impl: Literal["prefix", "dense"] = Field(
-        "prefix",
-        description="prefix: run the prompts once and let the responses attend to their keys and "
-        "values (no quadratic mask; the faster); dense: one row per group with a 4-D mask.",
-    )
-    reuse_old_logprobs: bool = Field(
-        True,
-        description="Before an iteration's first optimizer step the old policy is the policy: use "
-        "its log-probs detached instead of a pass of the frozen old copy.",
-    )
-    ranks: int = Field(
-        1,
-        ge=1,
-        description="Learner ranks: 1 trains in the driver process; N > 1 trains as N "
-        "torch.distributed processes (gloo on CPU, NCCL on GPUs; local processes, or Ray actors "
-        "with pipeline.backend = 'ray'), each on its share of every iteration's groups, one "
-        "optimizer step together: the same update as one rank.",
-    )
-    strategy: Literal["fsdp", "ddp"] = Field(
-        "fsdp",
-        description="With ranks > 1: fsdp (FSDP2: parameters, gradients and optimizer state "
-        "sharded per decoder layer across the ranks) or ddp (each rank a whole replica, "
-        "gradients all-reduced).",
-    )
-    threads_per_rank: int = Field(
-        0, ge=0, description="torch threads of each rank (0: the learner's threads / ranks)."
-    )
-    num_cpus_per_rank: float = Field(
-        1.0, ge=0, description="ray: CPUs each learner rank actor reserves (Ray's num_cpus)."
-    )
-    num_gpus_per_rank: float = Field(
-        0.0,
-        ge=0,
-        description="ray: GPUs each learner rank actor reserves; above 0 the ranks train on "
-        "their GPU over NCCL.",
-    )
-    ray_rank_resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="ray: custom Ray resources each learner rank actor reserves besides its CPUs "
-        "and GPUs, e.g. { trainer = 1 }: the ranks then run only on nodes started with that "
-        "resource (`ray start --resources='{\"trainer\": 2}'`). Names a node's role; {}: any "
-        "node with the CPUs and GPUs.",
-    )
+    shared_prompt: bool = True
+    """Pack each group as [prompt | r1 | ... | rG] so its prompt is computed once for its G
+    responses (same log-probs as the unpacked forward)."""
+    shared_prompt_impl: Literal["prefix", "dense"] = "prefix"
+    """prefix: run the prompts once and let the responses attend to their keys and values (no
+    quadratic mask; the faster); dense: one row per group with a 4-D mask."""
+    reuse_old_logprobs: bool = True
+    """Before an iteration's first optimizer step the old policy is the policy: use its log-probs
+    detached instead of a pass of the frozen old copy."""
+    ranks: int = Field(1, ge=1)
+    """Learner ranks: 1 trains in the driver process; N > 1 trains as N torch.distributed processes
+    (gloo on CPU, NCCL on GPUs; local processes, or Ray actors with pipeline.backend = 'ray'), each
+    on its share of every iteration's groups, one optimizer step together: the same update as one
+    rank."""
+    strategy: Literal["fsdp", "ddp"] = "fsdp"
+    """With ranks > 1: fsdp (FSDP2: parameters, gradients and optimizer state sharded per decoder
+    layer across the ranks) or ddp (each rank a whole replica, gradients all-reduced)."""
+    threads_per_rank: int = Field(0, ge=0)
+    """torch threads of each rank (0: the learner's threads / ranks)."""
+    num_cpus_per_rank: float = Field(1.0, ge=0)
+    """ray: CPUs each learner rank actor reserves (Ray's num_cpus)."""
+    num_gpus_per_rank: float = Field(0.0, ge=0)
+    """ray: GPUs each learner rank actor reserves; above 0 the ranks train on their GPU over NCCL.
+    """
+    ray_rank_resources: dict[str, float] = Field(default_factory=dict)
+    """ray: custom Ray resources each learner rank actor reserves besides its CPUs and GPUs, e.g. {
+    trainer = 1 }: the ranks then run only on nodes started with that resource (`ray start
+    --resources='{"trainer": 2}'`). Names a node's role; {}: any node with the CPUs and GPUs."""
 
 
 class PipelineConfig(Section):
-    mode: Literal["sync", "periodic", "offpolicy"] = Field(
-        "sync",
-        description="sync: train once the whole batch is generated; periodic: train on groups as "
-        "they finish, weights synced once per iteration (on-policy, same update as sync); "
-        "offpolicy: generation runs up to max_staleness policy versions ahead of the learner.",
-    )
-    max_staleness: int = Field(
-        1,
-        ge=0,
-        description="offpolicy: most versions a trained group may lag the learner (admission "
-        "control: no prompt starts that could exceed it). 1 = one-step off-policy; 0 = periodic.",
-    )
-    partial_rollout: bool = Field(
-        False,
-        description="offpolicy: workers load each new version between two decode steps instead "
-        "of waiting until their sequences finish; a sequence in flight goes on under the new "
-        "weights and each token records the version that sampled it (token_versions). "
-        "max_staleness then bounds a trajectory's oldest token. Continuous or vLLM engine "
-        "(vLLM: keep only), single-turn only (docs/partial-rollouts.md).",
-    )
-    partial_rollout_kv: Literal["keep", "recompute"] = Field(
-        "keep",
-        description="partial_rollout: what a sequence in flight keeps when new weights arrive: "
-        "keep (the keys and values computed under the old weights, PipelineRL) or recompute "
-        "(prefill prompt and tokens so far again under the new weights, AReaL and verl; "
-        "continuous engine only).",
-    )
-    staleness_strategy: Literal["drop", "wait"] = Field(
-        "drop",
-        description="A trajectory whose oldest token is more than max_staleness versions behind: "
-        "drop (the learner drops it and counts it in dropped_groups, as without partial "
-        "rollouts) or wait (partial_rollout: a worker defers new weights while loading them "
-        "would leave such a trajectory in flight; verl's max_off_policy_strategy).",
-    )
-    placement: Literal["colocated", "separate"] = Field(
-        "colocated",
-        description="colocated: generate with the learner's own weights in its thread; "
-        "separate: num_workers inference worker processes.",
-    )
-    num_workers: int = Field(1, ge=1, description="Inference worker processes (separate).")
-    threads_per_worker: int = Field(1, ge=1, description="torch threads in each worker.")
-    learner_threads: int = Field(
-        0, ge=0, description="torch threads of the learner when separate (0: cores - workers)."
-    )
-    prompts_per_task: int = Field(
-        4, ge=1, description="Prompts sent to a worker as one task (the unit of assignment)."
-    )
-    tasks_in_flight: int = Field(
-        2, ge=1, description="Tasks queued at each worker at once (bounded concurrency)."
-    )
-    queue_size: int = Field(
-        0,
-        ge=0,
-        description="periodic: most groups waiting in the sample store for the learner; while "
-        "that many wait, the producer hands out no new task (0: no bound).",
-    )
-    filter_groups: Literal["none", "zero_variance"] = Field(
-        "none",
-        description="Dynamic sampling (DAPO): zero_variance trains no group whose rewards are all "
-        "equal and draws one more prompt for each such group, until the iteration has "
-        "train.prompts_per_iteration informative groups (or max_oversample extra prompts were "
-        "drawn; then the earliest filtered groups fill the iteration). Periodic still equals "
-        "sync. Counted as filtered_groups and oversampled_prompts in metrics.jsonl.",
-    )
-    max_oversample: int = Field(
-        128,
-        ge=0,
-        description="filter_groups: most prompts drawn beyond train.prompts_per_iteration in one "
-        "iteration.",
-    )
-    worker_timeout_s: float = Field(
-        300.0, gt=0, description="Longest wait for a worker to start or acknowledge weights."
-    )
-    max_worker_restarts: int = Field(
-        3,
-        ge=0,
-        description="A worker process that dies is replaced (it loads the current weights and is "
-        "sent again the prompts it had not returned) up to this many times per worker slot; one "
-        "more death stops the run.",
-    )
-    backend: Literal["local", "ray"] = Field(
-        "local",
-        description="Where separate workers run: local (spawned processes on this machine, "
-        "shared-memory weights) or ray (Ray actors, on this machine or a cluster; needs the "
-        "'ray' extra).",
-    )
-    ray_address: str | None = Field(
-        None,
-        description="ray: address of a running cluster to join ('auto', or 'HEAD_IP:6379'); "
-        "unset: start a Ray on this machine for the run, listening on loopback only.",
-    )
-    ray_num_cpus: int = Field(
-        0, ge=0, description="ray: CPUs the Ray started for the run offers (0: all cores)."
-    )
-    num_cpus_per_worker: float = Field(
-        1.0, ge=0, description="ray: CPUs each worker actor reserves (Ray's num_cpus)."
-    )
-    num_gpus_per_worker: float = Field(
-        0.0,
-        ge=0,
-        description="ray: GPUs each worker actor reserves (Ray's num_gpus); above 0 the worker "
-        "generates on its GPU.",
-    )
-    ray_worker_resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="ray: custom Ray resources each worker actor reserves besides its CPUs and "
-        "GPUs, e.g. { rollout = 1 }: workers then run only on nodes started with that resource "
-        "(`ray start --resources='{\"rollout\": 4}'`), and a worker that dies is replaced on "
-        "such a node; none left alive stops the run naming the resource. {}: any node with the "
-        "CPUs and GPUs.",
-    )
-    weight_sync: Literal["object_store", "broadcast"] = Field(
-        "object_store",
-        description="ray: how a new version reaches the workers: object_store (put once into "
-        "Ray's object store, every worker reads the same object) or broadcast (torch.distributed "
-        "broadcast from the learner: NCCL when model.device is a GPU, gloo otherwise).",
-    )
+    mode: Literal["sync", "periodic", "offpolicy"] = "sync"
+    """sync: train once the whole batch is generated; periodic: train on groups as they finish,
+    weights synced once per iteration (on-policy, same update as sync); offpolicy: generation
+    runs up to max_staleness policy versions ahead of the learner."""
+    max_staleness: int = Field(1, ge=0)
+    """offpolicy: most versions a trained group may lag the learner (admission control: no prompt
+    starts that could exceed it). 1 = one-step off-policy; 0 = periodic."""
+    partial_rollout: bool = False
+    """offpolicy: workers load each new version between two decode steps instead of waiting until
+    their sequences finish; a sequence in flight goes on under the new weights and each token
+    records the version that sampled it (token_versions). max_staleness then bounds a
+    trajectory's oldest token. Continuous or vLLM engine (vLLM: keep only), single-turn only
+    (docs/partial-rollouts.md)."""
+    partial_rollout_kv: Literal["keep", "recompute"] = "keep"
+    """partial_rollout: what a sequence in flight keeps when new weights arrive: keep (the keys and
+    values computed under the old weights, PipelineRL) or recompute (prefill prompt and tokens so
+    far again under the new weights, AReaL and verl; continuous engine only)."""
+    staleness_strategy: Literal["drop", "wait"] = "drop"
+    """A trajectory whose oldest token is more than max_staleness versions behind: drop (the learner
+    drops it and counts it in dropped_groups, as without partial rollouts) or wait (partial_rollout:
+    a worker defers new weights while loading them would leave such a trajectory in flight; verl's
+    max_off_policy_strategy)."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """colocated: generate with the learner's own weights in its thread; separate: num_workers
+    inference worker processes."""
+    num_workers: int = Field(1, ge=1)
+    """Inference worker processes (separate)."""
+    threads_per_worker: int = Field(1, ge=1)
+    """torch threads in each worker."""
+    learner_threads: int = Field(0, ge=0)
+    """torch threads of the learner when separate (0: cores - workers)."""
+    prompts_per_task: int = Field(4, ge=1)
+    """Prompts sent to a worker as one task (the unit of assignment)."""
+    tasks_in_flight: int = Field(2, ge=1)
+    """Tasks queued at each worker at once (bounded concurrency)."""
+    queue_size: int = Field(0, ge=0)
+    """periodic: most groups waiting in the sample store for the learner; while that many wait, the
+    producer hands out no new task (0: no bound)."""
+    filter_groups: Literal["none", "zero_variance"] = "none"
+    """Dynamic sampling (DAPO): zero_variance trains no group whose rewards are all equal and draws
+    one more prompt for each such group, until the iteration has train.prompts_per_iteration
+    informative groups (or max_oversample extra prompts were drawn; then the earliest filtered
+    groups fill the iteration). Periodic still equals sync. Counted as filtered_groups and
+    oversampled_prompts in metrics.jsonl."""
+    max_oversample: int = Field(128, ge=0)
+    """filter_groups: most prompts drawn beyond train.prompts_per_iteration in one iteration."""
+    worker_timeout_s: float = Field(300.0, gt=0)
+    """Longest wait for a worker to start or acknowledge weights."""
+    max_worker_restarts: int = Field(3, ge=0)
+    """A worker process that dies is replaced (it loads the current weights and is sent again the
+    prompts it had not returned) up to this many times per worker slot; one more death stops the
+    run."""
+    backend: Literal["local", "ray"] = "local"
+    """Where separate workers run: local (spawned processes on this machine, shared-memory weights)
+    or ray (Ray actors, on this machine or a cluster; needs the 'ray' extra)."""
+    ray_address: str | None = None
+    """ray: address of a running cluster to join ('auto', or 'HEAD_IP:6379'); unset: start a Ray on
+    this machine for the run, listening on loopback only."""
+    ray_num_cpus: int = Field(0, ge=0)
+    """ray: CPUs the Ray started for the run offers (0: all cores)."""
+    num_cpus_per_worker: float = Field(1.0, ge=0)
+    """ray: CPUs each worker actor reserves (Ray's num_cpus)."""
+    num_gpus_per_worker: float = Field(0.0, ge=0)
+    """ray: GPUs each worker actor reserves (Ray's num_gpus); above 0 the worker generates on its
+    GPU."""
+    ray_worker_resources: dict[str, float] = Field(default_factory=dict)
+    """ray: custom Ray resources each worker actor reserves besides its CPUs and GPUs, e.g. {
+    rollout = 1 }: workers then run only on nodes started with that resource (`ray start
+    --resources='{"rollout": 4}'`), and a worker that dies is replaced on such a node; none left
+    alive stops the run naming the resource. {}: any node with the CPUs and GPUs."""
+    weight_sync: Literal["object_store", "broadcast"] = "object_store"
+    """ray: how a new version reaches the workers: object_store (put once into Ray's object store,
+    every worker reads the same object) or broadcast (torch.distributed broadcast from the learner:
+    NCCL when model.device is a GPU, gloo otherwise)."""
 
     @model_validator(mode="after")
     def _periodic_needs_workers(self) -> PipelineConfig:
@@ -228,13 +169,11 @@ class PipelineConfig(Section):
                 "pipeline.placement = 'separate'"
             )
         if self.backend == "local":
-            for key in RAY_ONLY:
-                default = PipelineConfig.model_fields[key].get_default(call_default_factory=True)
-                if getattr(self, key) != default:
-                    raise ValueError(
-                        f"pipeline.{key} applies to pipeline.backend = 'ray' only: set the "
-                        f"backend or leave pipeline.{key} out"
-                    )
+            for key in changed(self, RAY_ONLY):
+                raise ValueError(
+                    f"pipeline.{key} applies to pipeline.backend = 'ray' only: set the "
+                    f"backend or leave pipeline.{key} out"
+                )
         check_custom_resources("pipeline.ray_worker_resources", self.ray_worker_resources)
         if self.ray_address and self.ray_num_cpus:
             raise ValueError(
@@ -277,26 +216,30 @@ RAY_ONLY = (
 
 
 class SFTConfig(Section):
-    base: str = Field("runs/base", description="Model directory SFT starts from.")
-    out: str = Field("runs/sft", description="Where the SFT model is written (cached).")
-    steps: int = Field(300, ge=1, description="Optimizer steps.")
-    batch_size: int = Field(32, ge=1, description="Examples per step.")
-    lr: float = Field(2e-3, gt=0.0, description="Peak learning rate (cosine decay).")
-    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
+    base: str = "runs/base"
+    """Model directory SFT starts from."""
+    out: str = "runs/sft"
+    """Where the SFT model is written (cached)."""
+    steps: int = Field(300, ge=1)
+    """Optimizer steps."""
+    batch_size: int = Field(32, ge=1)
+    """Examples per step."""
+    lr: float = Field(2e-3, gt=0.0)
+    """Peak learning rate (cosine decay)."""
+    warmup_steps: int = Field(20, ge=0)
+    """Linear warm-up steps."""
 
 
 class MetricsConfig(Section):
-    tensorboard: bool = Field(False, description="Also write TensorBoard event files.")
-    progress: bool = Field(True, description="Live progress display on the console.")
-    wandb: bool = Field(
-        False,
-        description="Log to Weights & Biases (the 'wandb' extra): the figures of metrics.jsonl, "
-        "the config, the summary and timeline.png, under OUT/wandb; WANDB_MODE=offline needs no "
-        "network, WANDB_PROJECT names the project (default 'cadence').",
-    )
-    mlflow: bool = Field(
-        False,
-        description="Log to MLflow (the 'mlflow' extra), the same figures and files: to "
-        "MLFLOW_TRACKING_URI if set, else a local file store in ./mlruns; "
-        "MLFLOW_EXPERIMENT_NAME names the experiment (default 'cadence').",
-    )
+    tensorboard: bool = False
+    """Also write TensorBoard event files."""
+    progress: bool = True
+    """Live progress display on the console."""
+    wandb: bool = False
+    """Log to Weights & Biases (the 'wandb' extra): the figures of metrics.jsonl, the config, the
+    summary and timeline.png, under OUT/wandb; WANDB_MODE=offline needs no network, WANDB_PROJECT
+    names the project (default 'cadence')."""
+    mlflow: bool = False
+    """Log to MLflow (the 'mlflow' extra), the same figures and files: to MLFLOW_TRACKING_URI if
+    set, else a local file store in ./mlruns; MLFLOW_EXPERIMENT_NAME names the experiment
+    (default 'cadence')."""

@@ -10,7 +10,7 @@ import hashlib
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import count
+from itertools import count, islice
 from typing import Any, Protocol, runtime_checkable
 
 from cadence.types import Prompt
@@ -129,3 +129,24 @@ def shuffled_epochs(rows: Sequence[Example], seed: int, start: int = 0) -> Itera
         for i in order[pos:]:
             yield rows[i]
         pos = 0
+
+
+class ListedTask:
+    """What a task whose examples are lists in memory (a data set's rows, a reasoning-gym mix)
+    answers from `_train`, `_heldout` and `seed`: the held-out set, an endless training stream
+    shuffled per epoch, and texts for a tokenizer. Its subclasses only fill the lists."""
+
+    _train: list[Example]
+    _heldout: list[Example]
+    seed: int
+
+    def heldout(self) -> list[Example]:
+        return list(self._heldout)
+
+    def train_iter(self, start: int = 0) -> Iterator[Example]:
+        """Infinite training stream; `train_iter(k)` resumes after k examples were consumed."""
+        return shuffled_epochs(self._train, self.seed, start)
+
+    def corpus(self, n: int) -> list[str]:
+        """`n` prompt + answer texts from the training stream, for training a tokenizer."""
+        return [make_prompt(e.question) + e.answer for e in islice(self.train_iter(), n)]

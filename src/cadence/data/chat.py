@@ -1,16 +1,7 @@
 """How an example's prompt becomes the text the model continues: a plain template, or the
 tokenizer's chat template (`data.chat_template`).
 
-A renderer is a function `Example -> str` built once per run and used by every place a prompt is
-made (training prompts, held-out prompts, SFT, `cadence eval`), so they all see the same text.
-`ChatRender` sends `[system_prompt?, user]` (or a conversational example's own messages, with
-the system prompt put first when they have none) through `tokenizer.apply_chat_template(...,
-add_generation_prompt=True)`, so the text ends where the assistant's turn begins. The rendered
-text keeps the template's special tokens as text; it is tokenized with
-`add_special_tokens=False` everywhere, so a template's own BOS is not doubled.
-
-The tokenizer is passed in (this module imports no model library); a template that fails to
-render, or a tokenizer without one, is a `DataError` that names the fix.
+The design in full: docs/internals.md, `cadence/data/chat.py`.
 """
 
 from __future__ import annotations

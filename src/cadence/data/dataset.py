@@ -1,17 +1,9 @@
 """Local data sets through the `datasets` library, mapped to examples by column name.
 
-`read_rows` reads a JSON-lines, JSON, parquet or CSV file, a `save_to_disk` directory, or a
-folder of data files whose names give the splits (`train-*.parquet`, `test.jsonl`, as a hub
-download leaves them), and returns the rows of one split with a way to name each row's place
-("path:LINE" for JSON lines and CSV, "path [split] row N" otherwise). A JSON-lines file the
-library cannot read is scanned line by line to name the first bad line, or, with
-`on_bad_line="skip"`, to keep the good ones. `to_examples` maps rows to `Example`s through
-`prompt_field` (a string, or a conversation: a list of `{"role", "content"}` messages in OpenAI
-format ending with the user's turn) and `answer_field`; each example keeps its whole row, every
-column by name, as its `metadata` (a reward or an environment class's `reset` reads it).
-
 Nothing here touches the network: the hub is kept offline, and a path that does not exist but
 looks like a hub id is answered with how to download it first. JSON is parsed, never unpickled.
+
+The design in full: docs/internals.md, `cadence/data/dataset.py`.
 """
 
 from __future__ import annotations
@@ -22,13 +14,17 @@ import os
 import random
 import re
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from cadence.data.base import DataError, Example, make_prompt, shuffled_epochs, stable_seed
+from cadence.data.base import (
+    DataError,
+    Example,
+    ListedTask,
+    stable_seed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +274,7 @@ def _kind(value: Any) -> str:
     return "nothing" if value is None else type(value).__name__
 
 
-class DatasetTask:
+class DatasetTask(ListedTask):
     """A task over a local data set, with the same interface as `ArithmeticTask`.
 
     Held-out examples come from `heldout_split` (of `path`, or of `heldout_path`), from
@@ -356,14 +352,3 @@ class DatasetTask:
         chosen = set(held)
         train = [e for i, e in enumerate(examples) if i not in chosen]
         return train, [examples[i] for i in held[:num_heldout]]
-
-    def heldout(self) -> list[Example]:
-        return list(self._heldout)
-
-    def train_iter(self, start: int = 0) -> Iterator[Example]:
-        """Infinite training stream; `train_iter(k)` resumes after k examples were consumed."""
-        return shuffled_epochs(self._train, self.seed, start)
-
-    def corpus(self, n: int) -> list[str]:
-        """`n` prompt + answer texts from the training stream, for training a tokenizer."""
-        return [make_prompt(e.question) + e.answer for e in islice(self.train_iter(), n)]

@@ -8,29 +8,23 @@ rows shifted by the difference (seeds 1 and 2, as its own TRL example draws trai
 share all rows but one). Any training row whose question is held out is dropped all the same, so
 held-out questions never reach training, whatever the seeds.
 
-Each row becomes an `Example` labelled with its dataset (`metadata["source_dataset"]`) that keeps
-the row's `metadata`, which the `reasoning_gym` reward hands to the dataset's own `score_answer`
-(rewards/reasoning_gym.py). A row without a single oracle answer (its `answer` is None: the
-dataset scores from its metadata) gets the reference "". A `developer_prompt` (a name in
-`reasoning_gym.utils.SYSTEM_PROMPTS`, or the text itself) becomes every example's system
-message, so, like `data.system_prompt`, it needs a chat template.
-
-reasoning-gym takes 1-5 s to import (sympy, matplotlib): it is imported inside functions, only
-when this task is built. An unknown dataset, a config key its dataset does not have, or a config
-its dataset refuses is a `DataError` naming the key, raised when the task is built. Nothing here
-reads files or the network (reasoning-gym's own data ships in its wheel).
+The design in full: docs/internals.md, `cadence/data/reasoning_gym.py`.
 """
 
 from __future__ import annotations
 
 import difflib
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from itertools import islice
 from typing import Any
 
-from cadence.data.base import DataError, Example, make_prompt, shuffled_epochs, stable_seed
+from cadence.data.base import (
+    DataError,
+    Example,
+    ListedTask,
+    stable_seed,
+)
 
 INSTALL_HINT = "pip install 'cadence[reasoning-gym]'"
 KEY = "data.reasoning_gym.datasets"
@@ -145,7 +139,7 @@ def to_example(row: dict[str, Any], system: str | None = None) -> Example:
     )
 
 
-class ReasoningGymTask:
+class ReasoningGymTask(ListedTask):
     """A weighted mix of reasoning-gym datasets, with the same interface as `ArithmeticTask`.
 
     `size` training rows are drawn with `seed`; `train_iter` visits each once per epoch in an
@@ -187,14 +181,3 @@ class ReasoningGymTask:
                 "configs"
             )
         self._heldout = list(held.values())
-
-    def heldout(self) -> list[Example]:
-        return list(self._heldout)
-
-    def train_iter(self, start: int = 0) -> Iterator[Example]:
-        """Infinite training stream; `train_iter(k)` resumes after k examples were consumed."""
-        return shuffled_epochs(self._train, self.seed, start)
-
-    def corpus(self, n: int) -> list[str]:
-        """`n` prompt + answer texts from the training stream, for training a tokenizer."""
-        return [make_prompt(e.question) + e.answer for e in islice(self.train_iter(), n)]

@@ -1,30 +1,11 @@
 """Continuous batching: a finished sequence's slot is refilled at once, groups leave as they finish.
 
-The engine keeps up to `max_num_seqs` sequences in preallocated slots: row s of one K/V tensor per
-layer, shape (S, H, L, D). Each `step()`:
-1. admits waiting samples into free slots. A prompt is prefilled once (with any other new prompts,
-   left-padded) and its keys and values are copied into the slots of its G samples; a request
-   whose samples do not all fit keeps its prefix until they do, so it is never prefilled twice;
-2. samples one token for every active slot from that slot's next-token logits;
-3. retires finished samples (EOS, stop string, length) and frees their slots, handing out a
-   request's group the moment its last sample finishes;
-4. runs one forward over the remaining active slots, each at its own position, through the
-   model's own forward (a 4-D additive mask over the slot's filled length, explicit position ids,
-   and a Cache whose `update` writes each row at its own position).
-
 Active slots are kept as the prefix [0, n) of the slot tensors (a retired slot is filled by moving
 the last active one into it), so a step reads a view, never a gather. Sampling is per sample as in
 engine/base.py (seed and decoding step), so a sample's tokens do not depend on its slot, on when it
 was admitted, or on its batch companions.
 
-Versions. Every token is stamped with `version` as it was when the logits it was sampled from were
-computed (`Completion.token_versions`). The weights change while the engine is busy only once
-`take_weights_in_flight` allowed it (partial rollouts), between two steps, followed by
-`weights_changed`: the logits already computed stay those of the old weights, so each sequence's
-next token still carries the old version, and the ones after it the new. With `recompute` every
-sequence in flight is prefilled again (prompt and tokens so far) under the new weights first, and
-prompts prefilled but not yet admitted are dropped to be prefilled again; without it the keys and
-values of the old weights are kept (PipelineRL).
+The design in full: docs/internals.md, `cadence/engine/continuous.py`.
 """
 
 from __future__ import annotations

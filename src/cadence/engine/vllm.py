@@ -1,33 +1,12 @@
 """vLLM as a rollout engine: the StreamingEngine contract over vLLM's own engine (V1, in-process).
 
-- **Seeds.** Each sample is its own vLLM request (n=1) carrying the sample's derived seed, so
-  sample j of prompt i in iteration k is drawn from derive_seed(run, k, i, j) as with cadence's
-  engines (vLLM's n>1 would seed sample j with seed + j). The G requests of a prompt share its
-  keys and values through vLLM's prefix cache (whole blocks of the prompt).
-- **Behaviour log-probs.** Each sampled token's log softmax(logits / temperature), whatever
-  top_p: what cadence's own engines record and the learner recomputes. vLLM's own records are
-  either before temperature or, after top-p, renormalised over the nucleus (log(nucleus mass)
-  above the learner's value), so the engine has each worker's sampler take them after
-  temperature and before top-p (engine/vllm_logprobs.py), and checks it at start-up.
-- **Streaming.** `add` queues requests while others decode; `step` runs one vLLM engine step
-  and hands out each group the moment its last sample finishes. vLLM schedules its own batch
-  (`max_num_seqs` sequences at most); `occupancy` records the sequences it holds after each step.
-- **Weights.** `load_weights` puts new tensors into the running model through vLLM's in-place
-  reload (`reload_weights` on its worker: the layerwise path vLLM keeps for trainers), re-packs a
-  tied output layer (on CPU vLLM packs it once at load and a reload leaves it stale), empties the
-  prefix cache (its keys and values came from the old weights) and labels the weights with the
-  version. Only while idle: a request never sees two versions, and every finished sample is
-  checked against the version vLLM says generated each of its tokens. With partial rollouts
-  (`take_weights_in_flight`, keep only) new weights also arrive between two engine steps with
-  requests running: they keep their keys and values (and the prefix cache keeps its blocks, which
-  vLLM cannot empty while they are in use), each token after the update is sampled under the new
-  weights, and every token's version comes from vLLM's own record (`token_versions`).
-
 The engine runs in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so new weights reach
 it as tensors in memory, not pickled through a pipe. vLLM is imported here only, inside
 functions: `import cadence` never imports it. Building the engine leaves the process as it found
 it: torch's thread count and `torch.set_num_threads` (vLLM's CPU worker replaces it), and the
 global RNG states (vLLM seeds them).
+
+The design in full: docs/internals.md, `cadence/engine/vllm.py`.
 """
 
 from __future__ import annotations

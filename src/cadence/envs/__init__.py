@@ -2,15 +2,7 @@
 environment with its call syntax and the `calculator` tool, environment classes on TRL's
 contract, OpenEnv environments in-process, and deterministic fakes.
 
-`env.kind = "single_turn"` (the default) is one prompt and one response, as ever; `"tool"` lets
-the policy call tools in cadence's syntax over up to `env.max_turns` turns; `"class"` and
-`"openenv"` run environment classes (TRL's `environment_factory` contract, OpenEnv's
-`Environment`) whose calls and replies are written in the model's own chat template;
-`"verifiers"` runs a verifiers environment (`env.factory`), whose adapter lives in
-`cadence.envs.verifiers` (imported on use). The rollout worker runs the episodes
-(rollout/episodes.py, rollout/verifiers.py); this package only decides what the environment
-says. Heavy imports (transformers' schema maker, openenv-core, verifiers) wait for the kinds that
-use them.
+The design in full: docs/internals.md, `cadence/envs/__init__.py`.
 """
 
 from cadence.envs.base import KINDS, Budget, Environment, EnvReply, Episode

@@ -8,20 +8,7 @@ the episode, holds the tokens and enforces the `Budget` (turns, and tokens after
 However the episode ended, the worker then calls its `finish` once: the episode lets go of what
 it holds and may give its reward there (an environment class's `get_reward`).
 
-Where a turn ends depends on the environment's format. With cadence's call syntax a call ends at
-a stop string and EOS marks the final answer (`eos_ends_episode`). With a chat template every
-assistant message ends at the end-of-turn token, so EOS ends the turn and the episode reads it;
-a turn cut off before it (its length, a stop string) ends the episode. An episode that renders
-its own prompt (the tools' schemas in a chat template, the text its `reset` returned) says so in
-`prompt_text`; the worker then feeds that instead of the task's prompt.
-
-`Episode.step` may block (a tool call); the worker runs it off its engine's thread, so other
-episodes decode meanwhile. It must not raise for anything the policy wrote: what the policy got
-wrong is a reply the policy reads. It must return within a bounded time (a tool environment cuts
-its tools off at their timeout).
-
-This module must not import torch, an engine or a process: it is the seam, not the machinery
-(that is `rollout/episodes.py`).
+The design in full: docs/internals.md, `cadence/envs/base.py`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """The `calculator` tool: arithmetic evaluated by parsing, never by `eval`.
 
-The argument may hold only digits, '.', operators, parentheses and spaces; it is parsed with
-Python's `ast` in expression mode and walked by hand: only number literals, + - * / // % ** and
-unary signs (with parentheses) are accepted, and sizes are bounded (the text, the number of
-nodes, every intermediate value, exponents), so no model output can run code or make the
-process compute for long. Anything else raises `CalculatorError` with a message
-the policy reads.
-
-`Calculator` is the same tool as an environment class (envs/classes.py, TRL's contract):
-`env.kind = "class"` with `env.factory = "cadence.envs.calculator:Calculator"`.
-
-`demonstration` turns a worked answer ("123 + 456 = 579\\n#### 579") into the calls and results
-a warm start teaches: segments of text, each marked trained (the policy's) or not (the tool's).
+The design in full: docs/internals.md, `cadence/envs/calculator.py`.
 """
 
 from __future__ import annotations

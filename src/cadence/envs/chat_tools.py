@@ -1,27 +1,11 @@
 """Tool calls in the model's own chat format: the prompt that shows the tools, the calls read from
 the policy's turn, and the replies written in the template's tool role.
 
-`ChatFormat` wraps a tokenizer's chat template (or a Jinja template given in its place,
-`data.chat_template`). It is built before a run starts and refuses, with the reason
-(`ChatToolsError`), a template that cannot carry a tool conversation:
-- no template, or no EOS token (an assistant message must end at one: it ends the policy's turn);
-- `tools=` leaves no trace in the prompt (the model would never see its tools);
-- a call and its reply do not both survive rendering (TRL's `supports_tool_calling` test);
-- an assistant message renders differently once a reply follows it (not prefix-preserving);
-- calls written in a format other than Hermes' (below).
-
-The parts, as TRL's GRPOTrainer makes them for its `environment_factory`:
-- the prompt: `apply_chat_template(messages, tools=schemas, add_generation_prompt=True)`;
-- a call: Hermes' format, which Qwen 2.5 and 3 and many others write,
-  `<tool_call>{"name": NAME, "arguments": {...}}</tool_call>`, any number in one turn; the format
-  is checked against the template itself (its own rendering of a call must parse back);
-- a reply: the text the template writes after an assistant message when tool messages (or, for
-  a text environment, a user message) follow it, up to the opening of the next assistant
-  message: rendered after a dummy conversation cut at its last EOS (TRL's `_get_tool_suffix_ids`).
-
 Text only: the rollout worker tokenises what this renders, once, and appends it untrained; the
 policy's own tokens are never re-rendered. Imports no model library (the template engine is
 reached through the tokenizer).
+
+The design in full: docs/internals.md, `cadence/envs/chat_tools.py`.
 """
 
 from __future__ import annotations

@@ -1,38 +1,12 @@
 """Environment classes (`env.kind = "class"`): TRL's `environment_factory` contract, so that an
 environment written for TRL's GRPOTrainer runs here unchanged.
 
-A factory is a class loaded by import path, `env.factory = "module:Class"`; `env.factories =
-{name = "module:Class"}` names several, and each row picks one by its `environment` field. The
-contract, as TRL 1.16 reads it:
-- `reset(**row) -> str | None`, once per episode before its first turn; a string is appended to
-  the prompt's last message (as TRL appends it to the last user message).
-- every other public method (a function on the class whose name does not start with "_") is a
-  tool. It needs type hints and a Google-style docstring with an `Args:` entry per argument,
-  from which transformers' `get_json_schema` makes the schema the prompt shows; it is called
-  with the call's arguments as keywords, and `str(value)` is the reply (an error replies
-  `{'error': message}`, as TRL does). An `async def` tool is run to completion in its call's
-  thread.
-- `get_reward() -> float`, optional (`async def` too): the episode's reward, read once when it
-  ends; without it the run's reward function scores the transcript.
-An instance is made with no arguments and reused, as TRL pools them ("construct once, reset
-often"): an episode takes an idle instance of its class, or makes one, and hands it back at its
-end. Tool calls and replies are written in the model's chat format (envs/chat_tools.py); a turn
-without a call is the policy's final answer and ends the episode.
-
-The row `reset` gets: `prompt`, the conversation as chat messages (`[{"role", "content"}]`),
-`answer`, the reference answer, then the row's own fields, which win over those two: every
-column of a `data.task = "dataset"` row (by the file's names, as TRL passes them), a
-reasoning-gym row's metadata. With `env.factories`, not `environment` (TRL leaves it out too).
-
-Every episode of a row must render the same prompt (a group compares G answers to one prompt):
-a `reset` whose text differs between them stops the run, naming the row. `reset` runs on the
-worker's own thread, before the row's first turn: a slow one holds up decoding.
+The design in full: docs/internals.md, `cadence/envs/classes.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import numbers
@@ -44,6 +18,7 @@ from typing import Any
 from cadence.envs.base import Budget, EnvReply
 from cadence.envs.chat_tools import ChatFormat, MalformedToolCall, ToolCall, parse_calls
 from cadence.envs.tools import ToolThreads
+from cadence.imports import SpecError, load_attribute
 from cadence.types import Prompt
 
 NOT_TOOLS = ("reset", "get_reward")
@@ -66,18 +41,10 @@ class Factory:
 
 def import_class(spec: str, what: str) -> type:
     """The class at "module:Class"; `what` names the config key in messages."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise FactoryError(f"{what} {spec!r} must be 'package.module:Class'")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise FactoryError(
-            f"{what} {spec!r}: cannot import module {module_name!r}: {e} (is it on PYTHONPATH?)"
-        ) from None
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise FactoryError(f"{what} {spec!r}: module {module_name!r} has no {attr!r}")
+        cls = load_attribute(spec, what, "'package.module:Class'")
+    except SpecError as e:
+        raise FactoryError(str(e)) from e.__cause__
     if not isinstance(cls, type):
         raise FactoryError(
             f"{what} {spec!r} is a {type(cls).__name__}, not a class: give the environment's "

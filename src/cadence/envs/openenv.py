@@ -2,30 +2,7 @@
 `env.factory = "module:Class"`, runs inside the rollout worker: its `reset()` and
 `step(Action)` are called directly, with no server, no container and no network.
 
-The policy's text becomes an action in one of two ways, chosen by the class:
-- an `MCPEnvironment` (tools served by an in-process FastMCP server): its tools, as its
-  `ListToolsAction` lists them, are shown in the prompt in the model's chat format; each call
-  the policy writes (envs/chat_tools.py) is a `CallToolAction(tool_name, arguments)`, and the
-  observation's result (or error) is the reply, in the template's tool role. A turn without a
-  call is the final answer and ends the episode.
-- any other `Environment` is a text environment: its action class (the type hint of `step`'s
-  `action`, or the class's `Environment[Action, ...]` parameters) must have one text field (the
-  only required field, a `str`, `metadata` aside), which gets the policy's whole turn; the
-  observation comes back as a user message: its one field other than `done`, `reward` and
-  `metadata` as text, or all of them as a JSON object.
-An observation with `done` ends the episode. Its reward is the sum of every observation's
-`reward` (reset's and each step's; None counts as nothing), or, where none gave one, the run's
-reward function's score of the transcript.
-
-`reset(seed=..., **row)` starts an episode: the row as environment classes get it (classes.py:
-`prompt`, `answer`, the row's fields), with `seed` derived from the row's uid (the row's own
-`seed` wins), so the G episodes of a row start alike; only keywords its signature takes are
-passed. Its observation's text, if any, is appended to the prompt's last message. Instances
-are made with no arguments and reused across episodes, as environment classes are.
-
-`openenv-core` (the `openenv` extra) is imported only here and only for this kind: importing it
-loads FastAPI, FastMCP and Gradio (15-17 s on a loaded 2-core machine). A remote OpenEnv server
-by URL is not supported.
+The design in full: docs/internals.md, `cadence/envs/openenv.py`.
 """
 
 from __future__ import annotations

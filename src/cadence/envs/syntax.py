@@ -1,20 +1,6 @@
 """The call syntax of tool environments: how the policy calls a tool and how the tool answers.
 
-The policy calls a tool by writing
-
-    <call>NAME: ARGUMENT</call>
-
-where NAME is a tool's name (`calculator`, or the function name of a tool loaded by import path)
-and ARGUMENT is any text up to `MAX_ARGUMENT_CHARS` characters, handed to the tool as one string.
-`</call>` ends the policy's turn (it is a stop string), so a turn holds at most one call, at its
-end. The environment answers with
-
-    <result>TEXT</result>            the tool's return value (cut to MAX_RESULT_CHARS)
-    <result>error: MESSAGE</result>  a malformed call, an unknown tool, an exception, a value that
-                                     is not a string, or a call cut off at its timeout
-
-and the policy goes on in its next turn. A turn without `<call>` is the policy's final answer and
-ends the episode. Nothing here runs a tool.
+The design in full: docs/internals.md, `cadence/envs/syntax.py`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Tools: loading them by name, and calling one so that nothing it does can stop the run.
 
-A tool is a function `fn(argument: str) -> str`. `calculator` ships (envs/calculator.py); any
-other loads by import path, `"package.module:function"`, like a reward function, and is called
-by its function's name. Never `eval`: a spec is resolved with importlib.
-
-`ToolThreads.run` runs a call in a daemon thread of its own and waits at most `timeout_s`;
-`ToolBox.call` (cadence's syntax) and the environment classes' tools (envs/classes.py) both call
-through it. A tool that raises, returns something that is not a string, or hangs gives an error
-outcome the policy reads, and a hung tool's thread is left behind (a daemon: it cannot keep the
-process alive) while the episode goes on. Counted, never fatal. A tool runs in at most
-`max_threads` threads at once, hung ones included: once that many hang, its next calls wait for
-one to end, up to their own timeout, and time out the same way, so a tool that always hangs
-holds a bounded number of threads rather than one per call, and holds up no other tool.
+The design in full: docs/internals.md, `cadence/envs/tools.py`.
 """
 
 from __future__ import annotations
 
-import importlib
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +12,7 @@ from dataclasses import dataclass
 
 from cadence.envs.calculator import calculator
 from cadence.envs.syntax import MAX_RESULT_CHARS, error_text, result_text
+from cadence.imports import load_attribute
 
 Tool = Callable[[str], str]
 
@@ -34,21 +23,14 @@ def load_tool(spec: str) -> tuple[str, Tool]:
     """(name the policy calls it by, function) for "calculator" or "package.module:function"."""
     if spec in BUILTIN:
         return spec, BUILTIN[spec]
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
+    form = f"one of {sorted(BUILTIN)} or 'package.module:function'"
+    fn = load_attribute(spec, "tool spec", form)
+    module, _, name = spec.partition(":")
+    if isinstance(fn, type) or not callable(fn):
         raise ValueError(
-            f"tool spec {spec!r} must be one of {sorted(BUILTIN)} or 'package.module:function'"
+            f"tool spec {spec!r}: {module!r} has no function {name!r} (argument: str) -> str"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"tool spec {spec!r}: cannot import module {module_name!r}: {e}") from e
-    fn = getattr(module, attr, None)
-    if fn is None or isinstance(fn, type) or not callable(fn):
-        raise ValueError(
-            f"tool spec {spec!r}: {module_name!r} has no function {attr!r} (argument: str) -> str"
-        )
-    return attr, fn
+    return name, fn
 
 
 def load_tools(specs: tuple[str, ...] | list[str]) -> dict[str, Tool]:

@@ -1,18 +1,9 @@
 """The learner: the Trainer seam, the Scorer, and the trainers behind the seam.
 
-- `trainer.py`: the `Trainer` Protocol the run loop, checkpoints and recipes use; `fake.py` its
-  deterministic fake.
-- `scorer.py`: the `Scorer` (reward shaping, advantages, the `reinforce` baseline), applied once
-  between the staleness check and the trainer.
-- `learner.py`: the one-process trainer (log-probs, loss, backward, optimizer step), with
-  `batch.py` (a micro-batch's tensors), `packing.py` (shared-prompt layouts), `sums.py` (step sums
-  and an iteration's figures).
-- `driver.py` and `rank.py`: the sharded trainer, a driver and its torch.distributed ranks
-  (`sharded_state.py`: their state on disk).
-- `sft.py`: the supervised warm start.
-
 The driver is not imported here: it pulls in the rank transports (backend/), which the
 one-process learner and the ranks' own processes never need.
+
+The design in full: docs/internals.md, `cadence/learner/__init__.py`.
 """
 
 from cadence.learner.fake import FakeTrainer

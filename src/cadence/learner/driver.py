@@ -1,38 +1,6 @@
 """The sharded learner's driver: `learner.ranks = N` ranks behind the Trainer seam.
 
-`RankedLearner` is what the run loop trains with when `learner.ranks` > 1. It is a `Trainer`
-(learner/trainer.py: `version`, `model`, `train_iteration(scored, num_groups)`, `state`,
-`load_state`, `close`), and behind it N torch.distributed ranks (learner/rank.py) as local
-processes or Ray actors, reached through a rank transport (backend/ranks.py,
-backend/ray_ranks.py). The driver asks its ranks only what `rank.Rank` declares, through
-`RankClient`, which names each call by that Protocol's method; the transports carry the calls
-and know nothing of what they compute. Groups come scored (learner/scorer.py): advantages that
-normalise over the whole batch are the batch's before any rank sees its share.
-
-Why the driver is no rank. Its `model` stays whole and unsharded: it is what the weight
-transports publish to the rollout workers, what held-out evaluation and colocated generation
-run, and what `final/` saves, all unchanged from one process. Local and Ray runs have the same
-shape (N ranks and a driver that feeds them), and a rank that dies cannot take the run's
-bookkeeping down with it. The cost is one copy of the weights in the driver (no gradients, no
-optimizer state), refreshed once per iteration.
-
-Rounds. Groups stream in (periodic mode) in an order nobody knows in advance, and every rank must
-run the same passes. The driver buffers groups; once it holds a round (`ranks x
-micro_batch_groups` groups, or the end of an optimizer step) it splits them among the ranks,
-balanced by tokens (longest first, each to the rank with the fewest tokens and room left), and
-sends each rank its share: at most one micro-batch. A rank with none runs an idle pass (see
-learner/rank.py). The round that ends a step steps every rank together; the step's sums
-(tokens, sequences, pairs) are added up across ranks first, so the update is the single-process
-update however the groups fall (`train.mini_batches` > 1 works the same way: a step ends after
-each mini-batch's last group). Round calls do not wait: the driver takes the next group at once
-and collects the ranks' replies (spans, step figures) as they come.
-
-Weights. After an iteration every rank all-gathers the parameters, one at a time; rank 0 writes
-them into the driver's model (its parameters are in shared memory, handed to rank 0 at spawn) or,
-on Ray, returns them as numpy arrays through the object store.
-
-Checkpoints. `state` has the ranks write their shards into the checkpoint being written
-(learner/sharded_state.py); `load_state` reads them, whatever number of ranks wrote them.
+The design in full: docs/internals.md, `cadence/learner/driver.py`.
 """
 
 from __future__ import annotations
@@ -193,14 +161,6 @@ class RankedLearner:
         self.bad_steps.count(bool(figures["skipped_steps"]))  # each rank counted them too
         steps.append(figures)
 
-    @property
-    def bad_steps_in_a_row(self) -> int:
-        return self.bad_steps.in_a_row
-
-    @bad_steps_in_a_row.setter
-    def bad_steps_in_a_row(self, n: int) -> None:
-        self.bad_steps.in_a_row = n
-
     def _take(self, rank: int, reply: RoundReply) -> None:
         """A rank's spans onto the run's timeline; its memory figures kept for the iteration."""
         offset = self.clock_offsets[rank] - self.tracer.origin
@@ -240,7 +200,7 @@ class RankedLearner:
             "ranks": self.num_ranks,
             "strategy": self.strategy,
             "version": self.version,
-            "bad_steps_in_a_row": self.bad_steps_in_a_row,
+            "bad_steps_in_a_row": self.bad_steps.in_a_row,
             "rank": rank,
         }
 
@@ -254,7 +214,7 @@ class RankedLearner:
             )
         self.ranks.load(str(directory / SHARDS), state["rank"])
         self.version = state["version"]
-        self.bad_steps_in_a_row = state["bad_steps_in_a_row"]
+        self.bad_steps.in_a_row = state["bad_steps_in_a_row"]
 
     def close(self) -> None:
         try:

@@ -142,7 +142,7 @@ class Learner:
         return {
             "ranks": 1,
             "version": self.version,
-            "bad_steps_in_a_row": self.bad_steps_in_a_row,
+            "bad_steps_in_a_row": self.bad_steps.in_a_row,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
         }
@@ -157,7 +157,7 @@ class Learner:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
-        self.bad_steps_in_a_row = state["bad_steps_in_a_row"]
+        self.bad_steps.in_a_row = state["bad_steps_in_a_row"]
 
     def train_iteration(self, scored: Iterable[Scored], num_groups: int) -> dict[str, Any]:
         """Train on `num_groups` scored groups as they come, in micro-batches; step after each
@@ -308,14 +308,6 @@ class Learner:
             self._steps_this_iteration += 1
         self.bad_steps.count(bad)
         return step_figures(sums, norm, grad_norm, bad, self.algo)
-
-    @property
-    def bad_steps_in_a_row(self) -> int:
-        return self.bad_steps.in_a_row
-
-    @bad_steps_in_a_row.setter
-    def bad_steps_in_a_row(self, n: int) -> None:
-        self.bad_steps.in_a_row = n
 
 
 def choose_layout(model: torch.nn.Module, params: LearnerParams, pad_id: int) -> str:

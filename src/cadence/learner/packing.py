@@ -1,22 +1,6 @@
 """Micro-batch layouts: how a list of groups becomes model inputs, and how log-probs come back.
 
-A group is one prompt P with G responses. Three layouts feed the same responses to the model:
-
-- `unpacked`: one row per response, `[P | Ri]`, right-padded. Every response repeats its prompt:
-  G(P+R) tokens per group. The reference every other layout is tested against.
-- `dense`: one row per group, `[P | R1 | ... | RG]`, with a 4-D attention mask in which prompt
-  tokens attend causally among themselves, each token of Ri attends to all of P and causally
-  within Ri (never to Rj), and Ri's position ids continue from len(P). P + G·R tokens per group,
-  but the mask (and the attention work) grows with the square of the row's length.
-- `prefix`: the same semantics without the square. The prompts run once as a left-padded batch
-  (with grad), keeping their keys and values; those are repeated for each response (the repeat's
-  backward sums the G gradients back into the prompt), and the responses run as one batch that
-  attends to its prompt's keys and values and causally to itself. P + G·R tokens per group.
-
-Each layout returns `(B, T, V)` logits in which row b, column t predicts response b's token t,
-for the responses in group order (group 0's samples, then group 1's ...). The learner turns those
-into log-probs the same way whatever the layout, so the layouts can be swapped (and are tested
-to agree within float tolerance). Nothing here knows about losses, optimizers or configs.
+The design in full: docs/internals.md, `cadence/learner/packing.py`.
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
 """The learner as one of N torch.distributed ranks, FSDP2 or DDP: what runs inside each rank.
 
-A driver (learner/driver.py) hands each iteration's scored groups to the ranks in rounds; this is
-one rank's side of it. `Rank` is what the driver may ask of a rank: a few typed calls, which a
-rank transport (backend/ranks.py) carries to the rank's process and answers in order;
-`RankLearner` is the real rank, and the driver's tests drive a recording fake. Every rank runs
-the very `Learner` of a single process, with `Collective` hooks, over its own share of the groups:
-
-- **Rounds.** FSDP gathers parameters in every forward and reduces gradients in every backward,
-  so the ranks must run the same passes in the same order. Each round every rank trains at most
-  one micro-batch; a rank the round gave no group runs an idle pass (a tiny micro-batch whose
-  loss is multiplied by 0: the same collectives, gradients 0). DDP communicates only in the
-  backward of a step's last round (`no_sync` before it), so it runs idle passes only there.
-- **One update.** Each micro-batch's loss is an unnormalised sum. At a step the ranks add up
-  their step sums (tokens, sequences, pairs, loss and metric sums) and take the largest of their
-  maxima (`reduce_sums`), so every rank divides the summed gradients (FSDP reduce-scatters with
-  SUM, DDP all-reduces with SUM) by the global batch's normaliser, clips by the global norm and
-  steps: the single-process update.
-- **Sharding.** FSDP2 shards each decoder layer (the model's `_no_split_modules`) and the root;
-  the frozen reference and the old copy are sharded the same way and hold no optimizer state.
-  DDP replicates the model; its frozen copies are plain.
-- **Weights out.** `gather_weights` all-gathers each parameter in turn; rank 0 writes it into the
-  driver's shared-memory tensors (local ranks) or returns numpy arrays (Ray actors).
-
-Nothing here knows how the rank's process was started or how messages reach it.
+The design in full: docs/internals.md, `cadence/learner/rank.py`.
 """
 
 from __future__ import annotations
@@ -272,7 +250,7 @@ class RankLearner:
         save_sharded(self.model, self.learner.optimizer, Path(path))
         return {
             "scheduler": self.learner.scheduler.state_dict(),
-            "bad_steps_in_a_row": self.learner.bad_steps_in_a_row,
+            "bad_steps_in_a_row": self.learner.bad_steps.in_a_row,
         }
 
     def load(self, path: str, state: dict[str, Any]) -> None:
@@ -286,7 +264,7 @@ class RankLearner:
             self.learner.optimizer.param_groups, scheduler.get_last_lr(), strict=True
         ):
             group["lr"] = lr
-        self.learner.bad_steps_in_a_row = state["bad_steps_in_a_row"]
+        self.learner.bad_steps.in_a_row = state["bad_steps_in_a_row"]
 
     def describe(self) -> dict[str, Any]:
         """What this rank holds (its shards, with FSDP) and its process id."""

@@ -2,32 +2,7 @@
 the trainer (pipeline/loop.py). Shaped rewards, advantages and the `reinforce` baseline live here
 and nowhere else; trainers, one process or ranks, take the scored groups as they are.
 
-Shaping. Rewards are shaped from each response's length and the episode's cap (DAPO's overlong
-penalty, `algo/shaping.py`), so the shaping is the same wherever the raw reward was computed (in
-the rollout worker or in a reward stage) and the reward recorded with each sample stays the raw
-score (`reward_mean` in metrics is raw; the scorer reports `reward_shaped_mean`). The shaped
-rewards are what every estimator and reward-reading loss sees (GRPO, RLOO, online DPO's pairs,
-REINFORCE's baseline). With `mask_truncated`, a response that was cut (finish_reason "length")
-keeps its place in its group's statistics but trains no token: to the loss it is an empty
-response, which still counts in seq-mean's and seq-sum-norm's number of sequences (as TRL's
-`mask_truncated_completions`).
-
-Lengths. A response's length is the tokens the policy wrote: its `loss_mask` ones (every token of
-a single-turn response). A multi-turn episode's tool replies are not the policy's, so they count
-in neither the overlong penalty nor REINFORCE++'s token weights (nor, in the learner, the loss's
-tokens): an episode that used a tool is measured like one that did not. The cap is the episode's,
-`AlgoParams.max_policy_tokens`, the most tokens the policy can write in one episode:
-`rollout.max_new_tokens` single-turn; with tools each of at most `env.max_turns` turns writes at
-most `rollout.max_new_tokens`, and everything after the prompt fits `env.max_total_tokens`, so
-the smaller of `env.max_turns x rollout.max_new_tokens` and `env.max_total_tokens`
-(`Config.max_policy_tokens`). The same cap is seq-sum-norm's constant.
-
-Advantages come group by group as groups arrive, or, for an estimator that normalises over the
-whole batch (REINFORCE++), once over every group of the iteration, which the scorer then waits
-for before it hands out the first. `reinforce`'s baseline is the previous iteration's mean shaped
-reward: `end_iteration` moves it, and it is the scorer's `state()`, which checkpoints keep.
-
-Must not: touch a model, an optimizer or a process; it is arithmetic on rewards and lengths.
+The design in full: docs/internals.md, `cadence/learner/scorer.py`.
 """
 
 from __future__ import annotations

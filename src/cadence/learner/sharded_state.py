@@ -1,16 +1,6 @@
 """A sharded learner's state on disk, with torch.distributed.checkpoint (DCP).
 
-Every rank writes its own shards of the policy's parameters and of AdamW's state (`exp_avg`,
-`exp_avg_sq`, `step`) through DCP's Hugging Face storage: safetensors files whose headers say
-where each shard sits in the full tensor (JSON; nothing is pickled, unlike DCP's default
-`.metadata` file). Tensors replicated on every rank (DDP, Adam's `step`) are written once.
-
-Loading asks each rank's tensors for the rows that rank now holds, and DCP reads them from
-whichever files have them: a checkpoint written by N ranks loads into M ranks, FSDP or DDP alike
-(the keys are the model's own parameter names). What is not a tensor (the learning-rate schedule,
-the bad-step count, the version) travels in the driver's state instead.
-
-All ranks call `save_sharded` / `load_sharded` together: they are collectives.
+The design in full: docs/internals.md, `cadence/learner/sharded_state.py`.
 """
 
 from __future__ import annotations

@@ -8,12 +8,7 @@ it normalises (learner/rank.py), and the figures below come out the same whateve
 that is a largest value is kept apart (`StepSums.maxima`): across micro-batches and ranks it is
 the largest, never a sum.
 
-The behaviour figures compare the log-probs the engine recorded when it sampled a token with the
-learner's, on fresh rows (sampled by the learner's version) before the iteration's first
-optimizer step, while the policy is still the one that sampled them: `behaviour_logprob_abs_diff`
-mean (token-weighted) and max. They should be float noise; more means the engine did not sample
-from the learner's policy (weights it did not load, another temperature, another quantity).
-They reuse the log-probs the loss needs; no pass is added.
+The design in full: docs/internals.md, `cadence/learner/sums.py`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """Experiment trackers: Weights & Biases (`metrics.wandb`) and MLflow (`metrics.mlflow`).
 
-Each is a metrics sink (the per-iteration figures of `metrics.jsonl`, numbers only, at step
-`iteration`) that also takes the resolved config when it starts and, at `finish`, the summary and
-the run's files (`timeline.png`, `config.toml`, `summary.json`). `finish(None, ...)` ends a run
-that failed.
-
-- W&B: `wandb.init` writes under `OUT/wandb/`; `WANDB_MODE=offline` (the user's setting, or
-  wandb's own default without a login) needs no network, and `wandb sync` uploads it later.
-  `WANDB_PROJECT` names the project (default "cadence").
-- MLflow: the tracking URI the user set (`MLFLOW_TRACKING_URI`), or else a local file store in
-  `./mlruns` (MLflow's own layout; `MLFLOW_ALLOW_FILE_STORE` is set for it, since MLflow 3 asks
-  for a database by default). `MLFLOW_EXPERIMENT_NAME` names the experiment (default "cadence").
-
-Both libraries are optional extras, imported only here and only when asked for.
+The design in full: docs/internals.md, `cadence/metrics/trackers.py`.
 """
 
 from __future__ import annotations

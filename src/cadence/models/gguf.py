@@ -1,21 +1,9 @@
 """Convert a GGUF file (llama.cpp's one-file checkpoint) into a Hugging Face model directory.
 
-transformers reads GGUF files (with the `gguf` package) and dequantises their weights to float32.
-This module turns what it reads into a directory that `load_model` and `load_tokenizer` take like
-any other: float32 safetensors, the tokenizer, the chat template, a generation config. The steps:
-
-1. check that the file is a GGUF file and read its metadata (the `gguf` package);
-2. load and dequantise the weights (transformers refuses, before reading any, an architecture it
-   does not load from GGUF or one that is not a causal LM), then move them into a model built from
-   the config alone: `save_pretrained` refuses a model that carries the GGUF quantization config;
-3. build the tokenizer; where transformers' GGUF tokenizer splits text unlike the model's own
-   (`PRE_TOKENIZER_DIGITS`), put the model's pre-tokenizer back; make the end-of-turn token the
-   EOS (cadence stops generation at the tokenizer's EOS) and set a pad token;
-4. write everything to a temporary directory beside `out` and rename it into place, so that a
-   failed conversion leaves nothing half-written and `out` changes only as a whole.
-
 It must not keep quantised weights (the learner trains dense float32), touch the network, or
 replace a directory that is not a model.
+
+The design in full: docs/internals.md, `cadence/models/gguf.py`.
 """
 
 from __future__ import annotations

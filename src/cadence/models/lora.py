@@ -1,19 +1,7 @@
 """LoRA adapters (`model.lora`, through `peft`): what trains, what the reference and the rollout
 workers see, and what is saved.
 
-- `apply_lora` wraps the policy in a `peft` model: only the adapter's matrices require grad, so
-  only they reach the optimizer.
-- `AdapterOff` is the reference model without a second copy: the same module run with the
-  adapter disabled (no parameters of its own, so `frozen_copies_mb` counts nothing for it).
-- `MergedWeights` is what a transport publishes: every weight under the plain model's name, with
-  the adapter's update added (W + scale * B @ A), so rollout workers load a model with no adapter;
-  `plain_weights` gives it for a LoRA policy and the model itself otherwise, for every path that
-  hands the learner's weights to a worker or to an engine with its own copy (vLLM).
-- `save_pretrained` of a peft model writes the adapter alone (`adapter_config.json`, naming the
-  base by its absolute path); `save_merged` writes a whole model with the adapter merged in;
-  `load_model` (models/io.py) loads an adapter directory back as a plain, merged model.
-
-Nothing here knows about training or processes; `peft` is imported only when LoRA is asked for.
+The design in full: docs/internals.md, `cadence/models/lora.py`.
 """
 
 from __future__ import annotations

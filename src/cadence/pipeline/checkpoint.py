@@ -1,36 +1,13 @@
 """Checkpoints: everything a run needs to continue exactly where it stopped.
 
-A checkpoint is taken between iterations, after iteration k - 1 is trained and its metrics line
-written, and is named after k, the next iteration to run (`checkpoints/iter-00000k/`):
-
-    policy/        the policy in the Hugging Face layout (loadable by `cadence eval` as it is)
-    learner/       a sharded trainer's shards (what its `state` writes; none for one process)
-    state.pt       the trainer's state (`Trainer.state`: optimizer and learning-rate schedule,
-                   policy version, bad-step count), the scorer's (the advantage baseline), RNG
-                   states (torch, random, numpy), data cursor, the metrics file's length, the
-                   records so far, held-out accuracy before RL, and the reference model's
-                   identity (its path and a digest of its weights)
-    manifest.json  the checkpoint format, and the size and sha256 of every file above
-
-Checkpoints go through the Trainer seam (learner/trainer.py) and the Scorer: the policy's weights
-from and into `trainer.model`, the rest through `state()` / `load_state()`; nothing here knows
-which trainer it is.
-
-Loading a checkpoint never runs code: `state.pt` holds tensors and plain containers only (numpy's
-RNG state is kept as a tensor) and is read with `torch.load(weights_only=True)`, which refuses
-any other object; a file that holds one is refused with `UnsafeCheckpointError` (exit code 2),
-and no other checkpoint of that run is tried; so is a checkpoint of an older format. Before a
-checkpoint is used, every file is checked against the manifest and the state is loaded and
-checked for every key: a run directory whose newest checkpoint is damaged resumes from the
-newest intact one, saying so, and one with none intact is refused with the list of what is
-wrong with each.
-
-A checkpoint is written to a temporary directory (`.iter-00000k.tmp-PID`) that is renamed into
-place only when complete, so a crash or a full disk while saving leaves the previous checkpoint
-intact and no half-written one that looks whole (the temporary is removed on failure, and a dead
-process's at the next start). The newest `keep` are kept. Resuming reads the newest, truncates
-`metrics.jsonl` to the length it records (lines of the interrupted iteration go) and rebuilds the
-run from it.
+A checkpoint is taken between iterations and named after the next iteration to run
+(`checkpoints/iter-00000k/`): `policy/` (the policy in the Hugging Face layout), a sharded
+trainer's own files, `state.pt` (the trainer's and scorer's state, and the `RunState`) and
+`manifest.json` (the size and sha256 of every file). It goes through the Trainer seam and the
+Scorer, never knowing which trainer; it is written to a temporary directory renamed into place
+when complete, and loading it never unpickles an object (`torch.load(weights_only=True)`): a
+damaged checkpoint is skipped for the newest intact one, an unsafe one refused. The layout, the
+checks and what resume does: docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -44,7 +21,7 @@ import pickle
 import random
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, cast
 
@@ -65,7 +42,7 @@ MANIFEST = "manifest.json"
 FORMAT = 3
 _PREFIX = "iter-"
 _NAME = re.compile(r"iter-(\d+)")
-STATE_KEYS = (  # what restoring needs of state.pt: by save_checkpoint, then by the loop (extra)
+STATE_KEYS = (  # what restoring needs of state.pt: by save_checkpoint, and the RunState
     *("format", "iteration", "trainer", "scorer", "rng"),
     *("cursor", "metrics_bytes", "records", "accuracy_before", "reference_path"),
     "reference_digest",
@@ -82,9 +59,39 @@ class UnsafeCheckpointError(CheckpointError):
 
 
 @dataclass
+class RunState:
+    """What a run resumed from a checkpoint continues with, besides the trainer's and the
+    scorer's state: where the data stream is (the next example, and the starts of batches drawn
+    but not yet trained), the behaviour policies of the versions in flight (off-policy), where
+    metrics.jsonl ends, the records so far, held-out accuracy before RL (overall and per task),
+    the RNG states, and the reference model's identity."""
+
+    cursor: int
+    metrics_bytes: int
+    records: list[dict[str, Any]]
+    accuracy_before: float
+    rng: dict[str, Any]
+    reference_path: str = ""
+    reference_digest: str | None = None
+    pending_batches: list[int] = field(default_factory=list)
+    behaviour_policies: list[dict[str, Any]] = field(default_factory=list)
+    tasks_before: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, state: dict[str, Any]) -> RunState:
+        """The record as a checkpoint's state holds it (fields it lacks: their defaults)."""
+        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})
+
+
+@dataclass
 class Checkpoint:
     path: Path
     state: dict[str, Any]
+
+    @property
+    def run(self) -> RunState:
+        """What the run continues with (see `RunState`)."""
+        return RunState.of(self.state)
 
     @property
     def iteration(self) -> int:
@@ -137,7 +144,7 @@ def save_checkpoint(
     trainer: Trainer,
     scorer: Scorer,
     tokenizer,
-    extra: dict[str, Any],
+    run: RunState,
     keep: int,
 ) -> Path:
     """Write `out/checkpoints/iter-<iteration>` atomically; keep the newest `keep`. The trainer
@@ -159,8 +166,7 @@ def save_checkpoint(
                 "iteration": iteration,
                 "trainer": trainer.state(tmp),
                 "scorer": scorer.state(),
-                "rng": rng_state(),
-                **extra,
+                **asdict(run),
             }
             _write_state(tmp, _plain(state))
     except BaseException:

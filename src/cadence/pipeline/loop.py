@@ -1,59 +1,44 @@
-"""The run loop: one screen that calls named steps, and the run's outputs.
+"""The run loop: one screen that calls named steps.
 
 Per iteration, top to bottom: start the source with the current policy version; its groups pass
 the staleness check (each made by a version the mode allows), then the Scorer (shaped rewards,
 advantages), then the Trainer, which trains on them as they come; record the figures. Around the
-loop: held-out accuracy before and after, checkpoints, and the outputs in `--out DIR`. The loop
-takes its settings from `LoopParams` and its components from `Run`, both made by the builder
-(pipeline/build.py); it never sees the config, nor which trainer it drives.
+loop: held-out accuracy before and after, checkpoints, and the outputs (outputs.py). It takes its
+settings and components from `LoopParams` and `Run` (run.py), made by the builder; it never sees
+the config, nor which trainer it drives. docs/pipeline.md.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
+import math
 import time
-import tomllib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from cadence.dataplane import StaleRowError, check_staleness
-from cadence.learner import Scorer, Trainer
 from cadence.metrics import (
-    ConsoleProgress,
-    JsonlSink,
     MetricsSink,
-    TensorBoardSink,
-    Tracer,
     binomial_stderr,
     pipeline_figures,
     sample_figures,
     stage_figures,
-    summary,
     task_figures,
-    task_summary,
     tpspd,
 )
-from cadence.metrics.curves import draw_curves
-from cadence.metrics.files import atomic_write, is_disk_full, writing
-from cadence.metrics.timeline import draw_timeline, write_chrome_trace
-from cadence.metrics.trackers import MlflowSink, WandbSink
-from cadence.models import save_pretrained
-from cadence.models.lora import save_merged
-from cadence.pipeline.checkpoint import (
-    CHECKPOINTS,
-    Checkpoint,
-    CheckpointError,
-    list_checkpoints,
-    remove_stale_temporaries,
-    save_checkpoint,
-    set_rng_state,
+from cadence.metrics.files import atomic_write
+from cadence.pipeline.outputs import (
+    begin,
+    checkpoint,
+    close_run,
+    open_sinks,
+    open_trackers,
+    write_final,
+    write_json,
+    write_summary,
 )
-from cadence.pipeline.prompts import PromptStream
-from cadence.pipeline.source import GroupSource
+from cadence.pipeline.run import LoopParams, Run
 from cadence.rewards import RewardErrorBudget
 from cadence.types import Group
 
@@ -62,59 +47,7 @@ log = logging.getLogger(__name__)
 # One staleness rule and one exception, whether the store or the loop sees the group first.
 StaleGroupError = StaleRowError
 
-
-@dataclass(frozen=True)
-class LoopParams:
-    """What the loop needs to know of the configuration (made by `build.loop_params`)."""
-
-    iterations: int
-    prompts_per_iteration: int
-    max_staleness: int = 0  # versions a trained group may lag the learner
-    eval_every: int = 0  # held-out accuracy every N iterations (0: before and after only)
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    max_error_fraction: float = 0.1  # reward errors a run tolerates
-    mode: str = "sync"  # labels for the summary and the timeline
-    placement: str = "colocated"
-    slots: int = 256  # sequences an engine decodes at once: the timeline's scale for them
-    tensorboard: bool = False
-    progress: bool = True
-    reference_path: str = ""  # recorded in checkpoints
-    config_toml: str = ""  # the resolved configuration, written to `config.toml`
-    save_merged: bool = False  # LoRA: also write final/merged/, the adapter merged in
-    wandb: bool = False  # trackers: per-iteration figures, config, summary and timeline
-    mlflow: bool = False
-
-
-@dataclass
-class Run:
-    """A run's components, wired (by `build.build_run`)."""
-
-    params: LoopParams
-    tokenizer: Any
-    trainer: Trainer  # one process, or learner.ranks torch.distributed ranks
-    scorer: Scorer
-    source: GroupSource
-    heldout_accuracy: Callable[[], float]  # greedy accuracy of the current policy
-    num_heldout: int  # problems it is measured on (for its standard error)
-    stream: PromptStream
-    tracer: Tracer
-    resume: Checkpoint | None = None  # the checkpoint this run continues from
-    reference_digest: str | None = None  # identity of the reference weights (for checkpoints)
-    # `heldout_accuracy/<task>` of the last held-out measurement ({}: no task labels)
-    heldout_tasks: Callable[[], dict[str, float]] = dict
-
-    @property
-    def first_iteration(self) -> int:
-        return self.resume.iteration if self.resume else 0
-
-    def close(self) -> None:
-        """Stop the learner's ranks (if any), then the source's workers: the source may own the
-        Ray that ranks on Ray run in."""
-        try:
-            self.trainer.close()
-        finally:
-            self.source.close()
+__all__ = ["LoopParams", "Run", "StaleGroupError", "on_policy", "run_iteration", "train"]
 
 
 def on_policy(groups: Iterator[Group], version: int, seen: list[Group]) -> Iterator[Group]:
@@ -147,9 +80,9 @@ def within_staleness(
 
 
 def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[str, Any]:
-    p, learner, tracer = run.params, run.trainer, run.tracer
+    p, trainer, tracer = run.params, run.trainer, run.tracer
     start = tracer.now()
-    version = learner.version
+    version = trainer.version
     before = run.source.stats()
     run.source.start_iteration(iteration, version)
     seen: list[Group] = []
@@ -157,7 +90,7 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
     groups = run.source.groups()
     admitted = within_staleness(groups, version, p.max_staleness, seen, dropped)
     scored = run.scorer.score(admitted)
-    stats = learner.train_iteration(scored, p.prompts_per_iteration)
+    stats = trainer.train_iteration(scored, p.prompts_per_iteration)
     stats |= run.scorer.end_iteration()  # its figures; the baseline moves on
     wall = tracer.now() - start
     after = run.source.stats()
@@ -190,7 +123,7 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
     )
 
 
-class ConstantRewards:
+class EqualRewardsWatch:
     """Warns when every group's G rewards were equal for `warn_after` iterations in a row: a
     group-relative advantage (grpo, rloo) is then 0 for every sample and online DPO has no pair,
     so the policy does not move (`constant_reward_groups` in each metrics line)."""
@@ -220,12 +153,10 @@ def train(
     run: Run, out: Path, extra_sinks: list[MetricsSink] | None = None, evaluate: bool = True
 ) -> dict:
     """Run every iteration (from the checkpoint's on, if `run.resume`), write the outputs, return
-    the summary.
-
-    `evaluate=False` skips the held-out accuracy before and after (benchmarks time the loop only).
-    """
+    the summary. `evaluate=False` skips the held-out accuracy before and after (benchmarks time
+    the loop only)."""
     out.mkdir(parents=True, exist_ok=True)
-    trackers = _trackers(run.params, out)
+    trackers = open_trackers(run.params, out)
     try:
         result = _train(run, out, [*(extra_sinks or []), *trackers], evaluate)
     except BaseException:
@@ -238,54 +169,42 @@ def train(
 
 
 def _train(run: Run, out: Path, extra_sinks: list[MetricsSink], evaluate: bool) -> dict:
-    p = run.params
     t_total = time.perf_counter()
     sinks: list[MetricsSink] = []
     try:
-        records, accuracy_before = _begin(run, out, evaluate)
-        tasks_before = run.heldout_tasks()  # {} when resuming: not in the checkpoint
-        atomic_write(out / "config.toml", p.config_toml)
-        sinks = _sinks(run, out, extra_sinks or [])
-        loop_s = _loop(run, out, sinks, records, accuracy_before)
+        state = begin(run, out, evaluate)
+        if state is None:
+            records, before = [], run.heldout_accuracy() if evaluate else math.nan
+            tasks_before = run.heldout_tasks()
+        else:
+            records, before, tasks_before = state.records, state.accuracy_before, state.tasks_before
+        atomic_write(out / "config.toml", run.params.config_toml)
+        sinks = open_sinks(run, out, extra_sinks)
+        loop_s = _loop(run, out, sinks, records, (before, tasks_before))
     except BaseException as e:
-        _close(run, out, sinks, error=e, timeline=bool(sinks))  # none: another run's outputs
+        close_run(run, out, sinks, error=e, timeline=bool(sinks))  # none: another run's outputs
         raise
-    _close(run, out, sinks, error=None)
-    accuracy_after = run.heldout_accuracy() if evaluate else float("nan")
-    with writing(out / "final"):
-        save_pretrained(run.trainer.model, run.tokenizer, out / "final")  # LoRA: the adapter
-        if p.save_merged:
-            save_merged(run.trainer.model, run.tokenizer, out / "final" / "merged")
-    result = summary(
-        records,
-        accuracy_before,
-        accuracy_after,
-        loop_s,
-        run.num_heldout,
-        mode=p.mode,
-        placement=p.placement,
-    )
-    draw_curves(
-        records,
-        out / "curves.png",
-        before=(accuracy_before, result["accuracy_before_stderr"]),
-        after=(accuracy_after, result["accuracy_after_stderr"]),
-        title=f"cadence {p.mode} / {p.placement}",
-    )
-    result |= task_summary(records, tasks_before, run.heldout_tasks() if evaluate else {})
+    close_run(run, out, sinks, error=None, timeline=True)
+    after = run.heldout_accuracy() if evaluate else math.nan
+    write_final(run, out)
+    tasks = (tasks_before, run.heldout_tasks() if evaluate else {})
+    result = write_summary(run, out, records, (before, after), tasks, loop_s)
     result["total_wall_s"] = time.perf_counter() - t_total
-    result["bad_lines_skipped"] = run.stream.bad_lines_skipped
-    atomic_write(out / "summary.json", json.dumps(result, indent=2) + "\n")
+    write_json(out / "summary.json", result)
     return result
 
 
 def _loop(
-    run: Run, out: Path, sinks: list[MetricsSink], records: list, accuracy_before: float
+    run: Run,
+    out: Path,
+    sinks: list[MetricsSink],
+    records: list,
+    before: tuple[float, dict[str, float]],
 ) -> float:
     """Every iteration from the first one this process runs; returns the loop's wall time."""
     p = run.params
     budget = RewardErrorBudget(p.max_error_fraction)
-    constant = ConstantRewards()
+    watch = EqualRewardsWatch()
     t_loop = time.perf_counter()
     for k in range(run.first_iteration, p.iterations):
         with run.tracer.span("iteration", "run"):
@@ -295,141 +214,14 @@ def _loop(
             record["heldout_accuracy"] = accuracy
             record["heldout_accuracy_stderr"] = binomial_stderr(accuracy, run.num_heldout)
             record |= run.heldout_tasks()
-        constant.update(record)
+        watch.update(record)
         records.append(record)
         for s in sinks:
             s.write(record)
         budget.check()  # after the line is written: it shows the errors that stopped the run
         every = p.checkpoint_every
         if every and ((k + 1) % every == 0 or k + 1 == p.iterations):
-            checkpoint(run, out, k + 1, records, accuracy_before)
+            checkpoint(run, out, k + 1, records, *before)
     loop_s = time.perf_counter() - t_loop  # not counting closing workers, drawing the timeline
     budget.finish()  # a short run over its reward error budget writes no final model
     return loop_s
-
-
-def _close(
-    run: Run,
-    out: Path,
-    sinks: list[MetricsSink],
-    error: BaseException | None,
-    timeline: bool = True,
-) -> None:
-    """Close the sinks, the learner's ranks (if any) and the source (which stops the workers),
-    then write the timeline. Every step runs whatever the others do. While `error` propagates, a
-    failure here is logged in one line (not at all if both are the same full disk) rather than
-    put in its place."""
-    steps = [*(s.close for s in sinks), run.close]
-    if timeline:
-        steps.append(lambda: write_timeline(run, out))
-    first: Exception | None = None
-    for step in steps:
-        try:
-            step()
-        except Exception as e:
-            if error is None:
-                first = first or e
-            elif not (is_disk_full(e) and is_disk_full(error)):
-                log.warning("cadence: while stopping: %s: %s", type(e).__name__, e)
-    if first is not None:
-        raise first
-
-
-def _begin(run: Run, out: Path, evaluate: bool) -> tuple[list[dict[str, Any]], float]:
-    """The records so far and the accuracy before RL: from the checkpoint when resuming (the
-    metrics lines after it go, the RNG continues), else fresh (and a finished run's outputs go).
-    Either way, what a process that died while writing left behind goes first."""
-    for p in remove_stale_temporaries(out):
-        log.warning("cadence: removed %s, left by a run that stopped while writing it", p)
-    if run.resume is not None:
-        state = run.resume.state
-        with (out / "metrics.jsonl").open("r+b") as f:
-            f.truncate(state["metrics_bytes"])
-        set_rng_state(state["rng"])
-        return list(state["records"]), state["accuracy_before"]
-    start_fresh(out)
-    return [], run.heldout_accuracy() if evaluate else float("nan")
-
-
-def _sinks(run: Run, out: Path, extra: list[MetricsSink]) -> list[MetricsSink]:
-    p = run.params
-    sinks: list[MetricsSink] = [JsonlSink(out / "metrics.jsonl"), *extra]
-    if p.tensorboard:
-        sinks.append(TensorBoardSink(out / "tensorboard"))
-    sinks.append(ConsoleProgress(p.iterations, enabled=p.progress, done=run.first_iteration))
-    return sinks
-
-
-def _trackers(p: LoopParams, out: Path) -> list[Any]:
-    """The experiment trackers asked for (metrics.wandb, metrics.mlflow), started."""
-    config = tomllib.loads(p.config_toml) if p.config_toml else {}
-    trackers: list[Any] = []
-    try:
-        if p.wandb:
-            trackers.append(WandbSink(out, config))
-        if p.mlflow:
-            trackers.append(MlflowSink(out, config))
-    except BaseException:
-        for t in trackers:
-            t.finish(None, out)
-        raise
-    return trackers
-
-
-def check_fresh(out: Path) -> None:
-    """Refuse to start a run where an unfinished one's checkpoints would be overwritten."""
-    if list_checkpoints(out) and not (out / "summary.json").exists():
-        raise CheckpointError(
-            f"{out} holds checkpoints of a run that did not finish: continue it with "
-            f"`cadence train --resume {out}`, or remove {out / CHECKPOINTS} (or pick another "
-            "--out) to start over"
-        )
-
-
-def start_fresh(out: Path) -> None:
-    """Clear a finished run's outputs from `out`; refuse to bury an unfinished one's."""
-    check_fresh(out)
-    shutil.rmtree(out / CHECKPOINTS, ignore_errors=True)
-    for name in ("metrics.jsonl", "summary.json"):
-        (out / name).unlink(missing_ok=True)
-
-
-def checkpoint(run: Run, out: Path, iteration: int, records: list, accuracy_before: float) -> None:
-    """Save the state after `iteration` iterations (see pipeline/checkpoint.py)."""
-    extra = {
-        **run.stream.resume_state(iteration - run.first_iteration),  # "cursor" and more
-        **run.source.resume_state(iteration),
-        "metrics_bytes": (out / "metrics.jsonl").stat().st_size,
-        "records": records,
-        "accuracy_before": accuracy_before,
-        "reference_path": run.params.reference_path,
-        "reference_digest": run.reference_digest,
-    }
-    with run.tracer.span("checkpoint", "learner"):
-        save_checkpoint(
-            out,
-            iteration,
-            run.trainer,
-            run.scorer,
-            run.tokenizer,
-            extra,
-            run.params.keep_checkpoints,
-        )
-
-
-def write_timeline(run: Run, out: Path, last_iterations: int = 3) -> None:
-    """All spans to `trace.json` (Perfetto); the last few iterations drawn to `timeline.png`."""
-    spans, samples = list(run.tracer.spans), list(run.tracer.samples)
-    write_chrome_trace(spans, out / "trace.json", samples)
-    starts = sorted(s.start for s in spans if s.name == "iteration")
-    since = starts[-last_iterations] if len(starts) >= last_iterations else 0.0
-    shown = [s for s in spans if s.start >= since and s.name != "iteration"]
-    marks = [(t, "iteration start") for t in starts if t >= since]
-    draw_timeline(
-        shown,
-        out / "timeline.png",
-        title=f"cadence {run.params.mode} / {run.params.placement}",
-        marks=marks,
-        samples=[s for s in samples if s.t >= since],
-        capacity={"slots": run.params.slots},  # rows waiting: to their largest
-    )

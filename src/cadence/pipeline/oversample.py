@@ -1,19 +1,7 @@
 """Dynamic sampling (DAPO, Yu et al. 2025, arXiv 2503.14476, Sec. 3.2): train only on groups
 whose rewards differ, and draw more prompts until the iteration has enough of them.
 
-A group whose G rewards are all equal has zero group-relative advantage: under GRPO-style
-estimators it adds no policy gradient, only tokens to the normaliser. With
-`pipeline.filter_groups = "zero_variance"` such a group is not trained; each one drawn costs the
-iteration one more prompt from the data stream (its next example, positioned after the
-iteration's batch), up to `pipeline.max_oversample` extra prompts per iteration.
-
-Which groups are trained does not depend on the order groups finish in: the prompts drawn are
-always the first D of the stream for the iteration, D the least number whose groups hold
-`size` informative ones (or `size + budget` when the budget runs out first), because each
-filtered group asks for exactly one more and nothing else does. So a streaming (periodic) run and
-a synchronous one draw the same prompts and keep the same groups. When the budget runs out
-before `size` informative groups, the iteration is topped up with the earliest filtered groups
-(by position) once every drawn group has arrived, so it still trains `size` groups.
+The design in full: docs/internals.md, `cadence/pipeline/oversample.py`.
 """
 
 from __future__ import annotations

@@ -1,36 +1,7 @@
 """The producer: a thread that hands each iteration's prompts to the workers and puts their groups
 in the sample store. The learner's side of it is `source.WorkerSource`, a `GroupSource`.
 
-Versions and order. The learner publishes version v at the start of iteration v
-(`start_iteration`) through the `WeightGate`, which writes the weights once every worker has
-loaded the previous version and queues a `sync v` for the producer. The producer keeps one FIFO
-of work items for the run: tasks of the iterations it has begun and, in between, each `sync v`,
-which it sends to every worker once all tasks queued before it have been handed out. A worker
-acts on its messages in order and loads weights only between requests, so every task is
-generated with exactly the version synced before it.
-
-Admission. The producer begins iteration k (takes its prompts and queues its tasks behind the
-newest sync) only once version k - max_staleness is released, so nothing it starts can reach
-the learner staler than that. max_staleness = 0 is periodic; 1 is one-step off-policy
-(iteration k is generated with version k - 1 while the learner trains iteration k - 1).
-With max_staleness = 0 the learner also waits in `start_iteration` until every worker has
-loaded the version (the barrier). Dispatch hands a task to the worker with the most room, up to
-`tasks_in_flight` each, and holds tasks back while `queue_size` groups wait for the learner.
-
-Draw order. The prompts come from one stream, in an order that does not depend on timing, so a
-run draws the same prompts each time (and a resumed run those the uninterrupted one drew): the
-extra prompts of iteration k (dynamic sampling, `want`) are drawn after every batch that version
-k's release admits and before any that a later release does, and only once `sync k` is queued,
-so that they are generated with version k. A run resumed from a checkpoint begins at the
-checkpoint's iteration, draws the batches the producer had drawn ahead again (prompts.py) and
-first publishes again the versions that generated them (behaviour.py).
-
-The store. The producer puts each finished group's rows (`GENERATED`, and the reward when the
-workers scored it; otherwise `reward_stage` writes it). `groups()` takes the iteration's whole
-groups with every field for the task "learner", checked against the learner's version by the
-store's staleness rule, as they become ready (stream) or all at once (`stream=False`, sync), and
-clears the iteration once all are taken. A dead worker is replaced by `Recovery`. Any producer,
-worker or reward-stage failure is re-raised in the learner's thread.
+The design in full: docs/internals.md, `cadence/pipeline/producer.py`.
 """
 
 from __future__ import annotations
@@ -42,9 +13,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cadence.backend import Pool, TaskResult, WeightGate, WorkerDied
+from cadence.backend import Pool, TaskResult, WorkerDied
 from cadence.dataplane import GENERATED, LEARNER, Store, StoreClosed, group_rows, record_depths
 from cadence.metrics.trace import Span, Tracer
+from cadence.pipeline.gate import WeightGate
 from cadence.pipeline.recovery import Recovery
 from cadence.types import Group, Prompt
 

@@ -55,7 +55,7 @@ class PromptStream:
     """A task's training examples as prompts, from position `start` of its stream.
 
     The producer draws from it in its own thread while the learner's thread reads its state for
-    a checkpoint, hence the lock. A checkpoint records `resume_state`: where the next example
+    a checkpoint, hence the lock. A checkpoint records `position`: where the next example
     comes from, and where each batch drawn for an iteration not yet trained began (off-policy,
     the producer runs ahead); a stream resumed with those (`replay`) draws those batches again
     first, then goes on where the first one stopped, so it hands out what the uninterrupted
@@ -112,12 +112,11 @@ class PromptStream:
         with self._lock:
             return self._next(self._reader, index)
 
-    def resume_state(self, batches_trained: int) -> dict[str, Any]:
+    def position(self, batches_trained: int) -> tuple[int, list[int]]:
         """For a checkpoint taken once this process has trained `batches_trained` batches: the
         next example's position, and the starts of the batches drawn but not yet trained."""
         with self._lock:
-            pending = self.batch_starts[batches_trained:] + self._replay
-            return {"cursor": self._reader.cursor, "pending_batches": pending}
+            return self._reader.cursor, self.batch_starts[batches_trained:] + self._replay
 
     def _next(self, reader: _Reader, index: int) -> Prompt:
         skipped_in_a_row = 0

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import time
 
-from cadence.backend import Pool, WeightGate, WorkerDied
+from cadence.backend import Pool, WorkerDied
+from cadence.pipeline.gate import WeightGate
 from cadence.types import Group
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
-from cadence.backend import Pool, RewardStage, TaskResult, WeightGate
+from cadence.backend import Pool, RewardStage, TaskResult
 from cadence.dataplane import (
     LEARNER,
     TRAIN,
@@ -29,6 +29,7 @@ from cadence.dataplane import (
 )
 from cadence.metrics.trace import Span, Tracer
 from cadence.pipeline.behaviour import BehaviourPolicies
+from cadence.pipeline.gate import WeightGate
 from cadence.pipeline.oversample import Oversampler
 from cadence.pipeline.producer import Producer, ProducerParams
 from cadence.rollout import RolloutWorker
@@ -46,9 +47,9 @@ class GroupSource(Protocol):
         """What the current iteration measured so far, and the run's counts."""
         ...
 
-    def resume_state(self, iteration: int) -> dict[str, Any]:
-        """What a checkpoint after `iteration - 1` must hold for a run resumed from it to
-        generate what this one will (plain containers and tensors)."""
+    def behaviour_policies(self, iteration: int) -> list[dict[str, Any]]:
+        """What a checkpoint after `iteration - 1` must hold of the versions in flight for a run
+        resumed from it to generate what this one will (plain containers and tensors)."""
         ...
 
     def close(self) -> None: ...
@@ -85,8 +86,8 @@ class ColocatedSource:
     def stats(self) -> SourceStats:
         return replace(self.times, stages={"gen": (1, self._rows)})
 
-    def resume_state(self, iteration: int) -> dict[str, Any]:
-        return {}  # each iteration is generated when the learner reaches it
+    def behaviour_policies(self, iteration: int) -> list[dict[str, Any]]:
+        return []  # each iteration is generated when the learner reaches it
 
     def start_iteration(self, iteration: int, version: int) -> None:
         """Generate the iteration's groups; with dynamic sampling, in rounds: each round draws
@@ -154,7 +155,7 @@ class WorkerSource:
         behaviour: Sequence[dict[str, Any]] = (),
     ) -> None:
         """`params`: the producer's settings (the builder makes them). `behaviour`: the
-        behaviour policies of the checkpoint a run resumes from (`resume_state`), published
+        behaviour policies of the checkpoint a run resumes from (`behaviour_policies`), published
         again before its first iteration (pipeline/behaviour.py)."""
         if params.queue_size and (params.max_staleness > 0 or not stream):
             raise ValueError("pipeline.queue_size must be 0 (unbounded) unless mode is periodic")
@@ -219,8 +220,8 @@ class WorkerSource:
         self._current, self._version = iteration, version
         self.gate.release(version)
 
-    def resume_state(self, iteration: int) -> dict[str, Any]:
-        return {"behaviour_policies": self.behaviour.state(iteration)}
+    def behaviour_policies(self, iteration: int) -> list[dict[str, Any]]:
+        return self.behaviour.state(iteration)
 
     def barrier(self, version: int) -> None:
         """Make `version` reach the workers; with max_staleness = 0, wait until all have it."""

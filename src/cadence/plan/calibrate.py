@@ -1,20 +1,6 @@
 """`cadence plan --calibrate`: this machine's throughput, measured with the real engine and learner.
 
-What is measured, on the model directory and the training config's workload:
-- response lengths and prompt length: the model samples the task's prompts with the config's
-  sampling settings (the empirical distribution the plan then uses), and the reward scores them;
-- decoding: the engine `cadence train` uses (`rollout.engine`) at a few batch sizes with every
-  row forced to the same length (no stop tokens); the time per decode step is fitted as fixed +
-  per sequence x batch, plus per token held in the cache from one longer run, once at the
-  worker's thread count and once at the colocated thread count;
-- training: the `Learner` built as `cadence train` builds it (packing, reference model) on the
-  sampled groups, one micro-batch of a few groups and one of `micro_batch_groups` (the cost of
-  a micro-batch), then all of them (seconds per computed token), and the optimizer step;
-- weight sync: publishing into shared memory and loading back, the local backend's two copies.
-
-On a CPU a "device" of the plan is a core: a worker engine is `threads_per_worker` cores, the
-learner's measured rate is spread over its cores, and TPSPD divides by one machine, as `cadence
-train` reports it. Must not: touch the network, or write anywhere but the directory it is given.
+The design in full: docs/internals.md, `cadence/plan/calibrate.py`.
 """
 
 from __future__ import annotations

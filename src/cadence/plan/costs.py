@@ -1,26 +1,6 @@
 """What each piece of work costs on one device: the planner's throughput model and its formulas.
 
-`Throughput` is the simulation's only view of hardware: seconds per decode step (as a function of
-the batch and the context the KV cache holds), per prefill token, per token the learner computes,
-per optimizer step, per weight sync. It comes either from a calibration run on this machine
-(calibrate.py) or, for other hardware, from peak FLOP rate and memory bandwidth through the
-formulas below (written out with the same symbols in docs/planner.md):
-
-    decode step(b, C) = W / (e_mem BW) + C kv / (e_mem BW) + 2 N b / (e_dec F) + overhead
-    prefill per token = 2 N / (e_pre F)
-    train per token   = (6 N + 6 L h S) (1 + 1/3 if a reference model) / (mfu F)
-    optimizer step    = 16 N / (e_mem BW D_t) + [D_t > 1] 2 W / net_bw        (fsdp)
-                        16 N / (e_mem BW)     + [D_t > 1] 2 W / net_bw        (ddp)
-    FSDP per round    = 3 W (D_t - 1) / D_t / net_bw, hidden behind the round's compute
-    memory per rank   = (16 N + W_frozen) / D_t + 2 W / L   (fsdp);   16 N + W_frozen   (ddp)
-    weight load       = latency + W / sync_bw;   publish = W / (e_mem BW)
-
-N parameters, L layers, h hidden size, W = N x bytes per parameter, kv = 2 L kv_dim x bytes per
-value (keys and values of one token in every layer), b active sequences, C tokens they hold in
-the cache, S = prompt + mean response tokens, D_t training devices (the learner's ranks: each
-trains its own micro-batches of a round, `learner.ranks` in a run), W_frozen the reference's
-weights (when there is one).
-Must not: simulate anything, or import torch.
+The design in full: docs/internals.md, `cadence/plan/costs.py`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """Discrete-event simulation of the cadence pipeline, one mode on one split of the devices.
 
-It follows the pipeline's rules (pipeline/loop.py, producer.py, backend/, docs/planner.md):
-
-- Producer. Iteration k starts (its prompts are queued, behind any earlier iteration's, for the
-  engines) with the newest published policy version v as soon as v >= k - N. N = 0 is the
-  per-iteration barrier of `sync` and `periodic`; `offpolicy` N lets the producer run up to N
-  versions ahead (in steady state exactly N: one-step off-policy for N = 1).
-- Engines, `continuous` batching: each holds up to `slots` sequences; a finished sequence's slot
-  is refilled at once by the next waiting sample (new samples join when the next sequence ends);
-  a group is complete when its G samples are. `static` batching (the local worker backend): an
-  engine takes a task of `prompts_per_task` prompts as one batch (at most `max_num_seqs` rows at a
-  time), finished rows leave the batch, and the task's groups are handed over when it ends.
-  An engine changes weights only when empty: it finishes its older sequences, then loads;
-  with partial rollouts (`Shape.partial`, `pipeline.partial_rollout`) it loads a newer version
-  at its next decode step, its sequences in flight go on under the new weights ("recompute":
-  after re-prefilling their prompts and tokens so far), and newer samples fill its free slots.
-- Learner. Trains iteration k's groups in completion order, `micro_batch_groups` at a time as they
-  arrive (`sync`: only once all are in), takes one optimizer step after the last, then publishes
-  version k+1. With several training devices (the learner's ranks) a micro-batch is a round:
-  its groups are split among the ranks, balanced by tokens (taken as even here), each rank
-  training its share, so `micro_batch_groups` is the round's (the ranks' together).
-
-Time advances from event to event: between two sequence completions an engine's batch is fixed,
-so a whole run of decode steps costs one closed-form expression (costs.Throughput.decode_time).
-Must not: read files, draw random numbers (lengths come in), or know about real hardware.
+The design in full: docs/internals.md, `cadence/plan/sim.py`.
 """
 
 from __future__ import annotations

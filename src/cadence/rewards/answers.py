@@ -1,20 +1,6 @@
 """Which part of a text is its final answer: `reward.answer_format`.
 
-- "hashes": the first line after the last "####" (GSM8K's convention);
-- "boxed": the contents of the last `\\boxed{...}` (or `\\fbox{...}`), nested braces included
-  (MATH's and AIME's convention);
-- "last_number": the last number written;
-- "auto": whichever of "####" and `\\boxed{` comes last in the text, else the whole text (which
-  math-verify then searches itself).
-
-A completion without its format's marker has no answer and scores 0, except under "hashes"
-and "auto", which grade the whole completion then (the long-standing rule of the embedded
-task). A reference is extracted the same way, or else by whichever marker it has, so a worked
-solution (MATH's `solution` column ends in a `\\boxed{}`; GSM8K's in "#### 42") gives its final
-answer whatever format the completions are asked for; a reference without a marker is taken
-whole, as a bare answer column (a number, a fraction, a LaTeX expression) is.
-
-This module is pure string handling: no math-verify, no I/O.
+The design in full: docs/internals.md, `cadence/rewards/answers.py`.
 """
 
 from __future__ import annotations

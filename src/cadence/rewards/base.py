@@ -13,13 +13,13 @@ This module must not import torch or a model library, nor evaluate strings as co
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from cadence.imports import SpecError, load_attribute
 from cadence.rewards.aio import run_awaitable
 from cadence.rewards.calls import call_reward
 from cadence.rewards.timeout import TimedReward
@@ -79,25 +79,16 @@ def _import_reward(spec: str, answer_format: str) -> RewardFn:
             return ReasoningGymReward(answer_format)
         except ImportError as e:
             raise RewardLoadError(f"reward spec {spec!r}: {e}") from None
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise RewardLoadError(
-            f"reward spec {spec!r} must be 'math', 'reasoning_gym' or 'package.module:function'"
-        )
     try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # not found, or its own import failed (a SyntaxError, say)
-        raise RewardLoadError(
-            f"reward spec {spec!r}: cannot import module {module_name!r}: "
-            f"{type(e).__name__}: {e} (is it on PYTHONPATH?)"
-        ) from e
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise RewardLoadError(f"reward spec {spec!r}: module {module_name!r} has no {attr!r}")
+        fn = load_attribute(
+            spec, "reward spec", "'math', 'reasoning_gym' or 'package.module:function'"
+        )
+    except SpecError as e:
+        raise RewardLoadError(str(e)) from e.__cause__
     if isinstance(fn, type) or not callable(fn):
         raise RewardLoadError(
-            f"reward spec {spec!r}: {attr!r} is a {type(fn).__name__}, not a function or a "
-            "callable instance (prompt, completion, answer) -> float"
+            f"reward spec {spec!r}: {spec.partition(':')[2]!r} is a {type(fn).__name__}, not a "
+            "function or a callable instance (prompt, completion, answer) -> float"
         )
     return fn
 

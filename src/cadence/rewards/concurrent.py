@@ -1,36 +1,10 @@
 """Many reward calls at once: `RewardRunner`, the one way the run scores (rollout workers in any
 placement, held-out evaluation, the reward stage).
 
-A reward that waits (a sandbox, a judge, an HTTP verifier) spends its time idle; called one at a
-time, 500 one-second calls take 500 s. The runner keeps up to `concurrency` calls in flight:
-- an `async def` reward is awaited on the process's reward loop (rewards/aio.py);
-- a plain `def` reward runs in a thread of the runner's own, started as needed, so a blocking
-  call (sleep, socket, subprocess) overlaps with the others;
-- at concurrency 1, a plain reward called from a main thread runs right there, one call after
-  another, under `TimedReward`'s SIGALRM deadline: the one deadline that stops a call spinning in
-  Python, and math-verify keeps its own signal-based timeouts there.
-A reward that computes rather than waits (math-verify, reasoning-gym's graders) gains nothing
-from threads under the GIL, and a pathological answer (`\\boxed{9^{9^{9^{9}}}}`) holds the GIL
-for minutes in a thread, stalling the whole process, where math-verify's own alarm stops it in
-5 s in a main thread. Such a reward says so with a `concurrency` attribute of its own (1 for
-`MathReward` and `ReasoningGymReward`), which is its default; any other reward's default is
-`DEFAULT_CONCURRENCY`; `reward.concurrency` overrides both (benchmarks/reward_concurrency.py).
-
-Results come back in the order of the calls, and each is what `safe_reward` makes of that call
-alone (an exception or a non-finite value is 0.0 and an error string), so a deterministic reward
-scores the same at any concurrency.
-
-Every call has its own deadline, `timeout_s` from its start: past it the call scores 0 as a
-`RewardTimeout` error (counted in `reward_errors` and `reward_timeouts`). An async call is
-cancelled. A thread cannot be stopped from outside, so a thread whose call never returns is left
-to it; the runner keeps at most `MAX_STUCK_CALLS` such threads besides its `concurrency` working
-ones, and once that many are stuck a new call waits for one of them to come free and times out
-if none does. A reward that hangs forever therefore holds at most `concurrency +
-MAX_STUCK_CALLS` threads, and the error budget stops a run that keeps timing out. Threads are
-daemons (a stuck one never keeps the process alive) and an idle one ends after `IDLE_EXIT_S`.
-
 An exception that is not an `Exception` (KeyboardInterrupt, SystemExit) is not a score: it
 reaches the caller, as `safe_reward` lets it. This module must not import torch.
+
+The design in full: docs/internals.md, `cadence/rewards/concurrent.py`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Exact-answer math reward, checked by the math-verify library.
 
-Which part of the reference and of the completion is graded is `answer_format`'s choice
-(rewards/answers.py: after the last "####", the last `\\boxed{}`, the last number, or "auto").
-An extracted answer is handed to math-verify as inline LaTeX (`$...$`), so `\\sqrt{2}` and
-`\\frac{1}{2}` parse as they do inside a `\\boxed{}`. When the gold answer is a
-plain number (GSM8K's convention), the prediction is cut down to its last number: math-verify
-evaluates expressions, so "10 + 5" would otherwise be judged equal to 15, and a policy learns to
-restate the question instead of answering it (seen in training). Parsing costs about 0.7 ms and
-answers repeat a lot, so parsed strings are cached.
-
 This module must not hand-write a math checker (math-verify is the verifier) and holds no state
 beyond the parse cache.
+
+The design in full: docs/internals.md, `cadence/rewards/math.py`.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """A learned reward: a local Hugging Face sequence classifier scores (prompt, response) pairs.
 
-The reward-model setup of Asynchronous RLHF (Noukhovitch et al., 2024): the reward is a model
-with its own forward passes, scored in micro-batches as responses arrive rather than a rule
-applied per sample. Any `AutoModelForSequenceClassification` directory works; its score is
-- `num_labels == 1`: the regression head's output, as is;
-- `num_labels == 2`: P(label 1), label 1 meaning "correct": on the 0..1 scale of the rule reward.
-
-Input: the prompt's tokens then the response's, exactly as the policy saw and sampled them (EOS
-included when the policy emitted it). Texts are tokenized the same way: prompt and response
-separately, without special tokens, and EOS appended, as a finished response. Rows are padded on
-the right; a decoder classifier pools its last token that is not padding (when the tokenizer
-pads with EOS, the token before a final EOS). An input longer than the model's positions keeps
-its last `max_length` tokens, where the answer is.
-
 The one stateful reward: it holds a model, so it is imported from here and not from
 `cadence.rewards`, which stays free of torch. It never downloads anything.
+
+The design in full: docs/internals.md, `cadence/rewards/model.py`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """The embedded default's reward model: a tiny classifier trained on the task's own answers.
 
-Positives are the task's reference solutions; negatives are the same solutions with the number
-after the last "####" moved by 1 to 3 (never below zero). Each step takes B/2 examples and their
-negatives; the loss is cross-entropy on the labels (incorrect, correct) plus the pairwise
-Bradley-Terry term -log sigmoid(s+ - s-) on the log-odds of each positive over its own negative
-(the reward-model loss of Ouyang et al., 2022, eq. 1), which points the model at the one place
-where a pair differs. The held-out check scores the task's held-out solutions and their
-negatives: accuracy (P(correct) on the right side of 0.5) and pairwise accuracy (the correct
-solution scored above its negative).
-
-What this learns is whether the final answer agrees with the worked solution above it: enough
-for a reward stage to run in tests and a demo, not a verifier (a solution wrong throughout,
-consistently, looks correct to it). The model is a Llama of a `PRESETS` size with the policy's
-tokenizer, so the stage scores the policy's token ids as they are; it is saved in the Hugging
-Face layout with that tokenizer and `reward_model.json` (the recipe's figures).
+The design in full: docs/internals.md, `cadence/rewards/model_recipe.py`.
 """
 
 from __future__ import annotations

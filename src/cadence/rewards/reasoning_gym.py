@@ -1,17 +1,9 @@
 """The `reasoning_gym` reward: each row scored by its own dataset's `score_answer`.
 
-reasoning-gym's datasets grade their own answers (exact strings, numbers within a tolerance,
-puzzles checked against their rules, partial credit in between), and a row's `metadata` names its
-dataset (`source_dataset`) and holds what the grader needs. This reward takes the completion's
-answer the way reasoning-gym documents it, the last `<answer>...</answer>` (`extract_answer`),
-or with `answer_format` other than "auto" by cadence's own rule (rewards/answers.py: "hashes",
-"boxed", "last_number"), and returns `get_score_answer_fn(source_dataset)(answer, entry)` for the
-entry `{"question": prompt, "answer": reference, "metadata": metadata}`. A completion without the
-marker has no answer (None), which reasoning-gym's graders score 0; an empty reference stands for
-a row without a single oracle answer (None), which its dataset grades from the metadata.
-
 reasoning-gym (1-5 s to import) is imported when the reward is built, in each process that
 scores, never inside a timed call. This module holds no state beyond one grader per dataset.
+
+The design in full: docs/internals.md, `cadence/rewards/reasoning_gym.py`.
 """
 
 from __future__ import annotations

@@ -4,23 +4,7 @@ A reward that never returns (a sleep, a stuck sandbox, a pathological parse) mus
 run. A call past `timeout_s` raises `RewardTimeout`, which `safe_reward` scores 0 as a reward
 error naming the function. How the call is cut depends on the thread:
 
-- **main thread** (the colocated learner, held-out evaluation, worker processes): the call runs
-  where it is, under a SIGALRM timer (`signal.setitimer`) whose handler raises inside it. It costs
-  two system calls, and a reward that uses `signal.alarm` itself (math-verify's own timeouts)
-  keeps working: while its alarm is armed ours is suspended, so each of its calls is bounded by
-  its own limit. A previous SIGALRM handler and timer are restored afterwards.
-- **any other thread** (Ray actors, in-thread test workers), where signals cannot reach: the call
-  runs in a helper thread of the caller's and the caller waits at most `timeout_s`. A helper whose
-  call times out is abandoned (a daemon: it never keeps the process alive) and the next call gets
-  a fresh one; a call that never ends keeps its thread, and its CPU if it spins, until the
-  process exits, and the error budget stops a run whose reward keeps timing out. The hand-off
-  costs about 50-65 us per call on the 2-core machine (`benchmarks/reward_timeout.py`).
-- an **async** reward is awaited on the process's reward loop (rewards/aio.py) and cancelled at
-  the deadline.
-
-`TimedReward` times one call where it is made; the run's scoring goes through `RewardRunner`
-(rewards/concurrent.py), which runs many calls at once and keeps each to the same deadline, with
-the same message and count (`TimeoutLog`). This module must not import torch.
+The design in full: docs/internals.md, `cadence/rewards/timeout.py`.
 """
 
 from __future__ import annotations

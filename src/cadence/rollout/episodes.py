@@ -8,20 +8,7 @@ came out of the engine (`loss_mask` 1); the environment's reply is tokenised onc
 (`loss_mask` 0, log-prob 0.0). Text is never re-tokenised: the trajectory is exactly the token
 sequence the engine saw.
 
-The environment's `step` runs in a thread pool, so while one episode waits on a tool the engine
-decodes the others; each `step()` here collects the replies that are ready, and when the engine
-has nothing to decode it waits briefly on the first reply instead of spinning. An episode ends
-when its environment says so, at the end of a turn that its environment does not read (EOS with
-cadence's call syntax; anything but EOS with a chat template: `Environment.eos_ends_episode`),
-after `budget.max_turns` turns, or when its tokens after the prompt reach
-`budget.max_total_tokens` (a reply that would leave no room for a policy token is not appended).
-However it ended, its `finish` then runs in the pool too (an environment class's reward, an
-instance handed back), and a request's group of G episodes is handed out once all G have
-finished.
-
-An environment may render the prompt itself (a chat template with its tools' schemas, the text
-its `reset` returned: `Episode.prompt_text`): the group is then fed that prompt, tokenised once,
-and the worker trains on it. The G episodes of a prompt must agree on it.
+The design in full: docs/internals.md, `cadence/rollout/episodes.py`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """verifiers episodes inside a rollout worker, against the worker's own engine.
 
-A verifiers environment runs its own rollouts: its harness talks to a model through an
-OpenAI-compatible endpoint, and its training client (`TrainClientConfig`) renders every turn to
-token ids and samples through `POST /inference/v1/generate`, getting token ids and log-probs
-back. Here that endpoint is `cadence serve`'s app over the worker's engine, on a free loopback
-port for the worker's life; the environment runs its episodes on an event loop in a thread of
-its own (inside its `serving()` context: its tool servers and interception); and the worker's
-thread steps the engine (`VerifiersRunner.step`), so the engine is used from one thread, the
-continuous batch holds every episode's turn at once, and the weights never change while an
-episode is in flight (the worker is `busy` until its groups are handed out).
-
-Reproducible: sample j of a prompt is seeded by the worker's `derive_seed` (the run seed, the
-iteration, the prompt's index, j), sent as the request's `seed`, and turn t of that sample is
-sampled with `derive_turn_seed(seed, t)` (the turns of one sample reach the engine in order),
-as cadence's own multi-turn episodes are. Sampling follows the run: temperature, top_p, the
-turn's token limit (`rollout.max_new_tokens`), the stop strings and ids. Token-exact: a trace's
-tokens are what the engine read and sampled (envs/verifiers/env.py turns them into completions).
+The design in full: docs/internals.md, `cadence/rollout/verifiers.py`.
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """A rollout worker: turns (prompts, group_size, version) into complete, scored groups.
 
-It owns an engine and the reward function. Colocated, it runs in the learner's thread on the
-learner's own model; the same class is what worker processes run. Scoring happens here, off the
-learner's critical path once workers are separate, unless a reward stage scores (`reward=None`:
-groups leave unscored, and the producer does not write their reward).
-
-A group's reward calls start the moment its last sample ends, through the reward runner
-(rewards/concurrent.py: up to `reward.concurrency` calls at once, each within its deadline), and
-run while the engine decodes the other groups (at concurrency 1 in a main thread they run right
-away, one after another, as before); groups are handed out in the order they finished, each once
-it is scored, so the order and the values do not depend on how long scoring takes.
-
-Two ways in: `rollout` generates a list of prompts and returns when all are done; `submit` and
-`poll` stream, for a worker process that keeps its engine's slots full across tasks and hands each
-group out the moment it is complete.
-
-Weights and versions. Whoever holds the worker's weights loads new ones when `may_load` says so
-and then tells it (`weights_loaded`). Without partial rollouts that is only while it is idle, so
-every token of a group is of the group's `policy_version`. With them (`PartialRollouts`), new
-weights also arrive between two decode steps: the sequences in flight go on under them, keeping
-the old keys and values or prefilled again (`recompute`), and each token records the version that
-sampled it (`Completion.token_versions`, stamped by the engine; an engine that keeps no versions
-cannot take partial rollouts, and every token of its groups gets the group's version).
-
 With an environment (cadence.envs) each sample is a multi-turn episode (rollout/episodes.py; a
 verifiers environment's own rollouts: rollout/verifiers.py): a group is handed out once its G
 episodes have all ended, so `busy` covers every unfinished episode and weights never change
 inside one. Without one (`env.kind = "single_turn"`) a sample is one response, exactly as before.
 `close` stops what the episodes hold (threads, a verifiers environment's endpoint and servers).
+
+The design in full: docs/internals.md, `cadence/rollout/worker.py`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """`cadence serve`: an OpenAI-compatible HTTP endpoint over a rollout engine (FastAPI + uvicorn).
 
-Routes: POST /v1/chat/completions (chat.py has the schema), POST /inference/v1/generate (token ids
-in and out, vLLM's route that verifiers' training client samples through: generate.py), POST
-/tokenize ({"prompt": text} -> {"tokens": [...], "count": n}, as vLLM's), GET /v1/models (with
-`max_model_len`, as vLLM's), GET /health. Bound to 127.0.0.1 by
-default, where no token is needed; bound anywhere else it needs a token, and with a token every
-request must carry `Authorization: Bearer TOKEN`. Nothing else is listened to or fetched.
-FastAPI and uvicorn are imported here only (the `serve` extra).
-
 One bad request gets an answer of its own and changes nothing for the others: a body over
 `max_body_bytes` or a field out of range is refused (400, saying which and why) before anything
 reaches the engine, a request the engine fails on fails alone (500, engine_loop.py finds it), and
 only an engine that serves no more turns /health and every request to 503. Tokenising, chat
 templates and decoding run on a thread of their own, never on the event loop, so /health and the
 other requests are answered while a long prompt is rendered.
+
+The design in full: docs/internals.md, `cadence/serve/app.py`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """The chat-completions request and response, OpenAI's schema plus token ids.
 
-A request's messages become prompt tokens one of two ways. A model with a chat template renders
-them with it. A model without one (the embedded default) takes the messages' contents in order,
-each tokenised on its own and concatenated, with nothing between them and roles ignored: the
-way a rollout worker builds an episode, prompt, turn and reply tokenised apart. An agent that
-must be token-exact across turns sends `prompt_token_ids` (the previous response's
-`prompt_token_ids` + `token_ids`, then its own reply's tokens, from `/tokenize`): they are used
-as the prompt as they are, and the messages are not rendered.
-
-Every response carries `prompt_token_ids` (top level) and, per choice, `token_ids` (every token
-sampled, a stop string's included) and `logprobs.content` (each sampled token's log-prob under
-the sampling distribution, softmax(logits / temperature)), as vLLM does with
-`return_token_ids`. Choice j is seeded by `seed + j`; without a seed, by a random one.
-
-Every request is checked before it reaches the engine (fields here, the prompt against the
-model's vocabulary and positions in `check_prompt`); what is refused raises `BadRequest`, whose
-message names the field and the fix. Nothing here touches the engine or HTTP.
+The design in full: docs/internals.md, `cadence/serve/chat.py`.
 """
 
 from __future__ import annotations

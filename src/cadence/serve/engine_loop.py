@@ -1,26 +1,13 @@
 """One thread that owns a streaming engine and serves requests from any thread.
 
-`submit(request, params)` returns a `concurrent.futures.Future` of the request's completions.
-An engine decodes with one `SamplingParams` at a time, so requests run in rounds. When the engine
-is idle, the oldest waiting request starts a round with its params, and every waiting request
-that shares them joins it; while the round runs, newcomers with those params join too (continuous
-batching), unless a request with other params is waiting: then nothing more joins, the engine
-drains, and that request starts the next round. None waits forever, and a mix of sampling
-settings still fills the engine's batch.
-
-A failure fails the request that caused it and nothing else. An engine that refuses a request
-in `add` fails that request. A `step()` that raises says only that one of the requests in the
-engine is at fault, and leaves the engine's state unknown, so the loop starts a fresh engine
-(`renew`) and runs those requests again in halves, each half alone, until the one that fails on
-its own is found (sampling is seeded per sample, so a request run again gives the tokens it
-would have given). Meanwhile nothing else is admitted.
-
 The engine is *broken*, and `broken` says why, when the loop thread has died, when no request
 has finished over `max_failures_in_a_row` failed steps (every request fails: the engine, not a
 request, is at fault), when `max_unattributed` failures in a row were not caused by any request
 alone, or when a step fails and there is no `renew` to start a fresh engine. A broken loop fails
 everything in flight and every later request at once, with `EngineBroken`; it never leaves a
 future unanswered.
+
+The design in full: docs/internals.md, `cadence/serve/engine_loop.py`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """Token in, token out: vLLM's `POST /inference/v1/generate`, the route verifiers' training
 client samples through.
 
-The client renders the conversation to token ids itself and sends them with vLLM's sampling
-parameters; the answer carries, per choice, the sampled `token_ids`, the log-prob of each under
-the sampling distribution (`logprobs.content[i] = {"token": "token_id:ID", "logprob": ...}`,
-the form vLLM gives with its tokens-as-ids option, which the client checks token by token) and
-the finish reason, with `prompt_token_ids` at the top. Nothing is detokenised or re-tokenised:
-what the engine sampled is what comes back.
-
-The sampling parameters that change what is sampled are honoured (`temperature`, `top_p`,
-`max_tokens`, `seed`, `n`, `stop`, `stop_token_ids`; stop ids end a completion besides EOS, as
-in vLLM); the rest of vLLM's, such as `skip_special_tokens` or `logprobs` (the sampled token's
-log-prob always comes back), are accepted and change nothing. One a cadence engine cannot do,
-`top_k` or a penalty other than none, is refused by name. Choice j is seeded by `seed + j`.
-Nothing here touches the engine or HTTP.
+The design in full: docs/internals.md, `cadence/serve/generate.py`.
 """
 
 from __future__ import annotations

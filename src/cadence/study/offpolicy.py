@@ -16,6 +16,7 @@ import json
 import time
 from pathlib import Path
 
+from cadence.metrics.tables import markdown_table as table
 from cadence.study.runs import train_or_resume
 
 # study loss name -> config overrides
@@ -120,18 +121,15 @@ def _key(row: dict) -> tuple[str, int, str]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = [
-        "| loss | N | variant | held-out accuracy | reward (last 10%) | KL to reference | TPSPD |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    header = ["loss", "N", "variant", "held-out accuracy", "reward (last 10%)", "KL to reference"]
     order = list(VARIANTS)
+    cells = []
     for r in sorted(rows, key=lambda r: (r["loss"], r["staleness"], order.index(_key(r)[2]))):
         se = f" ± {r['accuracy_se']:.3f}" if r.get("accuracy_se") else ""
-        lines.append(
-            f"| {r['loss']} | {r['staleness']} | {_key(r)[2]} | {r['accuracy']:.3f}{se} | "
-            f"{r['reward']:.3f} | {r['kl']:.4f} | {r['tpspd']:,.0f} |"
-        )
-    return "\n".join(lines) + "\n"
+        accuracy = f"{r['accuracy']:.3f}{se}"
+        row = [r["loss"], r["staleness"], _key(r)[2], accuracy, f"{r['reward']:.3f}"]
+        cells.append([*row, f"{r['kl']:.4f}", f"{r['tpspd']:,.0f}"])
+    return table([*header, "TPSPD"], cells) + "\n"
 
 
 def plot(rows: list[dict], path: Path) -> Path:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cadence.metrics.tables import markdown_table as table
 from cadence.study.runs import train_or_resume
 
 
@@ -86,21 +87,21 @@ def gain_stats(rows: list[dict[str, Any]]) -> tuple[float, float]:
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     n = rows[0]["num_heldout"] if rows else 0
-    lines = [
-        f"| seed | held-out before ({n} problems) | held-out after | gain (points) | "
-        "RL wall time |",
-        "|---|---|---|---|---|",
+    header = ["seed", f"held-out before ({n} problems)", "held-out after", "gain (points)"]
+    cells = [
+        [
+            r["seed"],
+            f"{r['accuracy_before']:.3f} ± {r['accuracy_before_stderr']:.3f}",
+            f"{r['accuracy_after']:.3f} ± {r['accuracy_after_stderr']:.3f}",
+            f"{100 * r['gain']:+.1f}",
+            f"{r['wall_s']:.0f} s",
+        ]
+        for r in sorted(rows, key=lambda r: r["seed"])
     ]
-    for r in sorted(rows, key=lambda r: r["seed"]):
-        lines.append(
-            f"| {r['seed']} | {r['accuracy_before']:.3f} ± {r['accuracy_before_stderr']:.3f} | "
-            f"{r['accuracy_after']:.3f} ± {r['accuracy_after_stderr']:.3f} | "
-            f"{100 * r['gain']:+.1f} | {r['wall_s']:.0f} s |"
-        )
     if rows:
         mean, std = gain_stats(rows)
-        lines.append(f"| mean ± std | | | {100 * mean:+.1f} ± {100 * std:.1f} | |")
-    return "\n".join(lines) + "\n"
+        cells.append(["mean ± std", "", "", f"{100 * mean:+.1f} ± {100 * std:.1f}", ""])
+    return table([*header, "RL wall time"], cells) + "\n"
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> Path:

@@ -1,16 +1,7 @@
 """cadence's `calculator` as a verifiers tool server (a `vf.Toolset`), for environments whose
 tasks give the policy a calculator.
 
-verifiers serves a toolset as an MCP server in a process of its own, started as
-`python -m cadence.envs.verifiers.calculator` (so it needs nothing but cadence and verifiers
-installed); a taskset offers it with
-
-    @classmethod
-    def toolsets(cls, config):
-        return [CalculatorToolset(vf.SharedToolsetConfig())]
-
-Its one tool is named `calculator` (no server prefix), the name a policy warm-started on the
-calculator's demonstrations writes; an expression it refuses comes back as the tool's error.
+The design in full: docs/internals.md, `cadence/envs/verifiers/calculator.py`.
 """
 
 from __future__ import annotations

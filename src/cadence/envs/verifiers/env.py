@@ -1,25 +1,11 @@
 """A verifiers environment seen from cadence: loading it, its tasks as cadence prompts, and its
 finished traces as cadence completions.
 
-`env.factory = "module:function"` names a function that returns a `verifiers.v1.Env` (what a
-verifiers environment package's `load_environment` does). The learner's process reads the env's
-taskset once for the prompt stream (`TasksetTask`); each prompt carries its task's wire data
-(`metadata["verifiers_task"]`, plain JSON, as prime-rl ships a task to its env server), so a
-worker builds the env from the same factory and runs the task without loading any data itself.
-
-A finished trace becomes one `Completion` token for token: its one branch (the tokens the engine
-saw, turn after turn) after the group's prompt, `loss_mask` 1 on the tokens the model sampled
-and 0 on everything the environment wrote (template scaffolding, tool results, user turns),
-behaviour log-probs as the engine returned them (0.0 on environment tokens), and the trace's
-reward (the sum of its weighted rubric rewards). A trace that failed keeps its tokens with
-reward 0 and the failure as its `reward_error` (counted against `reward.max_error_fraction`);
-one that failed before the model spoke, or that forked into several branches (a renderer that
-re-rendered sampled tokens), stops the run with the reason.
+The design in full: docs/internals.md, `cadence/envs/verifiers/env.py`.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterator
 from itertools import islice
 from typing import Any
@@ -28,6 +14,7 @@ import verifiers.v1 as vf
 
 from cadence.data import DataError, Example
 from cadence.data.base import shuffled_epochs
+from cadence.imports import load_attribute
 from cadence.types import Completion, EpisodeStats, Prompt
 
 TASK_KEY = "verifiers_task"  # Prompt.metadata key: the task's wire data
@@ -35,16 +22,9 @@ TASK_KEY = "verifiers_task"  # Prompt.metadata key: the task's wire data
 
 def load_environment(factory: str) -> vf.Env:
     """The environment `factory` ("module:function") returns; its errors name the fix."""
-    module_name, sep, attr = factory.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"env.factory {factory!r} must be 'module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"env.factory {factory!r}: cannot import {module_name!r}: {e}") from e
-    fn = getattr(module, attr, None)
+    fn = load_attribute(factory, "env.factory", "'module:function'")
     if not callable(fn):
-        raise ValueError(f"env.factory {factory!r}: {module_name!r} has no function {attr!r}")
+        raise ValueError(f"env.factory {factory!r}: {factory.partition(':')[2]!r} is no function")
     env = fn()
     if not isinstance(env, vf.Env):
         raise ValueError(

@@ -1,23 +1,7 @@
 """A verifiers harness that runs its chat loop in the rollout's own process: no program to
 install, no subprocess, nothing fetched.
 
-verifiers' own chat harnesses (`null`, `bash`) run their loop as a separate Python program that
-`uv` installs into the rollout's runtime, which needs `uv` and the network. verifiers allows a
-harness to run its loop in-process instead, as long as every model call goes through the
-rollout's interception endpoint (`Harness.launch`'s docstring): then the trace records every
-turn exactly as with a program. `InProcessChatHarness` is that loop: the task's prompt (and
-system prompt), then model turns; each tool call of a turn runs on the task's MCP tool servers
-(a `vf.Toolset`, which verifiers serves itself) and its result is the next message; a turn
-without tool calls ends the run, and so does a context overflow (a budget, not a failure).
-A tool call that fails is a tool message saying so: the model reads what went wrong. Its HTTP
-clients share one TLS context (building one per rollout cost more CPU than the rollout's own
-turns), and it talks to each tool server through one MCP client per rollout (verifiers' chat
-programs retry a failed tool call on a fresh connection; this loop reports it to the model).
-
-A harness is found by verifiers through a top-level module's `__all__` (its id is the module's
-name), so an environment module re-exports it: `from cadence.envs.verifiers import
-InProcessChatHarness` and `__all__ = ["MyTaskset", "InProcessChatHarness"]` make it the
-taskset's default harness.
+The design in full: docs/internals.md, `cadence/envs/verifiers/harness.py`.
 """
 
 from __future__ import annotations

@@ -2,26 +2,7 @@
 own conventions: how verifiers' training client turns messages into token ids and completions
 back into messages.
 
-verifiers' training client renders each turn's messages to token ids itself (a `renderers`
-Renderer) and sends ids to the engine. Its renderers are written for chat models; a model
-without a template gets this one (`TrainClientConfig(renderer=CustomRendererConfig(
-import_path="cadence.envs.verifiers.render.PlainRenderer"))`, chosen by cadence when the
-tokenizer has no chat template). It renders as `cadence serve` and the tool environment do:
-
-- each message's text is tokenised on its own and the pieces are concatenated, roles ignored
-  (no separators, no special tokens): what `cadence serve` does for such a model;
-- an assistant's tool call is `<call>NAME: ARGUMENT</call>` and a tool's reply
-  `<result>TEXT</result>` (envs/syntax.py): a model warm-started on the calculator's
-  demonstrations writes calls verifiers' tools can run;
-- a completion is parsed back the same way: a `<call>` is a tool call whose one string argument
-  fills the tool's first parameter, the text before it is the content;
-- `bridge_to_next_turn` appends the new messages' tokens to the previous prompt and completion
-  unchanged, so a multi-turn trajectory is exactly the tokens the engine saw (one branch, and
-  the sampled tokens are never re-tokenised).
-
-Tool schemas are not rendered: as in the tool environment, the task's prompt says which tools
-there are. This module imports `renderers` (a dependency of verifiers) and nothing of cadence's
-engines or processes.
+The design in full: docs/internals.md, `cadence/envs/verifiers/render.py`.
 """
 
 from __future__ import annotations
