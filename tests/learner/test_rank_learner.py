@@ -128,3 +128,53 @@ def _groups(model, tokenizer, n):
         Prompt(f"p{i}", f"Question: What is {i} + {i}?\nAnswer: ", "#### 0", i) for i in range(n)
     ]
     return worker.rollout(prompts, iteration=0, version=0)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_mixed_precision_ranks_make_the_one_process_mixed_update(
+    model_dir, tokenizer, strategy
+):
+    # bf16 compute, float32 masters: FSDP2's MixedPrecisionPolicy (float32 shards, bf16 passes,
+    # gradients reduced in float32) and DDP's float32 all-reduce into float32 masters against
+    # one process's masters. Each micro-batch is one group on both sides, so every bf16 gradient
+    # is the same; only the order of the float32 sums differs.
+    import torch
+
+    from cadence.learner.precision import Masters
+
+    model = load_model(model_dir)
+    groups = _groups(model, tokenizer, n=4)
+    algo = AlgoParams(max_policy_tokens=10, kl_coef=0.0)
+    params = LearnerParams(lr=1e-3, micro_batch_groups=1)
+    policy = copy.deepcopy(model)
+    one = Learner(
+        policy, params, algo, tokenizer.pad_token_id, masters=Masters.split(policy, torch.bfloat16)
+    )
+    spec = RankSpec(
+        str(model_dir), params, algo, tokenizer.pad_token_id, 2, strategy, dtype="bfloat16"
+    )
+    driver = copy.deepcopy(model).to(torch.bfloat16)
+    ranked = start_local_ranks(spec, driver, "cpu", Tracer())
+    try:
+        for _ in range(2):
+            fresh = score([replace(g, policy_version=one.version) for g in groups], algo)
+            want = one.train_iteration(iter(fresh), len(fresh))
+            got = ranked.train_iteration(iter(fresh), len(fresh))
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    finally:
+        ranked.close()
+    want_params = dict(one.model.named_parameters())
+    got_params = dict(ranked.model.named_parameters())
+    equal = sum(int(torch.eq(got_params[k], w).sum()) for k, w in want_params.items())
+    total = sum(w.numel() for w in want_params.values())
+    assert equal / total > 0.999  # a float32 sum in another order rounds to bf16 alike
+    ulp = max(  # and where it does not, by one bf16 ulp at most
+        ((got_params[k].float() - w.float()).abs() / w.float().abs().clamp(min=1e-30)).max().item()
+        for k, w in want_params.items()
+    )
+    assert ulp <= 2**-7
+    moved = max(
+        (want_params[k].float() - p).abs().max().item() for k, p in model.named_parameters()
+    )
+    assert moved > 1e-4

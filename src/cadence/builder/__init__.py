@@ -45,6 +45,7 @@ from cadence.builder.run import (
     build_scorer,
     build_source,
     build_trainer,
+    load_policy,
     reference_model,
     start_ranks,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "learner_params",
     "learner_threads",
     "learns_from_one_sample",
+    "load_policy",
     "loop_params",
     "make_task",
     "max_prompt_tokens",

@@ -113,6 +113,7 @@ def rank_spec(cfg: Config, pad_id: int) -> RankSpec:
         world_size=cfg.learner.ranks,
         strategy=cfg.learner.strategy,
         dtype=cfg.model.dtype,
+        master_dtype=cfg.learner.master_dtype,
         threads=rank_threads(cfg),
         timeout_s=cfg.pipeline.worker_timeout_s,
     )

@@ -35,6 +35,7 @@ from cadence.dataplane import Store
 from cadence.engine import Engine
 from cadence.learner import Learner, LearnerParams, Scorer, Trainer
 from cadence.learner.driver import RankedLearner, start_local_ranks, start_ray_ranks
+from cadence.learner.precision import Masters, warn_pure_low_precision
 from cadence.metrics import Tracer
 from cadence.models import DTYPES, load_model, load_tokenizer, max_positions
 from cadence.models.lora import AdapterOff, LoraSpec, apply_lora, is_lora, plain_weights
@@ -127,13 +128,8 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     check_before_loading(cfg)
     set_threads(learner_threads(cfg))
     torch.manual_seed(cfg.train.seed)
-    dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
     tokenizer = load_tokenizer(cfg.model.path)
-    model = load_model(cfg.model.path, dtype=dtype, device=device)
-    lora = cfg.model.lora
-    if lora is not None:  # only the adapter trains; the reference is the adapter switched off
-        spec = LoraSpec(lora.r, lora.alpha, lora.dropout, tuple(lora.target_modules))
-        model = apply_lora(model, spec, base_path=cfg.model.path)
+    model, masters = load_policy(cfg)
     tracer = Tracer()
     engine, sync = learner_engine(cfg, model, tokenizer)
     task = make_task(cfg)
@@ -147,7 +143,9 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     evaluator = heldout_evaluator(cfg, model, engine, tokenizer, heldout, sync)
     source = build_source(cfg, model, tokenizer, engine, tracer, stream, resume, sync=sync)
     try:  # after the source: it may start the Ray that learner ranks run in
-        trainer, digest = build_trainer(cfg, model, tokenizer.pad_token_id, tracer, resume)
+        trainer, digest = build_trainer(
+            cfg, model, tokenizer.pad_token_id, tracer, resume, masters=masters
+        )
     except BaseException:
         source.close()
         raise
@@ -168,14 +166,20 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
 
 
 def build_trainer(
-    cfg: Config, model, pad_id: int, tracer: Tracer, resume: Checkpoint | None = None
+    cfg: Config,
+    model,
+    pad_id: int,
+    tracer: Tracer,
+    resume: Checkpoint | None = None,
+    masters: Masters | None = None,
 ) -> tuple[Trainer, str | None]:
     """The run's trainer, restored from `resume` if given, and the identity of the reference
     weights (None without a reference, or when no checkpoint will need it).
 
     One process, or `learner.ranks` ranks (local processes or Ray actors, which start here:
     build the source first, it may start the Ray they run in). `model` is the policy as loaded
-    (LoRA applied), not yet trained or restored: the reference's digest is taken from it."""
+    (LoRA applied), not yet trained or restored: the reference's digest is taken from it;
+    `masters` its float32 masters (`load_policy`)."""
     digest = reference_digest(cfg, model) if resume or cfg.train.checkpoint_every else None
     if resume is not None:  # before any rank starts
         check_sharded(resume, cfg.learner.ranks)
@@ -184,7 +188,7 @@ def build_trainer(
     if cfg.learner.ranks > 1:
         trainer = start_ranks(cfg, model, pad_id, tracer)
     else:
-        trainer = build_learner(cfg, model, pad_id, tracer)
+        trainer = build_learner(cfg, model, pad_id, tracer, masters=masters)
     if resume is not None:
         try:
             restore_trainer(trainer, resume, digest)
@@ -200,11 +204,37 @@ def build_learner(
     pad_id: int,
     tracer: Tracer | None = None,
     params: LearnerParams | None = None,
+    masters: Masters | None = None,
 ) -> Learner:
     """The one-process learner as a run builds it, on `model`, with its reference (see
-    `reference_model`); `params` in place of the config's (a recipe's micro-batching)."""
+    `reference_model`); `params` in place of the config's (a recipe's micro-batching). Mixed
+    precision without `masters` (a recipe that loaded the model itself) upcasts masters from
+    the model's own weights."""
     ref = reference_model(cfg, model)
-    return Learner(model, params or learner_params(cfg), algo_params(cfg), pad_id, ref, tracer)
+    if masters is None and not is_lora(model):
+        masters = Masters.split(model, DTYPES[cfg.model.dtype], DTYPES[cfg.learner.master_dtype])
+    params = params or learner_params(cfg)
+    return Learner(model, params, algo_params(cfg), pad_id, ref, tracer, masters=masters)
+
+
+def load_policy(cfg: Config) -> tuple[torch.nn.Module, Masters | None]:
+    """The policy as a run trains it, on `model.device`, LoRA applied, and its float32 masters
+    when it computes in bf16 (learner.master_dtype): the weights are read in float32 for the
+    masters and cast for the model, which is what the passes, the engines and `final/` read. A
+    LoRA adapter is float32 already (its own master); learner ranks keep their masters sharded
+    (this model only publishes). Pure bf16 (`master_dtype = "bfloat16"`) warns."""
+    m = cfg.model
+    dtype, master = DTYPES[m.dtype], DTYPES[cfg.learner.master_dtype]
+    split = m.lora is None and cfg.learner.ranks == 1 and master != dtype
+    model = load_model(m.path, dtype=master if split else dtype, device=m.device)
+    if m.lora is not None:  # only the adapter trains; the reference is the adapter switched off
+        spec = LoraSpec(m.lora.r, m.lora.alpha, m.lora.dropout, tuple(m.lora.target_modules))
+        model = apply_lora(model, spec, base_path=m.path)
+        if master != torch.float32:  # pure low precision: the adapter too
+            model.to(master)
+    if master == dtype and dtype != torch.float32:
+        warn_pure_low_precision(cfg.learner.master_dtype, cfg.train.lr)
+    return model, Masters.split(model, dtype, master) if split else None
 
 
 def reference_model(cfg: Config, model) -> torch.nn.Module | None:

@@ -188,7 +188,16 @@ def check_broadcast_devices(cfg: Sections) -> None:
         )
 
 
+def check_master_dtype(cfg: Sections) -> None:
+    if cfg.learner.master_dtype == "bfloat16" and cfg.model.dtype != "bfloat16":
+        raise ValueError(
+            "learner.master_dtype = 'bfloat16' keeps bf16 parameters under a bf16 model: it "
+            f"needs model.dtype = 'bfloat16' (got '{cfg.model.dtype}')"
+        )
+
+
 CHECKS = (
+    check_master_dtype,
     check_reasoning_gym_rows,
     check_chat_environments_need_a_chat_template,
     check_correction_needs_sampled_logprobs,

@@ -29,7 +29,9 @@ class ModelConfig(Section):
     path: str = "runs/sft"
     """Local Hugging Face causal-LM directory to train."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype."""
+    """The compute dtype: the learner's passes and every engine's weights. With bfloat16 the
+    optimizer keeps float32 master weights and float32 state (learner.master_dtype), as FSDP2's
+    mixed precision does; a LoRA adapter stays float32 under a bf16 base."""
     device: str = "cpu"
     """Torch device for learner and colocated engine."""
     lora: LoraSettings | None = None

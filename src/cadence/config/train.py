@@ -26,7 +26,13 @@ class TrainConfig(Section):
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Gradient clipping norm."""
     micro_batch_groups: int = Field(4, ge=1)
-    """Groups per forward/backward."""
+    """Groups per forward/backward (when train.micro_batch_tokens is 0)."""
+    micro_batch_tokens: int = Field(0, ge=0)
+    """Micro-batches packed up to this many tokens (each group's prompt once, its responses),
+    instead of micro_batch_groups whole groups: a group over the budget is split across
+    micro-batches by its responses (its prompt repeated in each part), so one group of long
+    responses need not fit one pass; the update is the same. The knob for long responses. 0:
+    off. Pair losses (online_dpo) keep their groups whole."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per iteration."""
     eval_every: int = Field(0, ge=0)
@@ -44,6 +50,24 @@ class TrainConfig(Section):
 
 
 class LearnerConfig(Section):
+    master_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The dtype of the weights the optimizer steps and of its state. float32 (the default): with
+    model.dtype = 'bfloat16' the learner computes in bf16 and steps float32 masters, rounded to
+    bf16 for the passes and the engines (on ranks, FSDP2's MixedPrecisionPolicy, gradients
+    reduced in float32). bfloat16: pure bf16 parameters and Adam state (half the memory), which
+    round away every update smaller than half a bf16 ulp of its weight: a warning names the
+    weights train.lr cannot move. Needs model.dtype = 'bfloat16'."""
+    logits_chunk_tokens: int = Field(1024, ge=0)
+    """Log-probs and entropy are computed from the last hidden states this many response tokens
+    at a time (the vocabulary projection recomputed per chunk in the backward), so no [B, T, V]
+    float32 logits tensor is ever held; 0: the whole micro-batch's logits at once (the old
+    way). A model whose head does more than a linear projection falls back to 0, with a
+    warning."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input during the forward and recompute the layer in the
+    backward (torch.utils.checkpoint, non-reentrant): activation memory falls from every layer's
+    intermediates to one per layer, for about a third more compute. Works with every
+    shared-prompt layout and with LoRA."""
     shared_prompt: bool = True
     """Pack each group as [prompt | r1 | ... | rG] so its prompt is computed once for its G
     responses (same log-probs as the unpacked forward)."""

@@ -32,6 +32,7 @@ from cadence.algo import (
 from cadence.learner.batch import Responses, responses
 from cadence.learner.logprobs import token_logprobs
 from cadence.learner.packing import LAYOUTS, Layout, check_layout
+from cadence.learner.precision import Masters
 from cadence.learner.scorer import Scored
 from cadence.learner.steps import BadSteps, step_chunks
 from cadence.learner.sums import (
@@ -95,6 +96,7 @@ class Learner:
         tracer: Tracer | None = None,
         collective: Collective | None = None,
         track: str = "learner",
+        masters: Masters | None = None,
     ) -> None:
         self.model = model
         self.collective = collective
@@ -112,8 +114,12 @@ class Learner:
             raise ValueError(f"{why} needs a reference model")
         # Built before the layout check runs the model: a forward pass of an FSDP2-sharded model
         # swaps its root's parameters for unsharded ones until the next backward.
+        self.masters = masters  # float32 masters of a bf16 model (learner/precision.py)
+        self.trained = (
+            masters.params if masters else [p for p in model.parameters() if p.requires_grad]
+        )
         self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
+            self.trained,
             lr=params.lr,
             weight_decay=params.weight_decay,
         )
@@ -144,6 +150,7 @@ class Learner:
             "version": self.version,
             "bad_steps_in_a_row": self.bad_steps.in_a_row,
             "optimizer": self.optimizer.state_dict(),
+            "masters": self.masters.state() if self.masters else [],
             "scheduler": self.scheduler.state_dict(),
         }
 
@@ -155,6 +162,8 @@ class Learner:
                 "cannot be read by a single-process learner"
             )
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.masters is not None:
+            self.masters.load(state["masters"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = state["version"]
         self.bad_steps.in_a_row = state["bad_steps_in_a_row"]
@@ -198,6 +207,8 @@ class Learner:
         with self.tracer.span("forward_backward", self.track):
             passes = self._passes(scored)
             (passes.loss * 0.0 if idle else passes.loss).backward()
+            if self.masters is not None:
+                self.masters.collect_grads()
         # before the iteration's first step the policy is the behaviour policy of fresh rows
         first = self._steps_this_iteration == 0
         record_micro_batch(sums, passes, [s.group for s in scored], first, idle)
@@ -294,16 +305,18 @@ class Learner:
             if self.collective is not None:
                 self.collective.reduce_sums(sums)
             norm = self._normaliser(sums)
-            for p in self.model.parameters():
+            for p in self.trained:
                 if p.grad is not None:
                     p.grad.div_(norm)
             grad_norm = scalar(
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.params.max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(self.trained, self.params.max_grad_norm)
             )
             bad = not (math.isfinite(grad_norm) and math.isfinite(sums["loss"]))
             if not bad:
                 self.optimizer.step()
                 self.scheduler.step()
+                if self.masters is not None:
+                    self.masters.publish()
             self.optimizer.zero_grad(set_to_none=True)
             self._steps_this_iteration += 1
         self.bad_steps.count(bad)

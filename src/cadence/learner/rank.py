@@ -18,6 +18,7 @@ import torch
 
 from cadence.algo import AlgoParams, needs_reference
 from cadence.learner.learner import Collective, Learner, LearnerParams
+from cadence.learner.precision import Masters
 from cadence.learner.scorer import Scored
 from cadence.learner.sharded_state import load_sharded, save_sharded
 from cadence.learner.sums import StepSums, peak_memory
@@ -39,7 +40,8 @@ class RankSpec:
     pad_id: int
     world_size: int
     strategy: str = "fsdp"
-    dtype: str = "float32"
+    dtype: str = "float32"  # the compute dtype (model.dtype)
+    master_dtype: str = "float32"  # what the optimizer steps (learner.master_dtype)
     threads: int = 1
     timeout_s: float = 300.0
 
@@ -127,6 +129,7 @@ class RankLearner:
         _init_group(rank, spec, rendezvous, self.device)
         self.tracer = Tracer()
         self.tracer.origin = 0.0  # spans in time.perf_counter() seconds: the driver rebases them
+        self.masters: Masters | None = None  # DDP under mixed precision: float32 masters
         self.model, self.ddp, ref = self._build()
         self.learner = Learner(
             self.model,
@@ -139,23 +142,30 @@ class RankLearner:
                 reduce_sums=self._reduce_sums, forward_model=self.ddp, old_copy=self._frozen
             ),
             track=f"learner-{rank}",
+            masters=self.masters,
         )
         if spec.strategy == "fsdp":  # the layout check's forward left the root unsharded
             self.model.reshard()
         self.sums = StepSums()
 
-    def _load(self) -> torch.nn.Module:
-        return load_model(self.spec.model_path, dtype=DTYPES[self.spec.dtype], device="cpu")
+    def _load(self, dtype: str) -> torch.nn.Module:
+        return load_model(self.spec.model_path, dtype=DTYPES[dtype], device="cpu")
 
     def _build(self) -> tuple[torch.nn.Module, Any, torch.nn.Module | None]:
-        """(policy, its DDP wrapper or None, reference or None)."""
-        model = self._load()
-        algo = self.spec.algo  # a reference exactly when the algorithm needs one
+        """(policy, its DDP wrapper or None, reference or None). The policy is loaded in the
+        master dtype: FSDP2 casts it to the compute dtype for each pass (MixedPrecisionPolicy,
+        gradients reduced in float32); DDP splits float32 masters off a model in the compute
+        dtype, whose gradients it all-reduces in float32 every round."""
+        spec = self.spec
+        model = self._load(spec.master_dtype)
+        algo = spec.algo  # a reference exactly when the algorithm needs one
         ref = self._frozen(model) if needs_reference(algo.loss, algo.kl_coef) else None
-        if self.spec.strategy == "fsdp":
-            return _fully_shard(model, self.device, frozen=False), None, ref
+        if spec.strategy == "fsdp":
+            mixed = (spec.dtype, spec.master_dtype) if spec.dtype != spec.master_dtype else None
+            return _fully_shard(model, self.device, frozen=False, mixed=mixed), None, ref
         from torch.nn.parallel import DistributedDataParallel
 
+        self.masters = Masters.split(model, DTYPES[spec.dtype], DTYPES[spec.master_dtype])
         model.to(self.device)
         cuda = self.device.type == "cuda"
         ddp = DistributedDataParallel(
@@ -167,7 +177,7 @@ class RankLearner:
     def _frozen(self, model: torch.nn.Module) -> torch.nn.Module:
         """A frozen copy as this strategy holds it: the reference, or the old policy (whose
         weights `Learner.begin_iteration` loads from the policy's state dict)."""
-        copy = self._load().requires_grad_(False).eval()
+        copy = self._load(self.spec.dtype).requires_grad_(False).eval()
         if self.spec.strategy == "fsdp":
             return _fully_shard(copy, self.device, frozen=True)
         return copy.to(self.device)
@@ -181,7 +191,9 @@ class RankLearner:
     def train_round(self, groups: list[Scored], step: bool) -> RoundReply:
         """This rank's micro-batch of one round (maybe none), and the optimizer step if the round
         ends one. Returns the step's figures (when stepping), its spans and memory."""
-        last = self.ddp is not None and step
+        # DDP all-reduces only in a step's last round, unless float32 masters take each round's
+        # gradients as it ends (they must be reduced by then)
+        last = self.ddp is not None and (step or self.masters is not None)
         sync = contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync()
         with sync:
             if groups:
@@ -240,7 +252,7 @@ class RankLearner:
                 if self.shared is not None:
                     self.shared[name].copy_(full)
                 else:
-                    out[name] = _to_numpy(full)
+                    out[name] = _to_numpy(full.to(DTYPES[self.spec.dtype]))
         return out if self.rank == 0 and self.shared is None else None
 
     def save(self, path: str) -> dict[str, Any]:
@@ -310,20 +322,30 @@ def _init_group(rank: int, spec: RankSpec, rendezvous: Rendezvous, device: torch
     )
 
 
-def _fully_shard(model: torch.nn.Module, device: torch.device, frozen: bool) -> torch.nn.Module:
+def _fully_shard(
+    model: torch.nn.Module,
+    device: torch.device,
+    frozen: bool,
+    mixed: tuple[str, str] | None = None,
+) -> torch.nn.Module:
     """FSDP2 over each decoder layer and the root, on `device`'s kind, gradients reduced with a
     plain SUM (the learner divides by the global normaliser itself). A frozen copy reshards its
-    root after each forward too: it has no backward to do it."""
+    root after each forward too: it has no backward to do it. `mixed` = (compute, reduce)
+    dtypes: shards kept in the loaded dtype, passes in the compute dtype, gradients reduced in
+    float32 (`MixedPrecisionPolicy`)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy()
+    if mixed is not None:
+        policy = MixedPrecisionPolicy(param_dtype=DTYPES[mixed[0]], reduce_dtype=torch.float32)
     layers = set(getattr(model, "_no_split_modules", None) or ())
     for module in list(model.modules()):
         if type(module).__name__ in layers:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh, reshard_after_forward=True if frozen else None)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True if frozen else None, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -332,11 +354,14 @@ def _fully_shard(model: torch.nn.Module, device: torch.device, frozen: bool) -> 
 
 
 def _sum_gradients(state, bucket):  # unannotated: DDP checks annotations by identity
-    """DDP communication hook: all-reduce with SUM instead of DDP's mean."""
+    """DDP communication hook: all-reduce with SUM instead of DDP's mean, in float32 whatever
+    the gradients' dtype (a bf16 model's are summed in float32, then rounded once)."""
     import torch.distributed as dist
 
-    work = dist.all_reduce(bucket.buffer(), async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    buffer = bucket.buffer()
+    wide = buffer if buffer.dtype == torch.float32 else buffer.float()
+    work = dist.all_reduce(wide, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0].to(buffer.dtype))
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
