@@ -30,8 +30,9 @@ from cadence.algo import (
     token_weights,
 )
 from cadence.learner.batch import Responses, responses
+from cadence.learner.checkpointing import checkpoint_layers
 from cadence.learner.logprobs import token_logprobs
-from cadence.learner.packing import LAYOUTS, Layout, check_layout
+from cadence.learner.packing import LAYOUTS, Layout, check_layout, install_checked_head
 from cadence.learner.precision import Masters
 from cadence.learner.scorer import Scored
 from cadence.learner.steps import BadSteps, step_chunks
@@ -62,6 +63,8 @@ class LearnerParams:
     shared_prompt_impl: str = "prefix"  # "prefix" (prompt K/V reused) or "dense" (4-D mask)
     reuse_old_logprobs: bool = True  # before the first step, old_logprobs = policy's, detached
     max_bad_steps: int = 3  # steps in a row with a non-finite loss or gradient before giving up
+    logits_chunk_tokens: int = 1024  # log-probs this many tokens at a time (0: full logits)
+    activation_checkpointing: bool = False  # recompute each decoder layer in the backward
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,12 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup)
         )
+        if params.activation_checkpointing and collective is None:  # a rank's wrapped already
+            checkpoint_layers(model)
+        if params.logits_chunk_tokens and collective is None:  # a rank's are in place already
+            for m in (model, ref_model):
+                if m is not None:
+                    install_checked_head(m, params.logits_chunk_tokens, pad_id)
         self.layout = choose_layout(model, params, pad_id)
         self.bypass = algo.correction_proximal == "bypass"  # old log-probs: the behaviour ones
         after_a_step = params.mini_batches > 1 or not params.reuse_old_logprobs

@@ -5,12 +5,16 @@ The design in full: docs/internals.md, `cadence/learner/packing.py`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
 from torch import Tensor
+
+from cadence.learner.checkpointing import no_cache, prefix_cache
+from cadence.learner.logprobs import from_logits, install_head, logprob_head, remove_head
 
 # (prompt_ids, [response_ids, ...]) per group: the only thing a layout needs to know
 GroupTokens = tuple[Sequence[int], Sequence[Sequence[int]]]
@@ -23,6 +27,11 @@ class Layout(Protocol):
 
     def logits(self, model: torch.nn.Module) -> Tensor:
         """(B, T, V): row b, column t holds the logits that predict response b's token t."""
+        ...
+
+    def logprobs(self, model: torch.nn.Module, tokens: Tensor, temperature: float) -> Tensor:
+        """(B, T, 2): log-prob and entropy of response b's token t, from the model's
+        `LogprobHead` (learner/logprobs.py), without the full logits."""
         ...
 
 
@@ -60,9 +69,18 @@ class Unpacked(_Movable):
         return cls(ids, attn, pred, int(attn.sum()))
 
     def logits(self, model: torch.nn.Module) -> Tensor:
-        logits = model(input_ids=self.input_ids, attention_mask=self.attention_mask).logits
+        logits = model(
+            input_ids=self.input_ids, attention_mask=self.attention_mask, **no_cache(model)
+        ).logits
         index = self.pred_index[:, :, None].expand(-1, -1, logits.shape[-1])  # (B, T, V)
         return logits.gather(1, index)  # (B, T, V)
+
+    def logprobs(self, model: torch.nn.Module, tokens: Tensor, temperature: float) -> Tensor:
+        rows = torch.arange(len(tokens), device=tokens.device)  # (B,)
+        with logprob_head(model).asking(rows, self.pred_index, tokens, temperature):
+            return model(
+                input_ids=self.input_ids, attention_mask=self.attention_mask, use_cache=False
+            ).logits
 
 
 def shared_prompt_mask(prompt_len: int, response_lens: Sequence[int], width: int) -> Tensor:
@@ -137,8 +155,18 @@ class Dense(_Movable):
             input_ids=self.input_ids,
             attention_mask=self.attention_mask,
             position_ids=self.position_ids,
+            use_cache=False,
         ).logits  # (N, L, V)
         return logits[self.pred_row[:, None], self.pred_col]  # (B, T, V)
+
+    def logprobs(self, model: torch.nn.Module, tokens: Tensor, temperature: float) -> Tensor:
+        with logprob_head(model).asking(self.pred_row, self.pred_col, tokens, temperature):
+            return model(
+                input_ids=self.input_ids,
+                attention_mask=self.attention_mask,
+                position_ids=self.position_ids,
+                use_cache=False,  # nothing to keep; a cache would grow when a layer runs again
+            ).logits  # (B, T, 2)
 
 
 @dataclass
@@ -183,24 +211,41 @@ class Prefix(_Movable):
         )
 
     def logits(self, model: torch.nn.Module) -> Tensor:
-        prompt = model(
+        prompt = self._prompt(model)
+        first = prompt.logits[self.group_index, -1:]  # (B, 1, V) predicts response token 0
+        rest = self._responses(model, prompt.past_key_values).logits  # (B, T, V)
+        return torch.cat([first, rest[:, :-1]], dim=1)  # (B, T, V) position t predicts t+1
+
+    def logprobs(self, model: torch.nn.Module, tokens: Tensor, temperature: float) -> Tensor:
+        head, b, t = logprob_head(model), tokens.shape[0], tokens.shape[1]
+        zeros = torch.zeros((b, 1), dtype=torch.long, device=tokens.device)  # (B, 1)
+        with head.asking(self.group_index, zeros, tokens[:, :1], temperature):
+            prompt = self._prompt(model)  # its one kept position predicts response token 0
+        rows = torch.arange(b, device=tokens.device)  # (B,)
+        cols = torch.arange(t - 1, device=tokens.device).expand(b, -1)  # (B, T-1)
+        with head.asking(rows, cols, tokens[:, 1:], temperature):
+            rest = self._responses(model, prompt.past_key_values).logits  # (B, T-1, 2)
+        return torch.cat([prompt.logits, rest], dim=1)  # (B, T, 2)
+
+    def _prompt(self, model: torch.nn.Module):
+        return model(
             input_ids=self.prompt_ids,
             attention_mask=self.prompt_mask,
             position_ids=self.prompt_positions,
+            past_key_values=prefix_cache(),  # safe under activation checkpointing
             use_cache=True,
             logits_to_keep=1,
         )
-        cache = prompt.past_key_values
-        cache.batch_select_indices(self.group_index)  # repeat each prompt's K/V for its responses
-        first = prompt.logits[self.group_index, -1:]  # (B, 1, V) predicts response token 0
-        rest = model(
+
+    def _responses(self, model: torch.nn.Module, cache):
+        return model(
             input_ids=self.response_ids,
             attention_mask=self.response_mask,
             position_ids=self.response_positions,
-            past_key_values=cache,
+            # each prompt's K/V repeated for its responses, read without keeping theirs
+            past_key_values=cache.for_responses(self.group_index),
             use_cache=True,
-        ).logits  # (B, T, V) position t predicts token t+1
-        return torch.cat([first, rest[:, :-1]], dim=1)  # (B, T, V)
+        )
 
 
 LAYOUTS: dict[str, Callable[[Sequence[GroupTokens], int], Layout]] = {
@@ -243,3 +288,48 @@ def check_layout(model: torch.nn.Module, name: str, pad_id: int) -> str | None:
     if not diff <= tolerance:
         return f"its log-probs differ from the unpacked forward by {diff:.2e} (> {tolerance:g})"
     return None
+
+
+def install_checked_head(model: torch.nn.Module, chunk: int, pad_id: int) -> None:
+    """A `LogprobHead` of `chunk` tokens on `model` (learner/logprobs.py), kept only where its
+    log-probs are the full logits' on a tiny ragged batch; else the model's own head stays, and
+    a warning says why. A model sharing another's head (a LoRA reference) keeps it as is."""
+    if logprob_head(model) is not None:
+        return
+    reason = install_head(model, chunk)
+    if reason is None:
+        reason = _head_differs(model, pad_id)
+        if reason is not None:
+            remove_head(model)
+    if reason is not None:
+        warnings.warn(
+            f"learner.logits_chunk_tokens: log-probs from the full logits for this model "
+            f"({reason}); set learner.logits_chunk_tokens = 0 to silence this",
+            stacklevel=4,
+        )
+
+
+def _head_differs(model: torch.nn.Module, pad_id: int) -> str | None:
+    vocab = model.get_input_embeddings().num_embeddings
+    gen = torch.Generator().manual_seed(1)
+    groups = [([1, 2, 3], [[4, 5], [6, 7, 8]]), ([9, 10], [[11]])]
+    groups = [
+        ([int(i) for i in torch.randint(0, vocab, (len(p),), generator=gen)], rs)
+        for p, rs in groups
+    ]
+    layout = Unpacked.build(groups, pad_id).to(next(model.parameters()).device)
+    tokens = torch.tensor([[4, 5, 0], [6, 7, 8], [11, 0, 0]]) % vocab  # (B, T)
+    tokens = tokens.to(layout.input_ids.device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            want, _ = from_logits(layout.logits(model), tokens, 1.0, False)
+            got = layout.logprobs(model, tokens, 1.0)[..., 0]
+    except Exception as e:
+        return f"its forward failed: {type(e).__name__}: {e}"
+    finally:
+        model.train(was_training)
+    diff = (got - want).abs().max().item()
+    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
+    return None if diff <= tolerance else f"its head's log-probs differ by {diff:.2e}"

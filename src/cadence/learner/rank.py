@@ -17,7 +17,9 @@ import numpy as np
 import torch
 
 from cadence.algo import AlgoParams, needs_reference
+from cadence.learner.checkpointing import checkpoint_layers
 from cadence.learner.learner import Collective, Learner, LearnerParams
+from cadence.learner.packing import install_checked_head
 from cadence.learner.precision import Masters
 from cadence.learner.scorer import Scored
 from cadence.learner.sharded_state import load_sharded, save_sharded
@@ -149,7 +151,14 @@ class RankLearner:
         self.sums = StepSums()
 
     def _load(self, dtype: str) -> torch.nn.Module:
-        return load_model(self.spec.model_path, dtype=DTYPES[dtype], device="cpu")
+        """The model in `dtype`, its layers checkpointed and its `LogprobHead` in place before
+        any sharding (FSDP2 swaps the parameters of the modules it was given)."""
+        model = load_model(self.spec.model_path, dtype=DTYPES[dtype], device="cpu")
+        if self.spec.params.activation_checkpointing:
+            checkpoint_layers(model)
+        if self.spec.params.logits_chunk_tokens:
+            install_checked_head(model, self.spec.params.logits_chunk_tokens, self.spec.pad_id)
+        return model
 
     def _build(self) -> tuple[torch.nn.Module, Any, torch.nn.Module | None]:
         """(policy, its DDP wrapper or None, reference or None). The policy is loaded in the
