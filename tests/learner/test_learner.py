@@ -40,6 +40,35 @@ def test_update_does_not_depend_on_micro_batch_size(model, tokenizer, agg):
     assert changed > 1e-4  # the update itself is not trivially zero
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "seq-sum-norm"])
+@pytest.mark.parametrize("budget", [14, 30])
+def test_update_does_not_depend_on_a_token_budget_that_splits_groups(model, tokenizer, agg, budget):
+    # prompts of about 12 tokens, responses up to 10: a 14-token budget splits every group
+    # into parts of one or two responses, a 30-token budget packs parts of groups together
+    from cadence.learner import score
+    from cadence.learner.steps import cost, token_chunks
+
+    groups = sample_groups(model, tokenizer)
+    chunks = list(token_chunks(score(groups, AlgoParams()), len(groups), 1, budget, False))
+    parts = [s for chunk, _ in chunks for s in chunk]
+    assert len(parts) > len(groups)  # groups were split
+    assert all(sum(map(cost, chunk)) <= budget or len(chunk) == 1 for chunk, _ in chunks)
+    assert [c for s in parts for c in s.group.completions] == [
+        c for g in groups for c in g.completions
+    ]
+    # a pair loss keeps its groups whole: best and worst must meet in one micro-batch
+    whole = token_chunks(score(groups, AlgoParams()), len(groups), 1, budget, True)
+    assert [s.group for chunk, _ in whole for s in chunk] == groups
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    _, la = _learner(a, tokenizer, micro_batch_tokens=budget, loss_agg=agg)
+    _, lb = _learner(b, tokenizer, micro_batch_groups=4, loss_agg=agg)
+    ga, gb = capture_grads(la), capture_grads(lb)
+    stats_a, stats_b = train(la, groups), train(lb, groups)
+    assert stats_a["tokens_computed"] > stats_b["tokens_computed"]  # a part repeats its prompt
+    assert stats_a["num_tokens"] == stats_b["num_tokens"]  # a split group is counted once
+    assert_same_update(a, b, ga[0], gb[0])
+
+
 def test_one_optimizer_step_per_iteration_and_version_advances(model, tokenizer):
     groups = sample_groups(model, tokenizer)
     stats, learner = _train(model, tokenizer, groups)

@@ -178,3 +178,30 @@ def test_two_mixed_precision_ranks_make_the_one_process_mixed_update(
         (want_params[k].float() - p).abs().max().item() for k, p in model.named_parameters()
     )
     assert moved > 1e-4
+
+
+def test_two_ranks_with_a_token_budget_make_the_one_process_update(model_dir, tokenizer):
+    # groups split across micro-batches by a token budget, one packed micro-batch a rank a round
+    model = load_model(model_dir)
+    groups = score(_groups(model, tokenizer, n=4), AlgoParams(max_policy_tokens=10))
+    algo = AlgoParams(max_policy_tokens=10, kl_coef=0.0)
+    one = Learner(
+        copy.deepcopy(model),
+        LearnerParams(lr=1e-3, micro_batch_groups=4),
+        algo,
+        tokenizer.pad_token_id,
+    )
+    grads = capture_grads(one)
+    params = LearnerParams(lr=1e-3, micro_batch_tokens=20)
+    spec = RankSpec(str(model_dir), params, algo, tokenizer.pad_token_id, 2)
+    ranked = start_local_ranks(spec, copy.deepcopy(model), "cpu", Tracer())
+    try:
+        want = one.train_iteration(iter(groups), len(groups))
+        got = ranked.train_iteration(iter(groups), len(groups))
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
+        assert got["tokens_computed"] > want["tokens_computed"]  # groups were split
+    finally:
+        ranked.close()
+    want_params = {k: v.detach() for k, v in one.model.named_parameters()}
+    got_params = {k: v.detach() for k, v in ranked.model.named_parameters()}
+    assert_same_params(got_params, want_params, grads)

@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 
+from cadence.algo import is_pair_loss
 from cadence.backend.ranks import BUILD, LocalRanks, Ranks
 from cadence.learner.learner import LearnerParams
 from cadence.learner.rank import Rank, RankSpec, Rendezvous, RoundReply, build_rank
 from cadence.learner.scorer import Scored
-from cadence.learner.steps import BadSteps, step_chunks
+from cadence.learner.steps import BadSteps, step_chunks, token_chunks
 from cadence.learner.sums import iteration_stats
 from cadence.metrics import TRAIN_SPANS
 from cadence.metrics.trace import Span, Tracer
@@ -111,6 +112,7 @@ class RankedLearner:
         clock_offsets: list[float] | None = None,
         strategy: str = "fsdp",
         on_close: Callable[[], None] | None = None,
+        whole: bool = False,
     ) -> None:
         """Drive the ranks behind `transport`, built already; `model` is the driver's whole
         copy of the policy, `strategy` what the ranks run (recorded in checkpoints), `on_close`
@@ -120,6 +122,7 @@ class RankedLearner:
         self.tracer = tracer or Tracer()
         self.clock_offsets = clock_offsets or [0.0] * self.num_ranks  # rank clock -> ours
         self.strategy, self.on_close = strategy, on_close
+        self.whole = whole  # a pair loss: a token budget never splits a group
         self.version = 0  # policy version: number of iterations trained
         self.bad_steps = BadSteps(params.max_bad_steps)
         self.described = self.ranks.describe()  # per rank: what it holds, its pid
@@ -131,24 +134,38 @@ class RankedLearner:
     def train_iteration(self, scored: Iterable[Scored], num_groups: int) -> dict[str, Any]:
         """Train on `num_groups` scored groups as they come, in rounds; step after each
         mini-batch's last group (learner/steps.py: fewer may come, and what did is trained)."""
-        per_round = self.num_ranks * self.params.micro_batch_groups
         start = self.tracer.now()
         self.ranks.begin(self.version)
         steps: list[dict[str, float]] = []
-        for chunk, ends_step in step_chunks(
-            scored, num_groups, self.params.mini_batches, per_round
-        ):
-            self._round(chunk, step=ends_step, steps=steps)
+        for shares, ends_step in self._rounds(scored, num_groups):
+            self._round(shares, step=ends_step, steps=steps)
         if not steps:
             raise RuntimeError(f"learner got no groups (expected {num_groups})")
         self._publish()
         self.version += 1
         return iteration_stats(steps, self.frozen_copies_bytes) | self._rank_figures(start)
 
-    def _round(self, groups: list[Scored], step: bool, steps: list[dict[str, float]]) -> None:
-        self.ranks.train_round(
-            split_round(groups, self.num_ranks, self.params.micro_batch_groups), step
-        )
+    def _rounds(
+        self, scored: Iterable[Scored], num_groups: int
+    ) -> Iterator[tuple[list[list[Scored]], bool]]:
+        """(each rank's share, ends a step): whole groups balanced by tokens, at most
+        `micro_batch_groups` a rank; or with a token budget one packed micro-batch a rank."""
+        p, n = self.params, self.num_ranks
+        if not p.micro_batch_tokens:
+            per_round = n * p.micro_batch_groups
+            for chunk, ends in step_chunks(scored, num_groups, p.mini_batches, per_round):
+                yield split_round(chunk, n, p.micro_batch_groups), ends
+            return
+        batches: list[list[Scored]] = []
+        chunks = token_chunks(scored, num_groups, p.mini_batches, p.micro_batch_tokens, self.whole)
+        for batch, ends in chunks:
+            batches.append(batch)
+            if len(batches) == n or ends:
+                yield batches + [[] for _ in range(n - len(batches))], ends
+                batches = []
+
+    def _round(self, shares: list[list[Scored]], step: bool, steps: list[dict[str, float]]) -> None:
+        self.ranks.train_round(shares, step)
         if not step:
             self.ranks.poll()  # a failed rank stops the run now, not at the step
             return
@@ -263,6 +280,7 @@ def start_local_ranks(
             tracer,
             strategy=spec.strategy,
             on_close=lambda: shutil.rmtree(folder, ignore_errors=True),
+            whole=is_pair_loss(spec.algo.loss),
         )
     except BaseException:
         ranks.close()
@@ -301,7 +319,10 @@ def start_ray_ranks(
             ranks.call(r, BUILD, rendezvous, device)
         ranks.wait()
         offsets = ranks.clock_offsets()
-        return RankedLearner(ranks, model, spec.params, tracer, offsets, strategy=spec.strategy)
+        whole = is_pair_loss(spec.algo.loss)
+        return RankedLearner(
+            ranks, model, spec.params, tracer, offsets, strategy=spec.strategy, whole=whole
+        )
     except BaseException:
         ranks.close()
         raise

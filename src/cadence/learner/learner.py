@@ -35,7 +35,7 @@ from cadence.learner.logprobs import token_logprobs
 from cadence.learner.packing import LAYOUTS, Layout, check_layout, install_checked_head
 from cadence.learner.precision import Masters
 from cadence.learner.scorer import Scored
-from cadence.learner.steps import BadSteps, step_chunks
+from cadence.learner.steps import BadSteps, micro_batches
 from cadence.learner.sums import (
     Passes,
     StepSums,
@@ -57,6 +57,7 @@ class LearnerParams:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch_groups: int = 4
+    micro_batch_tokens: int = 0  # micro-batches packed up to this many tokens instead (0: off)
     mini_batches: int = 1
     temperature: float = 1.0  # log-probs are of softmax(logits / temperature), as sampled
     shared_prompt: bool = True  # compute each group's prompt once for its G responses
@@ -182,8 +183,16 @@ class Learner:
         mini-batch's last group (learner/steps.py: fewer may come, and what did is trained)."""
         self.begin_iteration()
         sums, steps = StepSums(), []
-        size = self.params.micro_batch_groups
-        for chunk, ends_step in step_chunks(scored, num_groups, self.params.mini_batches, size):
+        p = self.params
+        chunks = micro_batches(
+            scored,
+            num_groups,
+            p.mini_batches,
+            p.micro_batch_groups,
+            p.micro_batch_tokens,
+            self.pair_loss,
+        )
+        for chunk, ends_step in chunks:
             if chunk:
                 self.forward_backward(chunk, sums)
             if ends_step and sums.values:

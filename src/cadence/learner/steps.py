@@ -1,9 +1,10 @@
 """The step skeleton both trainers share: how an iteration's scored groups become micro-batches
 (or rounds of ranks) that never straddle an optimizer step, and the count of skipped steps.
 
-The one-process learner and the sharded driver differ only in what they do with a chunk (one
-micro-batch, or one round split among the ranks); when a step ends, and what happens when fewer
-groups come than announced, is decided here once.
+Micro-batches are `micro_batch_groups` whole groups, or packed up to `micro_batch_tokens` tokens
+(a group's prompt once, its responses), a group over the budget split by its responses. The
+one-process learner and the sharded driver differ only in what they do with a chunk; when a
+step ends, and what happens when fewer groups come than announced, is decided here once.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import TypeVar
+
+from cadence.learner.scorer import Scored
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,6 +43,71 @@ def step_chunks(
             buffer, open_step = [], not end
     if buffer or open_step:
         yield buffer, True
+
+
+def micro_batches(
+    scored: Iterable[Scored],
+    num_groups: int,
+    mini_batches: int,
+    groups: int,
+    tokens: int = 0,
+    whole: bool = False,
+) -> Iterator[tuple[list[Scored], bool]]:
+    """(micro-batch, ends a step): `groups` whole groups (`step_chunks`), or with `tokens` > 0
+    packed up to that many tokens (`token_chunks`)."""
+    if tokens:
+        return token_chunks(scored, num_groups, mini_batches, tokens, whole)
+    return step_chunks(scored, num_groups, mini_batches, groups)
+
+
+def token_chunks(
+    scored: Iterable[Scored], num_groups: int, mini_batches: int, budget: int, whole: bool
+) -> Iterator[tuple[list[Scored], bool]]:
+    """(micro-batch, ends a step) as `step_chunks`, each micro-batch packed up to `budget`
+    tokens (`cost`); a group over the budget goes in parts (`split`) unless `whole` (a pair
+    loss, whose pairs need the whole group), and a part over it alone goes alone."""
+    per_step = math.ceil(num_groups / mini_batches)
+    buffer: list[Scored] = []
+    size, open_step = 0, False
+    for i, group in enumerate(scored, start=1):
+        for part in [group] if whole else split(group, budget):
+            if buffer and size + cost(part) > budget:
+                yield buffer, False
+                buffer, size, open_step = [], 0, True
+            buffer.append(part)
+            size += cost(part)
+        if i % per_step == 0 or i == num_groups:
+            yield buffer, True
+            buffer, size, open_step = [], 0, False
+    if buffer or open_step:
+        yield buffer, True
+
+
+def cost(s: Scored) -> int:
+    """Tokens a micro-batch spends on `s`: its prompt once, its responses."""
+    return len(s.group.prompt_ids) + sum(len(c.token_ids) for c in s.group.completions)
+
+
+def split(s: Scored, budget: int) -> list[Scored]:
+    """`s` in parts of consecutive responses, each with the prompt and within `budget` (a
+    response that does not fit with the prompt is a part alone); `[s]` when it fits whole."""
+    if cost(s) <= budget:
+        return [s]
+    prompt, parts, start, size = len(s.group.prompt_ids), [], 0, 0
+    lengths = [len(c.token_ids) for c in s.group.completions]
+    for j, n in enumerate(lengths):
+        if j > start and prompt + size + n > budget:
+            parts.append(_part(s, start, j))
+            start, size = j, 0
+        size += n
+    parts.append(_part(s, start, len(lengths)))
+    return parts
+
+
+def _part(s: Scored, start: int, end: int) -> Scored:
+    group = replace(s.group, completions=s.group.completions[start:end])
+    cut = slice(start, end)
+    return Scored(group, s.rewards[cut], s.advantages[cut], s.trains[cut])
 
 
 class BadSteps:
