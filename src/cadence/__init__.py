@@ -10,10 +10,22 @@ import signal as _signal
 if _mp.current_process().name.startswith("cadence-"):
     _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
 
-from cadence.config import Config, ConfigError, load_config
 from cadence.types import Completion, Group, Prompt
 
 __version__ = "0.1.0"
+
+_CONFIG = ("Config", "ConfigError", "load_config")
+
+
+def __getattr__(name: str):
+    """The configuration's names, imported when first asked for: its pydantic models need not be
+    loaded to use the learner or the engines (`make gpu-check` runs where pydantic is not)."""
+    if name in _CONFIG:
+        import cadence.config
+
+        return getattr(cadence.config, name)
+    raise AttributeError(f"module 'cadence' has no attribute {name!r}")
+
 
 __all__ = [
     "Completion",

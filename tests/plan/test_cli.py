@@ -42,8 +42,9 @@ def test_plan_on_given_hardware_writes_json_and_png(tmp_path, capsys):
 def test_plan_reads_a_spec_file(tmp_path, capsys):
     spec = tmp_path / "plan.toml"
     spec.write_text(
-        "[cluster]\ndevices = [3]\n[workload]\nprompts_per_iteration = 8\ngroup_size = 2\n"
-        "max_new_tokens = 64\n[workload.response]\nkind = 'uniform'\nlow = 4\nhigh = 64\n"
+        "[cluster]\ndevices = [4]\n[workload]\nprompts_per_iteration = 8\ngroup_size = 2\n"
+        "max_new_tokens = 64\nmicro_batch_tokens = 2048\n"
+        "[workload.response]\nkind = 'uniform'\nlow = 4\nhigh = 64\n"
         "[plan]\niterations = 2\nmodes = ['sync', 'periodic']\n"
     )
     assert main(["plan", str(spec), "--out", str(tmp_path / "out")]) == 0

@@ -17,6 +17,7 @@ SMALL = [
     "workload.group_size=4",
     "workload.max_new_tokens=2048",
     "workload.micro_batch_groups=4",
+    "workload.micro_batch_tokens=2048",
     "workload.response.mean=300",
     "plan.iterations=3",
     "plan.modes=['sync-colocated', 'sync', 'periodic', 'offpolicy-1']",
@@ -31,10 +32,13 @@ def test_recommended_split_maximises_tpspd_over_every_simulated_split():
         assert cluster.recommended.tpspd >= best * (1 - TIE)
         separate = [r for r in cluster.results if r.shape.placement == "separate"]
         # few candidates: every split of every separate mode whose learner fits is simulated (the
-        # 7B model's 137 GB of training state and reference need 2 ranks of 72 GB)
-        assert cluster.min_training_devices == 2
-        assert len(separate) == 3 * (cluster.devices - 2)
-        assert all(r.fits and r.shape.num_training >= 2 for r in separate)
+        # 7B model's 137 GB of training state and reference, and a micro-batch of up to 2,304
+        # tokens (a 256-token prompt and a 2,048-token response alone), checkpointed: 2,304 x
+        # (28 x 3,584 + 0.6 x (8 x 3,584 + 4 x 18,944)) x 2 bytes of activations and 1,024 x
+        # 152,064 x 20 bytes of logits, 3.9 GB, need 3 ranks of 72 GB)
+        assert cluster.min_training_devices == 3
+        assert len(separate) == 3 * (cluster.devices - 3)
+        assert all(r.fits and r.shape.num_training >= 3 for r in separate)
         for label, r in cluster.best.items():
             assert r.tpspd == max(x.tpspd for x in cluster.results if x.shape.label == label)
 
@@ -83,7 +87,7 @@ def test_empirical_lengths_from_a_run(tmp_path):
         None,
         [
             *SMALL,
-            "cluster.devices=[2]",
+            "cluster.devices=[3]",
             "workload.response.kind='empirical'",
             f"workload.response.path='{path}'",
         ],
@@ -115,27 +119,27 @@ def test_bad_input_names_the_key(override, needle):
         plan(load_spec(None, ["workload.max_new_tokens=256", override]))
 
 
-LLAMA_70B = ["model.params=70.6e9", "model.layers=80", "model.hidden=8192", "model.kv_dim=1024"]
+LLAMA_70B = [
+    *("model.params=70.6e9", "model.layers=80", "model.hidden=8192", "model.kv_dim=1024"),
+    *("model.intermediate=28672", "model.vocab=128256"),
+]
 
 
 def test_the_learner_gets_as_many_training_devices_as_its_memory_needs():
     # 16 x 70.6e9 bytes of training state + a 141 GB reference = 1,271 GB; with one gathered layer
-    # and its gradient (3.5 GB), a rank of 72 GB holds 1/19 of it, not 1/18 (74.1 GB)
+    # and its gradient (3.5 GB) and a checkpointed micro-batch of 2,304 tokens (2,304 x (80 x
+    # 8,192 + 0.6 x (8 x 8,192 + 4 x 28,672)) x 2 bytes + 1,024 x 128,256 x 20 bytes of logits =
+    # 6.1 GB), a rank of 72 GB holds 1/21 of it, not 1/20 (73.2 GB)
     result = plan(load_spec(None, [*SMALL, *LLAMA_70B, "cluster.devices=[24]"]))
     cluster = result.clusters[0]
-    assert cluster.min_training_devices == 19
-    assert {r.shape.num_training for r in cluster.results if r.shape.placement == "separate"} == {
-        19,
-        20,
-        21,
-        22,
-        23,
-    }
-    assert cluster.recommended.shape.num_training >= 19 and cluster.recommended.fits
+    assert cluster.min_training_devices == 21
+    separate = {r.shape.num_training for r in cluster.results if r.shape.placement == "separate"}
+    assert separate == {21, 22, 23}
+    assert cluster.recommended.shape.num_training >= 21 and cluster.recommended.fits
     assert any(
-        "at least 19 training devices (fsdp: 74.1 GB per rank on 18" in n for n in result.notes
+        "at least 21 training devices (fsdp: 73.2 GB per rank on 20" in n for n in result.notes
     )
-    with pytest.raises(ConfigError, match=r"the learner does not fit \(ddp: 1,270\.8 GB per rank"):
+    with pytest.raises(ConfigError, match=r"the learner does not fit \(ddp: 1,276\.9 GB per rank"):
         plan(
             load_spec(
                 None, [*SMALL, *LLAMA_70B, "cluster.devices=[24]", "cluster.learner_strategy=ddp"]
@@ -161,3 +165,25 @@ def test_partial_modes_are_planned_next_to_offpolicy():
     assert rows[:3] == ["offpolicy-1", "partial-1", "partial-1-recompute"]
     assert cluster.best["partial-1"].shape.partial == "keep"
     assert cluster.best["partial-1-recompute"].shape.partial == "recompute"
+
+
+def test_the_memory_model_counts_activations_checkpointing_and_logits_chunks():
+    from cadence.plan.costs import ModelShape, activation_memory
+
+    # Qwen2.5-7B's shape in bf16: per token per layer 8 x 3,584 + 4 x 18,944 = 104,448 values
+    m = ModelShape(7.6e9, 28, 3584, 512, 2.0, 18944, 152064)
+    full = activation_memory(m, 1000)
+    assert full == pytest.approx(1000 * 28 * 104448 * 2 + 1000 * 152064 * 4 * 5)
+    chunked = activation_memory(m, 1000, logits_chunk=256)
+    assert full - chunked == pytest.approx((1000 - 256) * 152064 * 20)
+    checkpointed = activation_memory(m, 1000, checkpointing=True, logits_chunk=256)
+    assert checkpointed == pytest.approx(
+        1000 * (28 * 3584 + 0.6 * 104448) * 2 + 256 * 152064 * 20
+    )
+    assert checkpointed < chunked / 5
+    # the planner refuses what only the state would have let through: a long micro-batch, plain
+    base = ["cluster.devices=[16]", "plan.modes=['sync']", "plan.iterations=1"]
+    unplain = ["workload.activation_checkpointing=false", "workload.logits_chunk_tokens=0"]
+    with pytest.raises(ConfigError, match="does not fit"):
+        plan(load_spec(None, [*base, *unplain]))
+    assert plan(load_spec(None, base)).clusters[0].recommended.fits

@@ -93,7 +93,8 @@ class LogprobHead(torch.nn.Module):
         lp, ent = ChunkedLogprobs.apply(
             picked.flatten(0, 1), self.weight, tokens.flatten(), temperature, self.chunk
         )
-        return torch.stack([lp, ent], -1).view(*tokens.shape, 2)  # (B, T, 2)
+        shape = tokens.shape
+        return torch.stack([lp.view(shape), ent.view(shape)], -1)  # (B, T, 2), not a view
 
 
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module:

@@ -16,6 +16,8 @@ class ModelShape:
     hidden: int  # h
     kv_dim: int | None = None  # width of keys (= values) per layer; hidden unless GQA
     bytes_per_param: float = 2.0  # bf16 weights, KV cache and gradients
+    intermediate: int | None = None  # MLP width (i); 4 h unless given
+    vocab: int = 0  # output vocabulary (V): the logits' memory; 0 leaves them out
 
     @property
     def weight_bytes(self) -> float:
@@ -69,6 +71,7 @@ class Throughput:
     layer_bytes: float = 0.0  # one decoder layer's weights: what FSDP gathers at a time
     gather_s: float = 0.0  # all-gathering the whole weights once over the training network
     train_memory_bytes: float = math.inf  # what a training device may hold (no memory model)
+    activation_bytes: float = 0.0  # a micro-batch's activations and logits at their peak
 
     def decode_time(self, active: int, context: float, steps: int) -> float:
         """`steps` decode steps of `active` sequences holding `context` tokens at the start.
@@ -98,12 +101,12 @@ class Throughput:
 
     def rank_memory(self, devices: int, strategy: str = "fsdp") -> float:
         """Bytes one training rank holds: the training state and the frozen reference, sharded
-        over the ranks (FSDP, plus one gathered layer and its gradient) or whole (DDP).
-        Activations are not counted."""
+        over the ranks (FSDP, plus one gathered layer and its gradient) or whole (DDP), and one
+        micro-batch's activations and logits (`activation_memory`)."""
         state = self.train_state_bytes + self.frozen_bytes
         if strategy == "ddp":
-            return state
-        return state / devices + 2 * self.layer_bytes
+            return state + self.activation_bytes
+        return state / devices + 2 * self.layer_bytes + self.activation_bytes
 
     def fits(self, devices: int, strategy: str = "fsdp") -> bool:
         return self.rank_memory(devices, strategy) <= self.train_memory_bytes
@@ -171,11 +174,42 @@ class Profile:
         )
 
 
-def train_flops_per_token(model: ModelShape, seq_tokens: float, reference_model: bool) -> float:
-    """Forward + backward (3 x forward) FLOPs per token, plus a no-grad reference forward."""
+# A micro-batch's memory, per token, fitted to a learner's measured peak (benchmarks/
+# plan_memory.py: two sdpa Llamas on the CPU, each within 10% of it; docs/planner.md): a decoder
+# layer keeps about 8 x hidden (norms, attention inputs and output, residuals) + 4 x
+# intermediate (the gated MLP) values; the output projection about 5 float32 [rows, V] tensors
+# (logits, their softmax, gradients); checkpointed, a layer run again in the backward holds
+# about 0.6 of its values at the worst moment (they are consumed as they are made)
+ACT_PER_HIDDEN, ACT_PER_INTERMEDIATE = 8, 4
+LOGITS_COPIES = 5
+RECOMPUTED = 0.6
+
+
+def activation_memory(
+    model: ModelShape, tokens: float, checkpointing: bool = False, logits_chunk: int = 0
+) -> float:
+    """Peak bytes one micro-batch of `tokens` tokens adds in its forward and backward, in the
+    model's compute dtype: every decoder layer's saved values (with `checkpointing`: each
+    layer's input, and part of one layer's values while it runs again), and the output projection's
+    float32 logits: of every token, or of `logits_chunk` tokens at a time."""
+    inter = model.intermediate or 4 * model.hidden
+    one_layer = tokens * (ACT_PER_HIDDEN * model.hidden + ACT_PER_INTERMEDIATE * inter)
+    if checkpointing:
+        values = tokens * model.layers * model.hidden + RECOMPUTED * one_layer
+    else:
+        values = model.layers * one_layer
+    rows = min(tokens, logits_chunk) if logits_chunk else tokens
+    return values * model.bytes_per_param + rows * model.vocab * 4 * LOGITS_COPIES
+
+
+def train_flops_per_token(
+    model: ModelShape, seq_tokens: float, reference_model: bool, checkpointing: bool = False
+) -> float:
+    """Forward + backward (3 x forward) FLOPs per token, plus a no-grad reference forward, plus
+    the forward run again under activation checkpointing."""
     # attention: 4 h FLOPs per token of context per layer, and the mean context is S / 2
     forward = 2 * model.params + 2 * model.layers * model.hidden * seq_tokens
-    return forward * (3 + (1 if reference_model else 0))
+    return forward * (3 + (1 if reference_model else 0) + (1 if checkpointing else 0))
 
 
 def from_hardware(
@@ -185,6 +219,9 @@ def from_hardware(
     seq_tokens: float,
     reference_model: bool,
     engine_devices: int = 1,
+    micro_batch_tokens: float = 0.0,
+    checkpointing: bool = False,
+    logits_chunk: int = 0,
 ) -> Profile:
     """Throughput of `device` for `model` from its peak rates (the formulas in the docstring)."""
     f, bw = device.flops, device.mem_bw * device.mem_efficiency
@@ -196,7 +233,7 @@ def from_hardware(
         decode_per_seq_s=2 * model.params / (tp * device.decode_efficiency * f),
         decode_per_ctx_token_s=model.kv_bytes_per_token / (tp * bw),
         prefill_per_token_s=2 * model.params / (tp * device.prefill_efficiency * f),
-        train_per_token_s=train_flops_per_token(model, seq_tokens, reference_model)
+        train_per_token_s=train_flops_per_token(model, seq_tokens, reference_model, checkpointing)
         / (device.train_mfu * f),
         optimizer_update_s=16 * model.params / bw,
         allreduce_s=2 * w / device.network_bw,
@@ -209,6 +246,7 @@ def from_hardware(
         layer_bytes=w / model.layers,
         gather_s=w / device.network_bw,
         train_memory_bytes=device.memory_bytes * device.train_memory_fraction,
+        activation_bytes=activation_memory(model, micro_batch_tokens, checkpointing, logits_chunk),
     )
     colocated = replace(base, publish_s=0.0, load_s=w / bw)  # reshard in place: one local copy
     return Profile(

@@ -106,14 +106,29 @@ def load_profile(spec: PlanSpec, mean_response: float) -> Profile:
         kv_memory_fraction=hw.kv_memory_fraction,
         train_memory_fraction=hw.train_memory_fraction,
     )
-    shape = ModelShape(m.params, m.layers, m.hidden, m.kv_dim, m.bytes_per_param)
+    shape = ModelShape(
+        m.params, m.layers, m.hidden, m.kv_dim, m.bytes_per_param, m.intermediate, m.vocab
+    )
     return from_hardware(
         shape,
         device,
         seq_tokens=w.prompt_tokens + mean_response,
         reference_model=w.reference_model,
         engine_devices=spec.cluster.engine_devices,
+        micro_batch_tokens=micro_batch_tokens(w),
+        checkpointing=w.activation_checkpointing,
+        logits_chunk=w.logits_chunk_tokens,
     )
+
+
+def micro_batch_tokens(w) -> int:
+    """The tokens of the longest micro-batch: the budget (a part of one response over it goes
+    alone: a prompt and a response of the cap), or whole groups of responses of the cap (each
+    prompt once when the learner shares it)."""
+    if w.micro_batch_tokens:
+        return max(w.micro_batch_tokens, w.prompt_tokens + w.max_new_tokens)
+    prompts = 1 if w.shared_prompt else w.group_size
+    return w.micro_batch_groups * (prompts * w.prompt_tokens + w.group_size * w.max_new_tokens)
 
 
 def workload(spec: PlanSpec) -> Workload:

@@ -43,7 +43,8 @@ def cluster_table(result: PlanResult, cluster: ClusterPlan) -> Table:
         f"{result.spec.workload.group_size}, responses {result.lengths.describe()}",
         caption=f"x base: TPSPD over {base.shape.label}'s; * recommended; busy: fraction of "
         "wall time; slot use: active sequences / engine slots; GB / rank: training state a "
-        f"learner rank holds ({result.spec.cluster.learner_strategy}, activations not counted)",
+        f"learner rank holds ({result.spec.cluster.learner_strategy}), with one micro-batch's "
+        "activations and logits",
     )
     for name in ["mode", "inference + training", "s / iter", "TPSPD", "x base"]:
         table.add_column(name, justify="left" if name == "mode" else "right", no_wrap=True)
@@ -77,7 +78,7 @@ def recommendation(cluster: ClusterPlan) -> str:
     return (
         f"{cluster.devices} devices: recommended {r.shape.label} with {where}: "
         f"TPSPD {r.tpspd:,.0f}, {r.wall_s:,.2f} s per iteration; "
-        f"{r.rank_memory_bytes / 1e9:,.1f} GB of training state per learner rank"
+        f"{r.rank_memory_bytes / 1e9:,.1f} GB per learner rank (state, activations, logits)"
     )
 
 

@@ -29,6 +29,10 @@ class ModelSpec(_Section):
         512, ge=1, description="Key (= value) width per layer; hidden unless grouped-query."
     )
     bytes_per_param: float = Field(2.0, gt=0, description="Bytes per weight and KV value.")
+    intermediate: int | None = Field(
+        18944, ge=1, description="MLP width (i): activation memory; unset: 4 x hidden."
+    )
+    vocab: int = Field(152064, ge=0, description="Output vocabulary (V): the logits' memory.")
 
 
 class ResponseSpec(_Section):
@@ -59,6 +63,21 @@ class WorkloadSpec(_Section):
     prompt_tokens: int = Field(256, ge=1, description="Prompt length in tokens (P).")
     max_new_tokens: int = Field(8192, ge=1, description="Longest response: lengths are capped.")
     micro_batch_groups: int = Field(32, ge=1, description="Groups per forward/backward.")
+    micro_batch_tokens: int = Field(
+        16384,
+        ge=0,
+        description="Tokens per forward/backward (train.micro_batch_tokens); 0: "
+        "micro_batch_groups whole groups, each its prompt and G responses of max_new_tokens "
+        "(the longest micro-batch: what memory must hold).",
+    )
+    activation_checkpointing: bool = Field(
+        True,
+        description="learner.activation_checkpointing: one saved input per layer, each layer "
+        "run again in the backward (a third more training compute).",
+    )
+    logits_chunk_tokens: int = Field(
+        1024, ge=0, description="learner.logits_chunk_tokens: logits held for this many tokens."
+    )
     shared_prompt: bool = Field(True, description="Learner computes each prompt once per group.")
     reference_model: bool = Field(True, description="A frozen reference forward (KL term).")
     response: ResponseSpec = Field(default_factory=ResponseSpec)
@@ -89,8 +108,9 @@ class HardwareSpec(_Section):
         0.9,
         gt=0,
         le=1,
-        description="Fraction of memory a training rank's state (weights, gradients, optimizer "
-        "state, frozen reference) may fill; the rest is left to activations.",
+        description="Fraction of memory a training rank may fill: its state (weights, "
+        "gradients, optimizer state, frozen reference) and one micro-batch's activations and "
+        "logits; the rest is left to the allocator's slack.",
     )
 
 

@@ -1,0 +1,123 @@
+"""The planner's memory model against a learner's measured peak, at two model sizes.
+
+`cadence plan` counts, per training rank, the training state and one micro-batch's activations
+and logits (`plan.costs.activation_memory`). This measures, for two random-init Llamas of
+different widths and depths in float32 on the CPU, the peak resident memory one micro-batch's
+forward and backward adds (peak RSS less the RSS just before; each variant in a process of its
+own), with and without activation checkpointing and chunked log-probs, and sets it beside what
+the model predicts for the same micro-batch: its activations and logits, and the gradients the
+backward allocates (4 bytes a parameter). Written to plan_memory.json and .md in `--out`.
+
+    .venv/bin/python benchmarks/plan_memory.py [--out runs/plan-memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+SIZES = {  # name -> (hidden, intermediate, layers, heads, vocab)
+    "h512-L8": (512, 1376, 8, 8, 16384),
+    "h1024-L6": (1024, 2752, 6, 16, 32768),
+}
+VARIANTS = {"full logits": (0, False), "chunked": (256, False), "chunked + ckpt": (256, True)}
+# glibc returns every block of 64 KiB or more to the system when freed, so the resident set is
+# what is live (its default threshold grows, and freed tensors would stay counted)
+ENV = os.environ | {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+SEQUENCES, PROMPT, RESPONSE = 8, 64, 448  # one micro-batch: 8 groups of 1 x (64 + 448) tokens
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def child(size: str, chunk: int, ckpt: bool) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cadence.algo import AlgoParams
+    from cadence.bench.shared_prompt import synthetic_groups
+    from cadence.learner import Learner, LearnerParams, StepSums, score
+
+    torch.set_num_threads(2)
+    h, i, layers, heads, vocab = SIZES[size]
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=i,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    params = LearnerParams(
+        micro_batch_groups=SEQUENCES,
+        logits_chunk_tokens=chunk,
+        activation_checkpointing=ckpt,
+        shared_prompt=False,
+    )
+    algo = AlgoParams(max_policy_tokens=RESPONSE, kl_coef=0.0)
+    learner = Learner(model, params, algo, 0)
+    groups = score(synthetic_groups(vocab, SEQUENCES, PROMPT, RESPONSE, 2)[:SEQUENCES], algo)
+    learner.begin_iteration()
+    before = rss_mb()
+    learner.forward_backward(groups, StepSums())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    n = sum(p.numel() for p in model.parameters())
+    return {"added_mb": peak - before, "params": n, "tokens": sum(g.num_tokens for g in groups)}
+
+
+def predicted_mb(size: str, tokens: int, params: int, chunk: int, ckpt: bool) -> float:
+    from cadence.plan.costs import ModelShape, activation_memory
+
+    h, i, layers, _, vocab = SIZES[size]
+    shape = ModelShape(params, layers, h, h, 4.0, i, vocab)  # float32: 4 bytes a value
+    return (activation_memory(shape, tokens, ckpt, chunk) + 4 * params) / 2**20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/plan-memory")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        size, chunk, ckpt = args.child
+        print(json.dumps(child(size, int(chunk), ckpt == "1")))
+        return
+    rows = []
+    for size in SIZES:
+        for name, (chunk, ckpt) in VARIANTS.items():
+            cmd = [sys.executable, __file__, "--child", size, str(chunk), "1" if ckpt else "0"]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=ENV).stdout
+            got = json.loads(out.strip().splitlines()[-1])
+            want = predicted_mb(size, got["tokens"], got["params"], chunk, ckpt)
+            row = {"size": size, "variant": name, "measured_mb": got["added_mb"]}
+            row |= {"predicted_mb": want, "ratio": want / got["added_mb"], "tokens": got["tokens"]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan_memory.json").write_text(json.dumps(rows, indent=2) + "\n")
+    lines = [
+        "| model | variant | measured MB | planner MB | planner / measured |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {r['size']} | {r['variant']} | {r['measured_mb']:,.0f} | {r['predicted_mb']:,.0f} "
+            f"| {r['ratio']:.2f} |"
+            for r in rows
+        ),
+    ]
+    (out / "plan_memory.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
