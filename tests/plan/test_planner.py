@@ -177,9 +177,7 @@ def test_the_memory_model_counts_activations_checkpointing_and_logits_chunks():
     chunked = activation_memory(m, 1000, logits_chunk=256)
     assert full - chunked == pytest.approx((1000 - 256) * 152064 * 20)
     checkpointed = activation_memory(m, 1000, checkpointing=True, logits_chunk=256)
-    assert checkpointed == pytest.approx(
-        1000 * (28 * 3584 + 0.6 * 104448) * 2 + 256 * 152064 * 20
-    )
+    assert checkpointed == pytest.approx(1000 * (28 * 3584 + 0.6 * 104448) * 2 + 256 * 152064 * 20)
     assert checkpointed < chunked / 5
     # the planner refuses what only the state would have let through: a long micro-batch, plain
     base = ["cluster.devices=[16]", "plan.modes=['sync']", "plan.iterations=1"]
