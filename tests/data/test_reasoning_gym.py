@@ -135,6 +135,30 @@ def test_reward_is_the_rows_own_score_answer() -> None:
     assert reward("q", f"<answer>+{answer}.0</answer>", answer, metadata=metadata) == 1.0
 
 
+@pytest.mark.parametrize(
+    "name, config, wrong",
+    [
+        # 6 decimal places and 8 significant digits: an answer off by 8e-4 is wrong; the
+        # default grader (fewer digits) called it right
+        (
+            "decimal_arithmetic",
+            {"min_num_decimal_places": 6, "max_num_decimal_places": 6, "precision": 8},
+            lambda a: str(float(a) + 8e-4),
+        ),
+        # 5-letter words: the default grader's word list (4 letters) raised KeyError 5 on every row
+        ("word_ladder", {"min_word_length": 5, "max_word_length": 5}, lambda a: "NOT,A,LADDER"),
+    ],
+)
+def test_each_row_is_graded_by_the_dataset_as_configured(name, config, wrong) -> None:
+    task = ReasoningGymTask([DatasetChoice(name, 1.0, config)], size=20, seed=1, num_heldout=2)
+    reward = ReasoningGymReward()
+    for row in islice(task.train_iter(), 3):
+        right = f"<answer>{row.answer}</answer>"
+        assert reward(row.question, right, row.answer, metadata=row.metadata) == 1.0
+        bad = f"<answer>{wrong(row.answer)}</answer>"
+        assert reward(row.question, bad, row.answer, metadata=row.metadata) == 0.0
+
+
 def test_reward_partial_credit_is_the_datasets_own() -> None:
     row = reasoning_gym.create_dataset("basic_arithmetic", seed=2, size=1)[0]
     grader = reasoning_gym.get_score_answer_fn("basic_arithmetic")

@@ -101,6 +101,9 @@ def system_prompt(developer_prompt: str | None) -> str | None:
     return SYSTEM_PROMPTS.get(developer_prompt, developer_prompt)
 
 
+CONFIG_KEY = "cadence_dataset_config"  # a row's metadata: its dataset's configured settings
+
+
 def heldout_mix_seed(heldout_seed: int) -> int:
     """The held-out mix's seed: hashed, so no small training seed lies within a mix's size."""
     return stable_seed(f"reasoning_gym:heldout:{heldout_seed}") % _SEEDS
@@ -113,7 +116,11 @@ def draw_rows(choices: Sequence[DatasetChoice], size: int, seed: int) -> list[di
 
     specs = [DatasetSpec(c.name, c.weight, dict(c.config)) for c in choices]
     mix = CompositeDataset(CompositeConfig(size=size, seed=seed, datasets=specs))
-    return [mix[i] for i in range(size)]
+    configs = {c.name: dict(c.config) for c in choices}
+    rows = [mix[i] for i in range(size)]
+    for row in rows:  # what the grader needs to be the configured dataset's (rewards/)
+        row["metadata"][CONFIG_KEY] = configs[row["metadata"]["source_dataset"]]
+    return rows
 
 
 def to_example(row: dict[str, Any], system: str | None = None) -> Example:
