@@ -256,3 +256,12 @@ def test_one_at_a_time_in_the_main_thread_a_spinning_call_is_stopped_not_left_ru
     assert runner.num_timeouts == 3
     assert runner.stuck == 0 and threads() <= before  # nothing left spinning (earlier tests'
     # bounded threads may end meanwhile)
+
+
+def test_a_rewards_own_concurrency_is_kept_by_as_runner():
+    # before: as_runner gave every plain reward 32 calls at once, MathReward's declared 1 too
+    from cadence.rewards import MathReward
+
+    assert as_runner(MathReward()).concurrency == 1
+    assert as_runner(lambda p, c, a: 1.0).concurrency == 32
+    assert as_runner(MathReward(), concurrency=4).concurrency == 4

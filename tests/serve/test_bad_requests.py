@@ -194,3 +194,35 @@ def test_tokenising_does_not_block_the_event_loop(tiny, make_server, start_serve
             tokenizer.release.set()
             thread.join(WAIT_S)
         assert slow["reply"].status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "reason"),
+    [
+        # a lone surrogate: before, the tokenizer raised and the answer was 500
+        ("/chat/completions", _valid(messages=[{"role": "user", "content": "\ud800"}]), "Unicode"),
+        ("/tokenize", {"prompt": "2 + \ud800"}, "prompt: not valid Unicode"),
+        # an empty stop string: before, accepted, and every completion stopped after one token
+        ("/chat/completions", _valid(stop=[""]), "a stop string must not be empty"),
+        ("/chat/completions", _valid(stop=""), "a stop string must not be empty"),
+    ],
+)
+def test_unusable_text_is_refused_with_400_naming_the_field(served, path, body, reason):
+    url, _, _ = served
+    # json.dumps keeps a lone surrogate as the escape "\ud800", as a client sends it
+    reply = httpx.post(
+        f"{url}{path}" if path.startswith("/chat") else f"{url[:-3]}{path}",
+        content=json.dumps(body),
+        headers=AUTH | {"content-type": "application/json"},
+        timeout=WAIT_S,
+    )
+    assert reply.status_code == 400, reply.text
+    assert reason in _message(reply)
+    assert _chat(url, _valid()).status_code == 200
+
+
+def test_an_empty_stop_string_in_a_config_is_refused():
+    from cadence.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="empty stop string"):
+        load_config(None, ["rollout.stop=['']"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from cadence.config.base import Section
 
@@ -82,6 +82,13 @@ class RolloutConfig(Section):
     needs the 'vllm' extra (docs/engines.md)."""
     vllm: VLLMConfig = Field(default_factory=lambda: VLLMConfig())
     """engine 'vllm': its settings."""
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: list[str]) -> list[str]:
+        if "" in stop:
+            raise ValueError("an empty stop string would end every response after one token")
+        return stop
 
     @model_validator(mode="after")
     def _vllm_keys_for_vllm(self) -> RolloutConfig:

@@ -250,11 +250,10 @@ class RewardRunner:
             self.stuck -= 1
 
 
-def as_runner(
-    reward: RewardFn | RewardRunner, concurrency: int = DEFAULT_CONCURRENCY
-) -> RewardRunner:
+def as_runner(reward: RewardFn | RewardRunner, concurrency: int | None = None) -> RewardRunner:
     """`reward` as a runner: itself if it is one; a `TimedReward`'s function under its deadline;
-    any other reward function with no deadline."""
+    any other reward function with no deadline. `concurrency` None: the reward's own
+    (`default_concurrency`: MathReward's 1, else 32)."""
     if isinstance(reward, RewardRunner):
         return reward
     if isinstance(reward, TimedReward):

@@ -24,7 +24,15 @@ from functools import partial
 from typing import Any, TypeVar
 
 from cadence.engine import Request, SamplingParams
-from cadence.serve.chat import BadRequest, ChatRequest, Limits, check_prompt, render, response
+from cadence.serve.chat import (
+    BadRequest,
+    ChatRequest,
+    Limits,
+    check_prompt,
+    check_text,
+    render,
+    response,
+)
 from cadence.serve.engine_loop import EngineBroken, EngineLoop, RequestFailed
 from cadence.serve.generate import GenerateRequest, generate_response
 
@@ -241,7 +249,7 @@ def make_app(server: Server, token: str | None = None):
         text = body.get("prompt")
         if not isinstance(text, str):
             raise BadRequest("tokenize: send {'prompt': TEXT}")
-        tokens = await server.off_loop(server.encode, text)
+        tokens = await server.off_loop(server.encode, check_text(text, "prompt"))
         return {"tokens": tokens, "count": len(tokens), "max_model_len": server.max_positions}
 
     @app.get("/v1/models")

@@ -33,11 +33,57 @@ class Limits:
     max_tokens: int
 
 
+def check_text(text: str, field: str) -> str:
+    """`text` if it is valid Unicode (a lone surrogate such as "\\ud800" is not, and no tokenizer
+    takes it): a BadRequest naming `field` otherwise."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{field}: not valid Unicode text ({e.reason} at {e.start})") from None
+    return text
+
+
+class Sampling(BaseModel):
+    """The sampling fields both request schemas share (chat completions, vLLM's generate)."""
+
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=64)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_too_small(cls, t: float) -> float:
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {t}")
+        return t
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_are_text(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        for s in [stop] if isinstance(stop, str) else stop or []:
+            if not s:
+                raise ValueError("a stop string must not be empty (it would stop every response)")
+            check_text(s, "stop")
+        return stop
+
+    @property
+    def stops(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _valid_text(cls, content):
+        if isinstance(content, str):
+            check_text(content, "messages.content")
+        return content
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -48,7 +94,7 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(Sampling):
     """What /v1/chat/completions accepts; unknown OpenAI fields are ignored, unsupported values
     of known ones are refused by name."""
 
@@ -58,28 +104,13 @@ class ChatRequest(BaseModel):
     messages: list[ChatMessage] = Field(default_factory=list)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=64)
     seed: int | None = Field(None, ge=0, lt=2**62)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     stream: Literal[False] = False
     logprobs: bool | None = None  # accepted; log-probs are always returned
     top_logprobs: Literal[0] | None = None
     prompt_token_ids: list[StrictInt] | None = None  # cadence: the prompt, exactly
     return_token_ids: bool | None = None  # vLLM's flag: accepted; token ids are always returned
     include_stop_str_in_output: bool = False  # vLLM's flag: keep the stop string in `content`
-
-    @field_validator("temperature")
-    @classmethod
-    def _not_too_small(cls, t: float) -> float:
-        if 0 < t < MIN_TEMPERATURE:
-            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {t}")
-        return t
-
-    @property
-    def stops(self) -> list[str]:
-        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
 
     @property
     def limit(self) -> int | None:

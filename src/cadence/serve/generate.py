@@ -7,46 +7,31 @@ The design in full: docs/internals.md, `cadence/serve/generate.py`.
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from cadence.serve.chat import MAX_STOPS, MIN_TEMPERATURE, BadRequest
+from cadence.serve.chat import MAX_STOPS, BadRequest, Sampling
 from cadence.types import Completion
 
 NEUTRAL = {"top_k": (-1, 0), "min_p": (0.0,), "presence_penalty": (0.0,)}
 NEUTRAL |= {"frequency_penalty": (0.0,), "repetition_penalty": (1.0,)}
 
 
-class GenerateSampling(BaseModel):
+class GenerateSampling(Sampling):
     """vLLM's `sampling_params`, the fields a cadence engine honours; others pass unread."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=64)
     seed: int | None = Field(None, ge=0, lt=2**63)  # cadence's derived seeds are 63-bit
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=MAX_STOPS)
-
-    @field_validator("temperature")
-    @classmethod
-    def _not_too_small(cls, t: float) -> float:
-        if 0 < t < MIN_TEMPERATURE:
-            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {t}")
-        return t
 
     @model_validator(mode="after")
     def _seeds_fit(self) -> GenerateSampling:
         if self.seed is not None and self.seed + self.n > 2**63:
             raise ValueError("seed + n must be at most 2**63 (choice j is seeded by seed + j)")
         return self
-
-    @property
-    def stops(self) -> list[str]:
-        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
 
     def check_supported(self) -> None:
         """Refuse a sampling setting the engine would silently not apply."""
