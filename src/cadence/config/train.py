@@ -68,6 +68,11 @@ class LearnerConfig(Section):
     backward (torch.utils.checkpoint, non-reentrant): activation memory falls from every layer's
     intermediates to one per layer, for about a third more compute. Works with every
     shared-prompt layout and with LoRA."""
+    disable_dropout: bool = True
+    """Turn dropout off in the policy and its reference (every Dropout module, a LoRA adapter's
+    among them, and the attention's rate), as TRL does for RL: with it on, a token's log-prob
+    changes from pass to pass and the first micro-batch's importance ratio is not 1. Engines decode
+    in eval mode either way."""
     shared_prompt: bool = True
     """Pack each group as [prompt | r1 | ... | rG] so its prompt is computed once for its G
     responses (same log-probs as the unpacked forward)."""

@@ -8,9 +8,10 @@ the batch composition, the order, or the process that generates them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -173,6 +174,18 @@ def generate_by_steps(
     while engine.busy:
         out.update(engine.step())
     return [out[i] for i in range(len(requests))]
+
+
+@contextlib.contextmanager
+def eval_mode(model) -> Iterator[None]:
+    """`model` in eval mode for the duration (no dropout: a learner's model in train mode decodes
+    as it would be evaluated), its mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def derive_seed(run_seed: int, iteration: int, prompt_index: int, sample_index: int) -> int:

@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from cadence.engine.base import (
     Request,
     SamplingParams,
+    eval_mode,
     generate_by_steps,
     sample_tokens,
     step_uniforms,
@@ -212,7 +213,12 @@ class ContinuousEngine:
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Hashable, list[Completion]]]:
-        """Admit, sample one token per active slot, retire, decode: see the module docstring."""
+        """Admit, sample one token per active slot, retire, decode: see the module docstring.
+        The model decodes in eval mode (no dropout), whatever mode its trainer left it in."""
+        with eval_mode(self.model):
+            return self._step()
+
+    def _step(self) -> list[tuple[Hashable, list[Completion]]]:
         self._admit()
         if not self.slots:
             return []

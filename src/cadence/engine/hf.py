@@ -16,7 +16,13 @@ from collections.abc import Iterator
 
 import torch
 
-from cadence.engine.base import Request, SamplingParams, sample_tokens, step_uniforms
+from cadence.engine.base import (
+    Request,
+    SamplingParams,
+    eval_mode,
+    sample_tokens,
+    step_uniforms,
+)
 from cadence.types import Completion
 
 
@@ -31,8 +37,9 @@ class HFEngine:
 
     def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
         out: list[list[Completion]] = []
-        for chunk in self._chunks(requests):
-            out.extend(self._generate_chunk(chunk, params))
+        with eval_mode(self.model):  # no dropout, whatever mode its trainer left it in
+            for chunk in self._chunks(requests):
+                out.extend(self._generate_chunk(chunk, params))
         return out
 
     def _chunks(self, requests: list[Request]) -> Iterator[list[Request]]:

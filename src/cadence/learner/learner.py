@@ -66,6 +66,7 @@ class LearnerParams:
     max_bad_steps: int = 3  # steps in a row with a non-finite loss or gradient before giving up
     logits_chunk_tokens: int = 1024  # log-probs this many tokens at a time (0: full logits)
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward
+    disable_dropout: bool = True  # dropout off in the policy (TRL's default for RL)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,10 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup)
         )
+        if params.disable_dropout:
+            for m in (model, ref_model):
+                if m is not None:
+                    disable_dropout(m)
         if params.activation_checkpointing and collective is None:  # a rank's wrapped already
             checkpoint_layers(model)
         if params.logits_chunk_tokens and collective is None:  # a rank's are in place already
@@ -359,3 +364,14 @@ def choose_layout(model: torch.nn.Module, params: LearnerParams, pad_id: int) ->
         stacklevel=3,
     )
     return "unpacked"
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off everywhere in `model` (its Dropout modules, a LoRA adapter's among them, and
+    the attention's own rate): with it on, the learner's log-probs of a token change from pass to
+    pass, and the first micro-batch's ratio is not 1."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
