@@ -137,3 +137,23 @@ class Constant:
 class WordyReward(Constant):
     def get_reward(self) -> float:
         return "high"  # type: ignore[return-value]
+
+
+class Broken:
+    """An environment class broken as the row's `mode` says: 'raises' (get_reward raises), 'nan'
+    (get_reward returns NaN), 'huge' (the tool answers 5,000 words), 'hangs' (get_reward waits
+    for RELEASE), anything else healthy (reward 1)."""
+
+    def reset(self, mode: str = "", **row) -> None:
+        self.mode = mode
+
+    def look(self) -> str:
+        """Look around."""
+        return "x " * 5000 if self.mode == "huge" else "a room"
+
+    def get_reward(self) -> float:
+        if self.mode == "raises":
+            raise RuntimeError("the grader crashed")
+        if self.mode == "hangs":
+            RELEASE.wait(60)
+        return float("nan") if self.mode == "nan" else 1.0

@@ -5,6 +5,7 @@ imports openenv-core (slow: FastAPI, FastMCP and Gradio come with it)."""
 from __future__ import annotations
 
 import re
+import threading
 
 from fastmcp import FastMCP
 from openenv.core.env_server import (
@@ -15,6 +16,8 @@ from openenv.core.env_server import (
     Observation,
     State,
 )
+
+RELEASE = threading.Event()  # a hung step's thread ends when a test sets it
 
 
 class GuessAction(Action):
@@ -116,3 +119,30 @@ class NotText(Environment[TwoFields, Observation, State]):
 class NotAnEnvironment:
     def reset(self) -> None:
         return None
+
+
+class Broken(Environment[GuessAction, GuessObservation, State]):
+    """A text environment broken as the row's `mode` says: 'raises' (step raises), 'nan' (a NaN
+    reward), 'huge' (a 5,000-word observation), 'hangs' (step waits for RELEASE), 'never_done'
+    (never ends an episode); anything else ends the first step with reward 1."""
+
+    def reset(self, seed=None, episode_id=None, mode: str = "", **kwargs) -> GuessObservation:
+        self.mode = mode
+        return GuessObservation(feedback=" Go.")
+
+    def step(self, action: GuessAction, timeout_s=None, **kwargs) -> GuessObservation:
+        if self.mode == "raises":
+            raise RuntimeError("the simulator crashed")
+        if self.mode == "hangs":
+            RELEASE.wait(60)
+        if self.mode == "nan":
+            return GuessObservation(done=True, reward=float("nan"))
+        if self.mode == "huge":
+            return GuessObservation(feedback="x " * 5000)
+        if self.mode == "never_done":
+            return GuessObservation(feedback="again")
+        return GuessObservation(done=True, reward=1.0)
+
+    @property
+    def state(self) -> State:
+        return State()

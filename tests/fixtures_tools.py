@@ -23,3 +23,7 @@ def hang(argument: str) -> str:
 
 
 NOT_CALLABLE = 3
+
+
+def huge(argument: str) -> str:
+    return "x " * 5000  # more than any episode of the tests holds

@@ -78,8 +78,10 @@ def test_a_trajectory_is_the_token_sequence_the_engine_saw(tokenizer):
         mine = sorted((t, ids) for ids, jj, t in seen if jj == j)
         assert [t for t, _ in mine] == [0, 1, 2]
         assert [ids for _, ids in mine] == [prompt + want[:end] for end in ends]
-    # the environment read each turn's text but the last: max_turns ended the episode there
-    assert env.episodes[0].turns == [tokenizer.decode(t) for t in turn_ids[:2]]
+    # the environment read every turn, the last that max_turns allows too; not done after it,
+    # the episode was cut off
+    assert env.episodes[0].turns == [tokenizer.decode(t) for t in turn_ids]
+    assert {c.finish_reason for c in group.completions} == {"length"}
 
 
 def test_single_turn_env_through_episodes_equals_the_single_turn_path(model, tokenizer):

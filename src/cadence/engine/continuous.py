@@ -213,23 +213,18 @@ class ContinuousEngine:
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Hashable, list[Completion]]]:
-        """Admit, sample one token per active slot, retire, decode: see the module docstring.
-        The model decodes in eval mode (no dropout), whatever mode its trainer left it in."""
+        """Admit, sample a token per active slot, retire, decode; in eval mode (no dropout)."""
         with eval_mode(self.model):
-            return self._step()
-
-    def _step(self) -> list[tuple[Hashable, list[Completion]]]:
-        self._admit()
-        if not self.slots:
-            return []
-        self.occupancy.append((time.perf_counter(), len(self.slots)))
-        finished = self._sample()
-        done = self._retire(finished)
-        if self.slots:
-            self._forward()
-        else:
-            self.occupancy.append((time.perf_counter(), 0))
-        return done
+            self._admit()
+            if not self.slots:
+                return []
+            self.occupancy.append((time.perf_counter(), len(self.slots)))
+            done = self._retire(self._sample())
+            if self.slots:
+                self._forward()
+            else:
+                self.occupancy.append((time.perf_counter(), 0))
+            return done
 
     # --- admission -------------------------------------------------------------------------
 

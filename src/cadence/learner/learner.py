@@ -132,16 +132,7 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup)
         )
-        if params.disable_dropout:
-            for m in (model, ref_model):
-                if m is not None:
-                    disable_dropout(m)
-        if params.activation_checkpointing and collective is None:  # a rank's wrapped already
-            checkpoint_layers(model)
-        if params.logits_chunk_tokens and collective is None:  # a rank's are in place already
-            for m in (model, ref_model):
-                if m is not None:
-                    install_checked_head(m, params.logits_chunk_tokens, pad_id)
+        _prepare(model, ref_model, params, pad_id, wrapped=collective is not None)
         self.layout = choose_layout(model, params, pad_id)
         self.bypass = algo.correction_proximal == "bypass"  # old log-probs: the behaviour ones
         after_a_step = params.mini_batches > 1 or not params.reuse_old_logprobs
@@ -364,6 +355,20 @@ def choose_layout(model: torch.nn.Module, params: LearnerParams, pad_id: int) ->
         stacklevel=3,
     )
     return "unpacked"
+
+
+def _prepare(model, ref_model, params: LearnerParams, pad_id: int, wrapped: bool) -> None:
+    """Dropout off, layers checkpointed, log-prob heads in place (a rank's `wrapped` model has
+    its checkpointing and heads already)."""
+    models = [m for m in (model, ref_model) if m is not None]
+    if params.disable_dropout:
+        for m in models:
+            disable_dropout(m)
+    if params.activation_checkpointing and not wrapped:
+        checkpoint_layers(model)
+    if params.logits_chunk_tokens and not wrapped:
+        for m in models:
+            install_checked_head(m, params.logits_chunk_tokens, pad_id)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

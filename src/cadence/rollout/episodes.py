@@ -14,6 +14,7 @@ The design in full: docs/internals.md, `cadence/rollout/episodes.py`.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from cadence.types import Completion, EpisodeStats
 
 ENV_THREADS = 16  # environment steps in flight at once per worker (tool calls wait in them)
 IDLE_WAIT_S = 0.05  # longest wait on a reply while the engine has nothing to decode
+ENV_DEADLINE_S = 120.0  # an environment's step or finish still running after this fails the episode
 
 
 @dataclass(eq=False)
@@ -48,7 +50,12 @@ class _Episode:
     stats: EpisodeStats = field(default_factory=lambda: EpisodeStats(turns=0))
     finish_reason: str = "length"
     reward: float | None = None  # the environment's own, when it gave one
+    error: str | None = None  # why the environment failed it: reward 0, counted as an error
     asked: float = 0.0  # when its environment was handed the latest turn
+
+    def failed(self, why: str) -> None:
+        if self.error is None:  # the first failure is the one that names the cause
+            self.error = f"environment: {why}"
 
     def completion(self) -> Completion:
         return Completion(
@@ -56,9 +63,16 @@ class _Episode:
             self.logprobs,
             "".join(self.parts),
             self.finish_reason,
+            reward_error=self.error,
             loss_mask=self.loss_mask,
             episode=self.stats,
         )
+
+    def env_reward(self) -> float | None:
+        """The environment's reward: 0.0 for a failed episode, whose error is counted."""
+        if self.reward is not None and not math.isfinite(self.reward):
+            self.failed(f"non-finite reward {self.reward}")
+        return 0.0 if self.error is not None else self.reward
 
 
 class Finished(NamedTuple):
@@ -73,12 +87,23 @@ class Finished(NamedTuple):
 
 class EpisodeRunner:
     """Runs groups of episodes on a streaming engine: `add` a prompt's G episodes, `step` until
-    they come back (key, completions, the environment's rewards: None where it gave none)."""
+    they come back (key, completions, the environment's rewards: None where it gave none).
+
+    An environment that fails an episode (its `step` or `finish` raises, runs past `deadline_s`,
+    gives a non-finite reward, or replies with more tokens than a whole episode holds) ends that
+    episode only: reward 0 and a `reward_error` naming the cause, which the run's error budget
+    counts (reward.max_error_fraction). Every other episode goes on."""
 
     def __init__(
-        self, engine: StreamingEngine, tokenizer, env: Environment, sampling: SamplingParams
+        self,
+        engine: StreamingEngine,
+        tokenizer,
+        env: Environment,
+        sampling: SamplingParams,
+        deadline_s: float = ENV_DEADLINE_S,
     ) -> None:
         self.engine, self.tokenizer, self.env, self.sampling = engine, tokenizer, env, sampling
+        self.deadline_s = deadline_s
         self.spans: list[tuple[str, float, float]] = []  # tool calls, for the timeline
         self._groups: dict[Hashable, _Group] = {}
         self._in_engine: dict[Hashable, _Episode] = {}
@@ -148,32 +173,32 @@ class EpisodeRunner:
         episode.parts.append(turn.text)
         episode.stats.turns += 1
         episode.finish_reason = turn.finish_reason
-        budget = self.env.budget
-        if len(episode.token_ids) >= budget.max_total_tokens:
-            episode.finish_reason = "length"
+        if len(episode.token_ids) >= self.env.budget.max_total_tokens:
+            episode.finish_reason = "length"  # cut off: nothing the environment could read
+            self._finish(episode)
+            return
         # EOS is the final answer in cadence's syntax; in a chat template it ends every message
-        # and only a message the environment can read (ended at EOS) goes on to it
-        unread = (turn.finish_reason == "eos") == self.env.eos_ends_episode
-        if (
-            unread
-            or episode.stats.turns >= budget.max_turns
-            or len(episode.token_ids) >= budget.max_total_tokens
-        ):
+        # and only a message the environment can read (ended at EOS) goes on to it. The last turn
+        # env.max_turns allows goes on too: the environment grades it
+        if (turn.finish_reason == "eos") == self.env.eos_ends_episode:
             self._finish(episode)
             return
         episode.asked = time.perf_counter()
         self._waiting[self._executor().submit(episode.env.step, turn.text)] = episode
 
     def _take_replies(self) -> None:
-        for future in [f for f in self._finishing if f.done()]:
+        for future in self._due(self._finishing):
             episode = self._finishing.pop(future)
-            reward = future.result()  # an environment that raises is a bug: the worker fails
+            reward = self._outcome(future, episode, "finish")
             if episode.reward is None:
                 episode.reward = reward
             self._close(episode)
-        for future in [f for f in self._waiting if f.done()]:
+        for future in self._due(self._waiting):
             episode = self._waiting.pop(future)
-            reply = future.result()  # an environment that raises is a bug: the worker fails
+            reply = self._outcome(future, episode, "step")
+            if reply is None:
+                self._finish(episode)
+                continue
             stats = episode.stats
             stats.env_s += time.perf_counter() - episode.asked
             stats.tool_calls += reply.tool_calls
@@ -184,9 +209,18 @@ class EpisodeRunner:
                 episode.reward = reply.reward
                 self._finish(episode)
                 continue
+            episode.finish_reason = "length"  # unless the next turn ends it otherwise
+            if stats.turns >= self.env.budget.max_turns:  # not done after the last turn allowed
+                self._finish(episode)
+                continue
             ids = self.tokenizer(reply.text, add_special_tokens=False)["input_ids"]
-            if len(episode.token_ids) + len(ids) >= self.env.budget.max_total_tokens:
-                episode.finish_reason = "length"  # no room left for the policy to answer
+            limit = self.env.budget.max_total_tokens
+            if len(ids) >= limit:  # would not fit into any episode: the environment's fault
+                episode.failed(
+                    f"a reply of {len(ids)} tokens, more than a whole episode holds "
+                    f"(env.max_total_tokens = {limit})"
+                )
+            if len(episode.token_ids) + len(ids) >= limit:  # no room left for an answer
                 self._finish(episode)
                 continue
             episode.token_ids += ids
@@ -196,7 +230,31 @@ class EpisodeRunner:
             stats.env_tokens += len(ids)
             self._next_turn(episode)
 
+    def _due(self, running: dict[cf.Future, _Episode]) -> list[cf.Future]:
+        """The futures done, or past the deadline (then cancelled: their thread is left to the
+        environment, which had it too long)."""
+        late = time.perf_counter() - self.deadline_s
+        due = []
+        for future, episode in running.items():
+            if not future.done() and episode.asked < late:
+                future.cancel()
+                episode.failed(f"no answer within {self.deadline_s:g} s")
+            if future.done() or episode.error is not None:
+                due.append(future)
+        return due
+
+    def _outcome(self, future: cf.Future, episode: _Episode, call: str):
+        """What the environment's `call` returned; None when it failed the episode."""
+        if episode.error is not None:
+            return None
+        try:
+            return future.result()
+        except Exception as e:  # the environment's failure, this episode's alone
+            episode.failed(f"{call} raised {type(e).__name__}: {e}")
+            return None
+
     def _finish(self, episode: _Episode) -> None:
+        episode.asked = time.perf_counter()
         self._finishing[self._executor().submit(episode.env.finish)] = episode
 
     def _close(self, episode: _Episode) -> None:
@@ -204,8 +262,9 @@ class EpisodeRunner:
         group.remaining -= 1
         if group.remaining == 0:
             del self._groups[group.key]
+            rewards = [e.env_reward() for e in group.episodes]
             completions = [e.completion() for e in group.episodes]
-            self._done.append(Finished(group.key, completions, [e.reward for e in group.episodes]))
+            self._done.append(Finished(group.key, completions, rewards))
 
     def close(self) -> None:
         if self._pool is not None:

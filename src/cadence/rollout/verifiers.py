@@ -183,7 +183,7 @@ class _Contexts:
 class _Group:
     key: Hashable
     seeds: list[int]
-    episodes: dict[int, object] = field(default_factory=dict)  # sample -> vf.Episode
+    episodes: dict[int, object] = field(default_factory=dict)  # sample -> its trace, or why not
 
 
 class _Live:
@@ -293,15 +293,28 @@ class VerifiersRunner:
         while not self._finished.empty():
             key, sample, future = self._finished.get_nowait()
             group = self._groups[key]
-            group.episodes[sample] = future.result()  # raised by verifiers itself: a bug
+            group.episodes[sample] = _outcome(future)
             self._turns.pop(group.seeds[sample], None)
             if len(group.episodes) < len(group.seeds):
                 continue
             del self._groups[key]
-            traces = [_trace(group.episodes[j]) for j in range(len(group.seeds))]
-            prompt_ids, completions, rewards = group_completions(traces, self.tokenizer)
+            outcomes = [group.episodes[j] for j in range(len(group.seeds))]
+            prompt_ids, completions, rewards = group_completions(outcomes, self.tokenizer)
             out.append(Finished(key, completions, rewards, prompt_ids))
         return out
+
+
+def _outcome(future: cf.Future):
+    """A finished episode's one trace, or why it failed: the environment's failure is the
+    episode's alone (scored 0 with the error); the endpoint stopping under it is not."""
+    from cadence.serve.engine_loop import EngineBroken
+
+    try:
+        return _trace(future.result())
+    except (cf.CancelledError, EngineBroken):
+        raise
+    except Exception as e:
+        return f"verifiers: the episode raised {type(e).__name__}: {e}"
 
 
 def _trace(episode):

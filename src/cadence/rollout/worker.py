@@ -12,6 +12,7 @@ The design in full: docs/internals.md, `cadence/rollout/worker.py`.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
 import time
 from collections import deque
 from collections.abc import Hashable
@@ -277,6 +278,8 @@ class RolloutWorker:
         for i, c in enumerate(completions):
             if env_rewards is not None and env_rewards[i] is not None:
                 c.reward = env_rewards[i]
+                if not math.isfinite(c.reward):  # never into the advantages: a counted error
+                    c.reward, c.reward_error = 0.0, f"environment: non-finite reward {c.reward}"
             elif self.reward is not None:
                 scored.append(i)
         p = job.prompt

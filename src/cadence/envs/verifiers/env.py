@@ -85,14 +85,46 @@ def task_of(env: vf.Env, prompt: Prompt) -> vf.Task:
 
 
 def group_completions(
-    traces: list[vf.Trace], tokenizer
-) -> tuple[list[int], list[Completion], list[float]]:
-    """(the group's prompt ids, a completion per trace, their rewards): the prompt is the
-    leading tokens that no trace's model sampled and every trace shares."""
-    branches = [_branch(trace) for trace in traces]
-    prompt = _shared_prompt([b.token_ids for b in branches], [b.sampled_mask for b in branches])
-    out = [_completion(t, b, len(prompt), tokenizer) for t, b in zip(traces, branches, strict=True)]
+    outcomes: list[vf.Trace | str], tokenizer
+) -> tuple[list[int] | None, list[Completion], list[float]]:
+    """(the group's prompt ids, a completion per outcome, their rewards): the prompt is the
+    leading tokens that no trace's model sampled and every trace shares (None when no episode
+    left one). An outcome that is a string is a failed episode (why); so is a trace the model
+    never sampled in: its completion trains nothing, scores 0 and carries the error."""
+    branches: dict[int, vf.Branch] = {}
+    failed: dict[int, str] = {}
+    for i, outcome in enumerate(outcomes):
+        if isinstance(outcome, str):
+            failed[i] = outcome
+            continue
+        try:
+            branches[i] = _branch(outcome)
+        except RuntimeError as e:
+            failed[i] = f"verifiers: {e}"
+    prompt = None
+    if branches:
+        kept = list(branches.values())
+        prompt = _shared_prompt([b.token_ids for b in kept], [b.sampled_mask for b in kept])
+    out = [
+        _failed(failed[i], tokenizer)
+        if i in failed
+        else _completion(outcomes[i], branches[i], len(prompt), tokenizer)
+        for i in range(len(outcomes))
+    ]
     return prompt, out, [c.reward for c in out]
+
+
+def _failed(why: str, tokenizer) -> Completion:
+    """A failed episode's place in its group: one untrained token, reward 0, the error."""
+    return Completion(
+        [tokenizer.eos_token_id],
+        [0.0],
+        finish_reason="stop",
+        reward=0.0,
+        reward_error=why,
+        loss_mask=[0],
+        episode=EpisodeStats(turns=0),
+    )
 
 
 def _branch(trace: vf.Trace) -> vf.Branch:
@@ -123,8 +155,10 @@ def _shared_prompt(ids: list[list[int]], masks: list[list[bool]]) -> list[int]:
 
 def _completion(trace: vf.Trace, branch: vf.Branch, start: int, tokenizer) -> Completion:
     ids, mask = branch.token_ids[start:], branch.sampled_mask[start:]
-    finish = "length" if trace.is_truncated else "stop"
-    if ids[-1] == tokenizer.eos_token_id and mask[-1]:
+    finish = "stop"
+    if trace.is_truncated:  # cut off by a limit: never relabelled, whatever its last token
+        finish = "length"
+    elif ids[-1] == tokenizer.eos_token_id and mask[-1]:
         finish = "eos"
     c = Completion(
         token_ids=ids,
