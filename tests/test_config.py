@@ -252,6 +252,22 @@ def test_a_verifiers_env_is_named_by_its_factory():
     assert Config.model_validate(tomllib.loads(to_toml(cfg))) == cfg
 
 
+def test_a_verifiers_episode_cap_is_the_one_stated():
+    """The overlong penalty ramps up to the cap the user states for the environment: a correct
+    120-token episode of a 160-token environment is not shaped to 0."""
+    import torch
+
+    from cadence.algo.shaping import overlong_penalty
+
+    stated = ["env.max_total_tokens=160", "reward.overlong_buffer=32", "rollout.max_new_tokens=64"]
+    cfg = load_config(None, [*VERIFIERS, *stated])
+    assert cfg.max_policy_tokens == 160
+    assert overlong_penalty(torch.tensor([120]), cfg.max_policy_tokens, 32, 1.0).item() == 0.0
+    assert overlong_penalty(torch.tensor([120]), 128, 32, 1.0).item() < 0  # the old default cap
+    turns = load_config(None, [*VERIFIERS, "env.max_turns=2", "rollout.max_new_tokens=64"])
+    assert turns.max_policy_tokens == 128
+
+
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
@@ -262,8 +278,8 @@ def test_a_verifiers_env_is_named_by_its_factory():
             "env.factory applies to env.kind = 'class', 'openenv' or 'verifiers' only",
         ),
         (
-            [*VERIFIERS, "env.max_turns=2"],
-            "env.max_turns applies to env.kind = 'tool', 'class' or 'openenv' only",
+            [*VERIFIERS, "reward.overlong_buffer=16"],
+            "state it with env.max_turns and/or env.max_total_tokens",
         ),
         ([*VERIFIERS, "data.task='gsm8k'", "data.path='x'"], "leave data.task out"),
         ([*VERIFIERS, "data.chat_template='t.jinja'"], "a template file is not supported"),

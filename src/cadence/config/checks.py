@@ -92,6 +92,14 @@ def check_prompt_fits_vllm(cfg: Sections) -> None:
 
 def check_overlong_buffer_fits(cfg: Sections) -> None:
     buffer, longest = cfg.reward.overlong_buffer, cfg.max_policy_tokens
+    limits = ("max_turns", "max_total_tokens")
+    if buffer and cfg.env.kind == "verifiers" and not changed(cfg.env, limits):
+        raise ValueError(
+            f"reward.overlong_buffer = {buffer} with env.kind = 'verifiers': the penalty ramps up "
+            "to the episode's cap, which the environment sets; state it with env.max_turns "
+            "and/or env.max_total_tokens (the environment's own limits), or set "
+            "reward.overlong_buffer = 0"
+        )
     if buffer > longest:
         what = "rollout.max_new_tokens"
         if cfg.env.kind != "single_turn":

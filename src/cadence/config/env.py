@@ -39,10 +39,13 @@ class EnvConfig(Section):
     'package.module:Class' }; each row picks one by its 'environment' field (a data set column), as
     TRL's dict environment_factory does, and its prompt shows that class's tools only."""
     max_turns: int = Field(4, ge=1)
-    """kinds but single_turn: most policy turns per episode (each a call or the end)."""
+    """kinds but single_turn: most policy turns per episode (each a call or the end). verifiers:
+    the environment's own limit, stated here for the overlong penalty's and seq-sum-norm's cap
+    (the environment enforces it; cadence does not)."""
     max_total_tokens: int = Field(256, ge=1)
     """kinds but single_turn: most tokens per episode after the prompt, policy and environment
-    replies together (each turn is also capped by rollout.max_new_tokens)."""
+    replies together (each turn is also capped by rollout.max_new_tokens). verifiers: as
+    max_turns, the environment's own limit, stated."""
     tool_timeout_s: float = Field(5.0, gt=0)
     """kinds but single_turn: a tool call (an OpenEnv step) still running after this many seconds is
     cut off; the policy reads an error (counted as tool_timeouts), the run goes on."""
@@ -97,8 +100,8 @@ ENV_KEYS = {  # key -> the kinds it applies to
     "tools": ("tool",),
     "factory": ("class", "openenv", "verifiers"),
     "factories": ("class",),
-    "max_turns": EPISODES,
-    "max_total_tokens": EPISODES,
+    "max_turns": (*EPISODES, "verifiers"),  # verifiers: the environment's own, stated
+    "max_total_tokens": (*EPISODES, "verifiers"),
     "tool_timeout_s": EPISODES,
 }
 

@@ -84,7 +84,9 @@ class Config(Section):
         """The most tokens the policy writes in one episode: the cap of the overlong penalty and
         of seq-sum-norm's constant. Single-turn, rollout.max_new_tokens; with tools, each of at
         most env.max_turns turns writes at most rollout.max_new_tokens, and everything after the
-        prompt (tool replies too) fits env.max_total_tokens, so the smaller of the two."""
+        prompt (tool replies too) fits env.max_total_tokens, so the smaller of the two (for
+        verifiers, which enforces its own limits, the two as stated: check_overlong_buffer_fits
+        asks for them before a penalty shapes its episodes)."""
         r, e = self.rollout, self.env
         if e.kind == "single_turn":
             return r.max_new_tokens
