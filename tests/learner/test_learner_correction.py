@@ -104,3 +104,20 @@ def test_an_idle_pass_records_the_correction_sums_and_maxima_as_zero(model, toke
     assert set(idle.maxima.values()) == {0.0}
     figures = learner.step(real)
     assert set(CORRECTION_FIGURES) <= figures.keys()
+
+
+def test_a_step_without_correction_tokens_is_left_out_of_the_correction_figures():
+    from cadence.learner.sums import TOTALS, iteration_stats
+
+    zeros = dict.fromkeys(CORRECTION_FIGURES, 0.0)
+    corrected = zeros | {"rollout_is_min": 0.8, "rollout_is_max": 1.3, "rollout_is_mean": 1.05}
+    steps = [
+        dict.fromkeys(TOTALS, 1.0) | corrected | {"num_correction_tokens": 10.0, "loss": 1.0},
+        dict.fromkeys(TOTALS, 1.0) | zeros | {"num_correction_tokens": 0.0, "loss": 3.0},
+    ]
+    stats = iteration_stats(steps, frozen_copies_bytes=0)
+    assert stats["rollout_is_min"] == 0.8  # not the idle step's 0
+    assert (stats["rollout_is_max"], stats["rollout_is_mean"]) == (1.3, 1.05)
+    assert stats["loss"] == 2.0 and stats["num_correction_tokens"] == 10.0  # others: every step
+    idle = iteration_stats(steps[1:], frozen_copies_bytes=0)  # no step had any: 0, as before
+    assert idle["rollout_is_min"] == 0.0

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from cadence.algo import (
+    CORRECTION_FIGURES,
     CORRECTION_MAXIMA,
     CORRECTION_SUMS,
     COUNT_METRICS,
@@ -127,6 +128,7 @@ def step_figures(
     out["num_response_tokens"] = sums["num_response_tokens"]
     if algo.corrects:
         out |= correction_figures(sums.values, sums.maxima)
+        out["num_correction_tokens"] = sums["num_correction_tokens"]
     return out | behaviour_figures(sums) | {k: sums[k] for k in TOTALS}
 
 
@@ -158,15 +160,22 @@ def behaviour_figures(sums: StepSums) -> dict[str, float]:
 def iteration_stats(steps: list[dict[str, float]], frozen_copies_bytes: int) -> dict[str, float]:
     """One iteration's figures from its optimizer steps' outputs: counts and totals add up over
     the steps, the behaviour figures are the first step's, a largest (smallest) value is the
-    steps' largest (smallest), every other figure is their mean."""
+    steps' largest (smallest), every other figure is their mean. The correction's figures
+    come from the steps that had correction tokens only (a step without reports 0s, which are
+    no ratio)."""
     totals = {k: sum(s[k] for s in steps) for k in TOTALS}
-    counts = (*COUNT_METRICS, "skipped_steps")
+    counts = (*COUNT_METRICS, "skipped_steps", "num_correction_tokens")
     summed = {*TOTALS, *counts, *BEHAVIOUR_FIGURES, *LARGEST_FIGURES, *SMALLEST_FIGURES}
+    corrected = [s for s in steps if s.get("num_correction_tokens", 0) > 0] or steps
+
+    def over(key: str) -> list[dict[str, float]]:
+        return corrected if key in CORRECTION_FIGURES else steps
+
     return (
-        {k: sum(s[k] for s in steps) / len(steps) for k in steps[0] if k not in summed}
+        {k: sum(s[k] for s in over(k)) / len(over(k)) for k in steps[0] if k not in summed}
         | {k: steps[0][k] for k in BEHAVIOUR_FIGURES if k in steps[0]}
-        | {k: max(s[k] for s in steps) for k in LARGEST_FIGURES if k in steps[0]}
-        | {k: min(s[k] for s in steps) for k in SMALLEST_FIGURES if k in steps[0]}
+        | {k: max(s[k] for s in over(k)) for k in LARGEST_FIGURES if k in steps[0]}
+        | {k: min(s[k] for s in over(k)) for k in SMALLEST_FIGURES if k in steps[0]}
         | {k: sum(s[k] for s in steps) for k in counts if k in steps[0]}
         | {
             "num_tokens": totals["num_tokens"],
