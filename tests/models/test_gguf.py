@@ -320,6 +320,17 @@ def test_existing_model_is_kept_without_force_and_replaced_with_it(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "other.gguf"]
 
 
+def test_a_gguf_file_inside_the_model_it_would_replace_is_never_deleted(tiny_gguf, tmp_path):
+    out = tmp_path / "model"
+    convert_gguf(tiny_gguf, out)
+    inside = out / "x.gguf"
+    inside.write_bytes(tiny_gguf.read_bytes())
+    before = _files(out)
+    with pytest.raises(ConversionError, match="would delete the file it is converted from"):
+        convert_gguf(inside, out, force=True)
+    assert _files(out) == before
+
+
 def test_empty_out_directory_is_filled(tiny_gguf, tmp_path):
     (tmp_path / "model").mkdir()
     convert_gguf(tiny_gguf, tmp_path / "model")
