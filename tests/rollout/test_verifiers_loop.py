@@ -56,3 +56,19 @@ def test_a_request_the_engine_refuses_fails_alone_and_closing_fails_the_rest():
         waiting.result(timeout=0)
     with pytest.raises(EngineBroken):
         loop.submit(Request([8], [4]), GREEDY).result(timeout=0)
+
+
+def test_a_request_cancelled_while_waiting_never_reaches_the_engine():
+    loop = StepLoop(threading.Event(), turn_seed=lambda seed: seed)
+    engine = _engine()
+    added = []
+    add = engine.add
+    engine.add = lambda key, request, params: (
+        added.append(request.seeds),
+        add(key, request, params),
+    )
+    gone = loop.submit(Request([1], [5]), GREEDY)
+    kept = loop.submit(Request([2], [6]), GREEDY)
+    assert gone.cancel()  # its client went away before the worker stepped
+    loop.step(engine)
+    assert added == [[6]] and kept.result(timeout=0)[0].token_ids == [6, 1]

@@ -83,6 +83,8 @@ class StepLoop:
         chosen = [i for i in self._waiting if i.params == self._params]
         self._waiting = collections.deque(i for i in self._waiting if i.params != self._params)
         for item in chosen:
+            if not item.future.set_running_or_notify_cancel():
+                continue  # cancelled while it waited: its caller is gone
             request = item.request
             seeds = [self._turn_seed(s) for s in request.seeds]
             key = next(self._keys)
