@@ -111,3 +111,23 @@ def test_new_weights_with_sequences_in_flight_need_consent(model, tokenizer):
     engine.step()
     with pytest.raises(RuntimeError, match="take_weights_in_flight first"):
         engine.weights_changed(1)
+
+
+def test_a_waiting_prompt_prefilled_under_old_weights_counts_as_in_flight(model, tokenizer):
+    """With max_num_seqs = 1 the second prompt waits, prefilled ahead under version 4; the keep
+    mode samples its first token from that prefill, so it holds version 4 however late it
+    starts: staleness_strategy = 'wait' must see it."""
+    engine = ContinuousEngine(next_version(model, scale=0.0), tokenizer, max_num_seqs=1)
+    engine.take_weights_in_flight(False)
+    engine.weights_changed(4)
+    for i, r in enumerate(_requests(tokenizer, group_size=1)[:2]):
+        engine.add(i, r, PARAMS)
+    engine.step()  # admits the first, prefills the second ahead
+    engine.weights_changed(5)
+    done = {}
+    while 0 not in done:
+        done.update(engine.step())
+    assert engine.oldest_version == 4  # only the waiting prompt is left, prefilled under 4
+    while engine.busy:
+        done.update(engine.step())
+    assert done[1][0].token_versions[0] == 4

@@ -164,9 +164,14 @@ class ContinuousEngine:
 
     @property
     def oldest_version(self) -> int | None:
-        """The version of the oldest token of the requests in flight (None: none sampled)."""
+        """The version of the oldest token the requests in flight hold or will be sampled from
+        logits already computed: a slot's, or a waiting prompt's prefill kept across new weights
+        (None: none)."""
         jobs = [slot.job for slot in self.slots] + list(self.waiting)
-        return min((j.oldest for j in jobs if j.oldest is not None), default=None)
+        versions = [j.oldest for j in jobs if j.oldest is not None]
+        versions += [slot.logits_version for slot in self.slots]
+        versions += [j.prefix_version for j in self.waiting if j.prefix is not None]
+        return min(versions, default=None)
 
     def take_weights_in_flight(self, recompute: bool) -> None:
         """Allow new weights between steps while busy, keeping or recomputing the keys and
