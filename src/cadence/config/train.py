@@ -263,7 +263,8 @@ class MetricsConfig(Section):
     tensorboard: bool = False
     """Also write TensorBoard event files."""
     progress: bool = True
-    """Live progress display on the console."""
+    """Progress on the console: a live bar on a terminal, else a plain line every twentieth of
+    the run (and at its end)."""
     wandb: bool = False
     """Log to Weights & Biases (the 'wandb' extra): the figures of metrics.jsonl, the config, the
     summary and timeline.png, under OUT/wandb; WANDB_MODE=offline needs no network, WANDB_PROJECT

@@ -10,6 +10,8 @@ import contextlib
 import json
 import math
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -80,9 +82,15 @@ class TensorBoardSink:
 
 
 class ConsoleProgress:
-    """A live rich progress bar over iterations with the headline figures of the last one."""
+    """Progress over iterations with the headline figures of the last one: a live rich bar on a
+    terminal; elsewhere (`make run > log`, a job's captured output, where the bar's columns are
+    cut to nothing) one plain line every `every` iterations (by default a twentieth of the run)
+    and at the last."""
 
-    def __init__(self, total: int, enabled: bool = True, done: int = 0) -> None:
+    def __init__(
+        self, total: int, enabled: bool = True, done: int = 0, stream=None, every: int | None = None
+    ) -> None:
+        from rich.console import Console
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -92,7 +100,11 @@ class ConsoleProgress:
             TimeRemainingColumn,
         )
 
-        self.enabled = enabled
+        self.enabled, self.total, self.done = enabled, total, done
+        self._stream = stream or sys.stdout
+        self.live = enabled and self._stream.isatty()
+        self.every = every or max(1, total // 20)
+        self._start = time.perf_counter()
         self._progress = Progress(
             TextColumn("[bold]RL"),
             BarColumn(),
@@ -100,10 +112,11 @@ class ConsoleProgress:
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             TextColumn("{task.fields[status]}"),
-            disable=not enabled,
+            console=Console(file=self._stream),
+            disable=not self.live,
         )
         self._task = self._progress.add_task("train", total=total, completed=done, status="")
-        if enabled:
+        if self.live:
             self._progress.start()
 
     def write(self, record: dict[str, Any]) -> None:
@@ -113,8 +126,17 @@ class ConsoleProgress:
         )
         if "heldout_accuracy" in record:
             status += f"  held-out {record['heldout_accuracy']:.3f}"
+        self.done += 1
         self._progress.update(self._task, advance=1, status=status)
+        if (
+            self.enabled
+            and not self.live
+            and (self.done % self.every == 0 or self.done == self.total)
+        ):
+            elapsed = time.perf_counter() - self._start
+            line = f"RL {self.done}/{self.total}  {elapsed:,.0f}s  {status}"
+            print(line, file=self._stream, flush=True)
 
     def close(self) -> None:
-        if self.enabled:
+        if self.live:
             self._progress.stop()
