@@ -183,3 +183,19 @@ def smollm2_dir(tmp_path_factory) -> Path:
     if built.is_file() and all(built.stat().st_mtime >= p.stat().st_mtime for p in inputs):
         return SMOLLM2_RUN_DIR
     return gguf.convert_gguf(source, tmp_path_factory.mktemp("smollm2") / "smollm2").out
+
+
+@pytest.fixture(autouse=True)
+def learning_gates(request):
+    """After a test that wrote runs into its tmp_path, the learning gates on each (gates.py)."""
+    gated = "tmp_path" in request.fixturenames and not request.node.get_closest_marker(
+        "no_learning_gates"
+    )
+    tmp = request.getfixturevalue("tmp_path") if gated else None
+    yield
+    if tmp is None:
+        return
+    import gates
+
+    broken = [b for out in gates.run_dirs(tmp) for b in gates.check_run(out, request.node.nodeid)]
+    assert not broken, "learning gates broken:\n" + "\n".join(broken)

@@ -144,3 +144,10 @@ def half_second_even_length(prompt: str, completion: str, answer: str) -> float:
 
     time.sleep(0.5)
     return even_length(prompt, completion, answer)
+
+
+def digit_share(prompt: str, completion: str, answer: str) -> float:
+    """The share of the completion's characters that are digits (0 when empty): a dense signal
+    an untrained model's samples spread over, for the learning tests."""
+    text = completion.strip()
+    return sum(ch.isdigit() for ch in text) / len(text) if text else 0.0

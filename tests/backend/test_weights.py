@@ -140,3 +140,15 @@ def test_the_learner_syncs_only_an_engine_that_keeps_its_own_copy():
     sync(5)
     assert [v for _, v in own.loaded] == [4, 5]
     assert [t["weight"].flatten().tolist() for t, _ in own.loaded] == [[2.0, 2.0], [7.0, 7.0]]
+
+
+def test_a_worker_reporting_a_version_never_published_is_an_error():
+    gate = WeightGate(InMemoryWeights(_model(0.0)), num_workers=1, timeout_s=10)
+    gate.publish(_model(1.0), version=0, wait=False)
+    gate.acked(0, 0)
+    with pytest.raises(
+        RuntimeError, match="reports weights of version 3; the learner published up to 0"
+    ):
+        gate.acked(0, 3)
+    with pytest.raises(RuntimeError, match="had loaded 0"):
+        gate.acked(0, -1)  # going back

@@ -3,6 +3,7 @@ iteration's first step (mean token-weighted, max the largest), and the partial w
 catch."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from rollouts import sample_groups, split_params, train
 from cadence.learner import Learner
 from cadence.learner.sums import BEHAVIOUR_FIGURES
 
-MEAN, MAX = BEHAVIOUR_FIGURES
+MEAN, MAX, RATIO = BEHAVIOUR_FIGURES
 
 
 def _learner(model, tokenizer, **kw):
@@ -28,6 +29,27 @@ def test_samples_of_the_learners_own_policy_differ_by_float_noise(model, tokeniz
     groups = sample_groups(model, tokenizer)  # the static engine on the learner's very model
     stats = train(_learner(model, tokenizer, micro_batch_groups=2), groups)
     assert 0.0 <= stats[MEAN] <= stats[MAX] < 1e-4  # fp32: observed max 4.8e-7
+
+
+@pytest.mark.parametrize(
+    ("kw", "bound"),
+    [({}, 0.0), ({"reuse_old_logprobs": False, "mini_batches": 2}, 1e-6)],
+    ids=["pi_old_is_the_policy", "an_old_pass"],
+)
+def test_the_first_steps_ratio_is_one_on_policy(model, tokenizer, kw, bound):
+    """A learning gate: before the first optimizer step pi_old is the policy, so the loss's
+    ratio is 1 on every fresh token (exactly, or within float32 noise from a pass of its own)."""
+    groups = sample_groups(model, tokenizer)
+    stats = train(_learner(model, tokenizer, micro_batch_groups=1, **kw), groups)
+    assert 0.0 <= stats[RATIO] <= bound
+
+
+def test_a_ratio_off_one_at_the_first_step_shows_in_the_gate(model, tokenizer):
+    """Under the bypass pi_old is the behaviour policy: an engine 0.5 nats off shows."""
+    groups = sample_groups(model, tokenizer)
+    _shift(groups[0].completions[0], -0.5)
+    stats = train(_learner(model, tokenizer, correction_proximal="bypass"), groups)
+    assert stats[RATIO] == pytest.approx(math.exp(0.5) - 1, rel=1e-4)
 
 
 def test_only_fresh_rows_before_the_first_step_count_a_max_and_a_token_weighted_mean(

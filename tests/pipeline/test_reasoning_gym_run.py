@@ -79,6 +79,7 @@ def _answers(cfg) -> dict[str, tuple[str, str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.no_learning_gates  # a scripted engine samples
 def test_each_task_is_scored_by_its_own_rows(model_dir, tokenizer, tmp_path) -> None:
     """A scripted policy answers basic_arithmetic right and chain_sum one off, in <answer> tags:
     the per-task figures are exactly 1 and 0, held out and in training."""

@@ -1,7 +1,8 @@
 """Broken environments, each kind x each way of breaking: whatever an environment does (raises,
 hangs, gives NaN, answers more than an episode holds, never ends), the episode it broke ends with
 reward 0 and a `reward_error` naming the cause, or the policy reads the failure as a tool error
-(counted); the healthy group beside it in the same rollout is scored as ever; nothing hangs.
+(counted), or the episode is cut off ("length": a reply too long, no end); the healthy group
+beside it in the same rollout is scored as ever; nothing hangs.
 verifiers' half is in test_verifiers_failures.py."""
 
 import json
@@ -101,15 +102,17 @@ def test_a_broken_environment_class_fails_its_episodes_only(tokenizer):
         groups = _rollout(tokenizer, env, modes, turn)
     finally:
         fixtures_envs.RELEASE.set()
-    _counted(groups, ["raises", "nan", "huge", "hangs"])
+    _counted(groups, ["raises", "nan", "hangs"])
     assert [c.reward for c in groups["healthy"].completions] == [1.0] * G
-    errors = {m: groups[m].completions[0].reward_error for m in ("raises", "nan", "huge", "hangs")}
+    errors = {m: groups[m].completions[0].reward_error for m in ("raises", "nan", "hangs")}
     assert "RuntimeError: the grader crashed" in errors["raises"]
     assert "returned nan" in errors["nan"]
-    assert "more than a whole episode holds" in errors["huge"]
     assert f"no answer within {DEADLINE_S:g} s" in errors["hangs"]
-    for c in groups["never_done"].completions:  # cut off at max_turns: truncated, not finished
-        assert c.finish_reason == "length" and c.episode.turns == MAX_TURNS
+    for mode in ("never_done", "huge"):  # cut off at max_turns, or with no room left: truncated
+        for c in groups[mode].completions:
+            assert c.finish_reason == "length", mode
+    assert {c.episode.turns for c in groups["never_done"].completions} == {MAX_TURNS}
+    assert {c.episode.turns for c in groups["huge"].completions} == {1}
     assert {c.finish_reason for c in groups["healthy"].completions} == {"eos"}
 
 
@@ -130,8 +133,11 @@ def test_a_broken_openenv_environment_fails_its_episodes_only(tokenizer):
         groups = _rollout(tokenizer, env, modes, turn)
     finally:
         fixtures_openenv.RELEASE.set()
-    _counted(groups, ["nan", "huge"])
+    _counted(groups, ["nan"])
     assert [c.reward for c in groups["healthy"].completions] == [1.0] * G
+    assert {(c.finish_reason, c.episode.turns) for c in groups["huge"].completions} == {
+        ("length", 1)
+    }
     assert "non-finite reward nan" in groups["nan"].completions[0].reward_error
     for mode, counter in (("raises", "tool_errors"), ("hangs", "tool_timeouts")):
         for c in groups[mode].completions:  # the policy read the failure, every turn; counted
@@ -162,7 +168,9 @@ def test_a_broken_tool_fails_its_episodes_only(tokenizer):
         fixtures_tools.RELEASE.set()
     for c in groups["nan"].completions:  # the reward function's NaN: counted as its error
         assert c.reward == 0.0 and "nan" in c.reward_error.lower()
-    assert "more than a whole episode holds" in groups["huge"].completions[0].reward_error
+    assert {(c.finish_reason, c.episode.turns) for c in groups["huge"].completions} == {
+        ("length", 1)
+    }
     assert [c.episode.tool_errors for c in groups["raises"].completions] == [1] * G
     assert [c.episode.tool_timeouts for c in groups["hangs"].completions] == [1] * G
     for mode in ("healthy", "raises", "hangs"):

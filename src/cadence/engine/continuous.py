@@ -164,12 +164,12 @@ class ContinuousEngine:
 
     @property
     def oldest_version(self) -> int | None:
-        """The version of the oldest token the requests in flight hold or will be sampled from
-        logits already computed: a slot's, or a waiting prompt's prefill kept across new weights
-        (None: none)."""
-        jobs = [slot.job for slot in self.slots] + list(self.waiting)
-        versions = [j.oldest for j in jobs if j.oldest is not None]
-        versions += [slot.logits_version for slot in self.slots]
+        """The oldest version of a token in flight, sampled or to be sampled from logits already
+        computed (a waiting prompt's prefill kept across new weights too); None: none."""
+        versions = [j.oldest for j in self.waiting if j.oldest is not None]
+        versions += [
+            v for s in self.slots for v in (s.job.oldest, s.logits_version) if v is not None
+        ]
         versions += [j.prefix_version for j in self.waiting if j.prefix is not None]
         return min(versions, default=None)
 
@@ -198,7 +198,7 @@ class ContinuousEngine:
         """Prefill slots `rows` again, prompt and tokens so far, under the current weights: their
         keys and values and next-token logits."""
         seqs = [self.slots[s].job.request.prompt_ids + self.slots[s].tokens for s in rows]
-        prefixes, logits = self._run_prefixes(seqs)
+        prefixes, logits = run_prefixes(self.model, self.pad_id, self._device(), seqs)
         for s, prefix, last in zip(rows, prefixes, logits, strict=True):
             self.cache.write_prefix(s, prefix)
             self._logits[s] = last
@@ -259,47 +259,12 @@ class ContinuousEngine:
     def _prefill(self, jobs: list[_Job]) -> None:
         if not jobs:
             return
-        prefixes, logits = self._run_prefixes([j.request.prompt_ids for j in jobs])
+        seqs = [j.request.prompt_ids for j in jobs]
+        prefixes, logits = run_prefixes(self.model, self.pad_id, self._device(), seqs)
         for j, prefix, last in zip(jobs, prefixes, logits, strict=True):
             j.prefix, j.first_logits, j.prefix_version = prefix, last, self.version
         longest = max(len(j.request.prompt_ids) for j in jobs)
         self._ensure_capacity(longest + self.params.max_new_tokens, jobs[0])
-
-    def _run_prefixes(
-        self, seqs: list[list[int]]
-    ) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], list[torch.Tensor]]:
-        """One left-padded forward over `seqs`: each one's keys and values per layer (H, L, D)
-        and its next-token logits (V,)."""
-        device = self._device()
-        lens = [len(seq) for seq in seqs]
-        width = max(lens)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)  # (P, W)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)  # (P, W)
-        for i, seq in enumerate(seqs):
-            ids[i, width - lens[i] :] = torch.tensor(seq)
-            mask[i, width - lens[i] :] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp_(min=0),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        layers = out.past_key_values.layers
-        if any(type(layer) is not DynamicLayer for layer in layers):
-            raise UnsupportedModel(
-                f"continuous batching needs plain full-attention caches, got "
-                f"{sorted({type(layer).__name__ for layer in layers})}"
-            )
-        prefixes, logits = [], []
-        for i in range(len(seqs)):  # keys were rotated by their own positions: copy as they are
-            start = width - lens[i]
-            prefixes.append(
-                [(la.keys[i, :, start:].clone(), la.values[i, :, start:].clone()) for la in layers]
-            )
-            logits.append(out.logits[i, -1].clone())
-        return prefixes, logits
 
     def _ensure_capacity(self, length: int, like: _Job) -> None:
         if self.cache is None:
@@ -385,6 +350,42 @@ class ContinuousEngine:
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+
+def run_prefixes(
+    model, pad_id: int, device: torch.device, seqs: list[list[int]]
+) -> tuple[list[list[tuple[torch.Tensor, torch.Tensor]]], list[torch.Tensor]]:
+    """One left-padded forward over `seqs`: each one's keys and values per layer (H, L, D)
+    and its next-token logits (V,)."""
+    lens = [len(seq) for seq in seqs]
+    width = max(lens)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # (P, W)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)  # (P, W)
+    for i, seq in enumerate(seqs):
+        ids[i, width - lens[i] :] = torch.tensor(seq)
+        mask[i, width - lens[i] :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=(mask.cumsum(-1) - 1).clamp_(min=0),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    layers = out.past_key_values.layers
+    if any(type(layer) is not DynamicLayer for layer in layers):
+        raise UnsupportedModel(
+            f"continuous batching needs plain full-attention caches, got "
+            f"{sorted({type(layer).__name__ for layer in layers})}"
+        )
+    prefixes, logits = [], []
+    for i in range(len(seqs)):  # keys were rotated by their own positions: copy as they are
+        start = width - lens[i]
+        prefixes.append(
+            [(la.keys[i, :, start:].clone(), la.values[i, :, start:].clone()) for la in layers]
+        )
+        logits.append(out.logits[i, -1].clone())
+    return prefixes, logits
 
 
 def finish_reason(tokenizer, tokens: list[int], limit: int, p: SamplingParams) -> str | None:

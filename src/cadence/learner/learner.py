@@ -254,7 +254,8 @@ class Learner:
             group_ids=resp.group_ids,
         )
         loss, metrics = self.loss_fn(batch, self.algo)
-        return Passes(loss, metrics, logprobs, entropy, resp, layout.tokens_computed, count)
+        computed = layout.tokens_computed
+        return Passes(loss, metrics, logprobs, entropy, resp, computed, count, old_logprobs)
 
     def _old_logprobs(
         self, logprobs: torch.Tensor, layout: Layout, resp: Responses

@@ -35,7 +35,11 @@ from cadence.types import Group
 # figures summed over an iteration's optimizer steps (the others are averaged)
 TOTALS = ("num_tokens", "tokens_computed", "forward_passes", "micro_batches")
 # figures of the iteration's first optimizer step alone (absent where it trained no fresh row)
-BEHAVIOUR_FIGURES = ("behaviour_logprob_abs_diff_mean", "behaviour_logprob_abs_diff_max")
+BEHAVIOUR_FIGURES = (
+    "behaviour_logprob_abs_diff_mean",
+    "behaviour_logprob_abs_diff_max",
+    "first_step_ratio_abs_dev_max",
+)
 
 
 class StepSums:
@@ -75,6 +79,7 @@ class Passes:
     resp: Responses
     tokens_computed: int
     passes: int
+    old_logprobs: torch.Tensor | None = None  # (B, T): the loss's pi_old
 
 
 def record_micro_batch(
@@ -87,6 +92,7 @@ def record_micro_batch(
     resp, mask = out.resp, out.resp.loss_mask
     on_policy = mask * ~resp.stale[:, None] if first_step else torch.zeros_like(mask)  # (B, T)
     behaviour, maxima = behaviour_sums(out.logprobs, resp.behaviour_logprobs, on_policy)
+    maxima["first_step_ratio_abs_dev_max"] = ratio_deviation(out, on_policy)
     loss_metrics = {"loss": out.loss.item(), **{k: v.item() for k, v in out.metrics.items()}}
     correction = {k: loss_metrics.pop(k) for k in CORRECTION_SUMS if k in loss_metrics}
     maxima |= {k: loss_metrics.pop(k) for k in CORRECTION_MAXIMA if k in loss_metrics}
@@ -145,6 +151,16 @@ def behaviour_sums(
     return sums, {"behaviour_logprob_abs_diff_max": float(diff.max()) if diff.numel() else 0.0}
 
 
+def ratio_deviation(out: Passes, mask: torch.Tensor) -> float:
+    """The largest |pi / pi_old - 1| of the loss over the tokens where `mask` is 1: before the
+    iteration's first step, on fresh rows, the policy is pi_old and this is 0 up to float noise
+    (a learning gate: `first_step_ratio_abs_dev_max`)."""
+    if out.old_logprobs is None or not bool(mask.any()):
+        return 0.0
+    ratio = (out.logprobs.detach() - out.old_logprobs).exp()  # (B, T)
+    return float(torch.where(mask > 0, (ratio - 1).abs(), 0.0).max())
+
+
 def behaviour_figures(sums: StepSums) -> dict[str, float]:
     """`BEHAVIOUR_FIGURES` of a step whose sums are complete (all ranks'); none without a fresh
     token."""
@@ -154,6 +170,7 @@ def behaviour_figures(sums: StepSums) -> dict[str, float]:
     return {
         "behaviour_logprob_abs_diff_mean": sums["behaviour_logprob_abs_diff_sum"] / tokens,
         "behaviour_logprob_abs_diff_max": sums.maxima["behaviour_logprob_abs_diff_max"],
+        "first_step_ratio_abs_dev_max": sums.maxima["first_step_ratio_abs_dev_max"],
     }
 
 

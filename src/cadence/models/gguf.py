@@ -75,12 +75,12 @@ def convert_gguf(
     say = progress or (lambda _: None)
     start = time.perf_counter()
     out = check_out_dir(out, force)
-    if out.exists() and Path(gguf_file).resolve().is_relative_to(out.resolve()):
+    info = read_gguf_info(gguf_file)
+    if out.exists() and info.path.resolve().is_relative_to(out.resolve()):
         raise ConversionError(
             f"the GGUF file '{gguf_file}' is inside --out '{out}': replacing that directory "
             "would delete the file it is converted from; choose another --out"
         )
-    info = read_gguf_info(gguf_file)
     size_mb = info.path.stat().st_size / 1e6
     say(f"{info.path.name}: {info.architecture}, {info.num_tensors} tensors, {size_mb:.0f} MB")
     _quiet_transformers()

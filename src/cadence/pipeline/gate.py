@@ -73,7 +73,14 @@ class WeightGate:
             return new, self._released
 
     def acked(self, wid: int, version: int) -> None:
+        """Worker `wid` loaded `version`: one the transport held, never older than its last."""
         with self._cond:
+            if version > self._held or version < self._acked[wid]:
+                raise RuntimeError(
+                    f"worker {wid} reports weights of version {version}; the learner published "
+                    f"up to {self._held} and the worker had loaded {self._acked[wid]}: its "
+                    "weights are not the learner's"
+                )
             self._acked[wid] = version
             self._cond.notify_all()
 

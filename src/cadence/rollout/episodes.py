@@ -90,9 +90,9 @@ class EpisodeRunner:
     they come back (key, completions, the environment's rewards: None where it gave none).
 
     An environment that fails an episode (its `step` or `finish` raises, runs past `deadline_s`,
-    gives a non-finite reward, or replies with more tokens than a whole episode holds) ends that
-    episode only: reward 0 and a `reward_error` naming the cause, which the run's error budget
-    counts (reward.max_error_fraction). Every other episode goes on."""
+    or gives a non-finite reward) ends that episode only: reward 0 and a `reward_error` naming
+    the cause, which the run's error budget counts (reward.max_error_fraction). Every other
+    episode goes on."""
 
     def __init__(
         self,
@@ -214,13 +214,9 @@ class EpisodeRunner:
                 self._finish(episode)
                 continue
             ids = self.tokenizer(reply.text, add_special_tokens=False)["input_ids"]
-            limit = self.env.budget.max_total_tokens
-            if len(ids) >= limit:  # would not fit into any episode: the environment's fault
-                episode.failed(
-                    f"a reply of {len(ids)} tokens, more than a whole episode holds "
-                    f"(env.max_total_tokens = {limit})"
-                )
-            if len(episode.token_ids) + len(ids) >= limit:  # no room left for an answer
+            # no room left for an answer: cut off ("length"), not the environment's failure (an
+            # error reply to the policy's own bad call can outgrow a small budget)
+            if len(episode.token_ids) + len(ids) >= self.env.budget.max_total_tokens:
                 self._finish(episode)
                 continue
             episode.token_ids += ids
