@@ -151,3 +151,15 @@ def digit_share(prompt: str, completion: str, answer: str) -> float:
     an untrained model's samples spread over, for the learning tests."""
     text = completion.strip()
     return sum(ch.isdigit() for ch in text) / len(text) if text else 0.0
+
+
+def letter_share(prompt: str, completion: str, answer: str) -> float:
+    """The share of the completion's characters that are lowercase ASCII letters: a dense signal
+    an untrained model's samples spread over (about 0.4 at the start), for the learning tests."""
+    return sum("a" <= ch <= "z" for ch in completion) / len(completion) if completion else 0.0
+
+
+def called_calculator(prompt: str, completion: str, answer: str) -> float:
+    """1 for an episode in which a calculator call gave a result, not an error: what the tool
+    environment's learning test raises."""
+    return 1.0 if "<result>" in completion and "<result>error" not in completion else 0.0

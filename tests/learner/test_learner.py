@@ -40,8 +40,9 @@ def test_update_does_not_depend_on_micro_batch_size(model, tokenizer, agg):
     assert changed > 1e-4  # the update itself is not trivially zero
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "seq-sum-norm"])
-@pytest.mark.parametrize("budget", [14, 30])
+@pytest.mark.parametrize(  # each aggregation once, each budget at least once
+    ("budget", "agg"), [(14, "token-mean"), (30, "seq-mean"), (14, "seq-sum-norm")]
+)
 def test_update_does_not_depend_on_a_token_budget_that_splits_groups(model, tokenizer, agg, budget):
     # prompts of about 12 tokens, responses up to 10: a 14-token budget splits every group
     # into parts of one or two responses, a 30-token budget packs parts of groups together
