@@ -42,6 +42,7 @@ PRELOAD = [
     "math_verify",
 ]
 START_ARGS_S = 60.0  # longest a started process waits for its arguments (sent as it starts)
+TOOK_ARGS = "took_args"  # a started process's first message: it holds its arguments
 
 
 def fork_server():
@@ -99,6 +100,7 @@ def _in_environment(
         if owner_gone():  # killed while starting us: nobody to report to
             os._exit(1)
         raise RuntimeError(f"no start arguments from pid {owner} within {START_ARGS_S:.0f}s") from e
+    results.send((TOOK_ARGS, wid, None))  # the owner may let go of their descriptors now
     target(wid, *args, inbox, results)
 
 
@@ -140,6 +142,7 @@ class Processes:
         self.tag = tag
         self._ctx = fork_server()
         self.procs: list[Proc] = []
+        self._took_args: set[int] = set()  # slots whose process has its arguments
 
     def __len__(self) -> int:
         return len(self.procs)
@@ -148,14 +151,33 @@ class Processes:
         """Spawn `num_workers` processes and wait until each is ready (closing them all if one
         fails); return the other messages that arrived meanwhile."""
         try:
+            early: list[Message] = []
             for wid in range(num_workers):
                 self.procs.append(self._spawn(wid))
-            return self.await_ready(set(range(num_workers)))
+                # one process's shared-tensor descriptors in flight at a time: each is a file
+                # descriptor until the process takes it (3 workers of a 273-tensor model held
+                # 819 at once, past the usual limit of 1,024)
+                early += self._await_args(wid)
+            return self.await_ready(set(range(num_workers)), early)
         except BaseException:
             self.close()
             raise
 
+    def _await_args(self, wid: int) -> list[Message]:
+        """Wait until slot `wid`'s process holds its arguments; the messages that came meanwhile."""
+        kept, deadline = [], time.monotonic() + self.timeout_s
+        while wid not in self._took_args:
+            kept += self.receive(0.1)
+            if wid in self._took_args:
+                break
+            if self.dead({wid}) is not None:
+                raise WorkerDied(self.exited(wid), wid)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} {wid} did not start within {self.timeout_s:.0f}s")
+        return kept
+
     def _spawn(self, wid: int) -> Proc:
+        self._took_args.discard(wid)
         inbox = self._ctx.Queue()
         reader, writer = self._ctx.Pipe(duplex=False)
         # The arguments (a model's shared-memory tensors among them) travel as the inbox's first
@@ -183,9 +205,14 @@ class Processes:
         for conn in mp_connection.wait(list(by_conn), timeout_s):
             wid = by_conn[conn]
             try:
-                messages.append(cast(mp_connection.Connection, conn).recv())
+                message = cast(mp_connection.Connection, conn).recv()
             except (EOFError, OSError):
                 self.procs[wid].closed = True
+                continue
+            if message[0] == TOOK_ARGS:
+                self._took_args.add(wid)
+            else:
+                messages.append(message)
         return messages
 
     def dead(self, wids: set[int] | None = None) -> int | None:
@@ -204,13 +231,14 @@ class Processes:
     def failed(self, wid: int, traceback: str) -> WorkerError:
         return WorkerError(f"{self.name} {wid} failed:\n{traceback}")
 
-    def await_ready(self, pending: set[int]) -> list[Message]:
-        """Wait for "ready" from the slots in `pending`; raise on their "error", death or the
-        timeout. Other messages (from other slots) are returned, in order, for the owner."""
+    def await_ready(self, pending: set[int], early: list[Message] | None = None) -> list[Message]:
+        """Wait for "ready" from the slots in `pending` (`early`: messages received already);
+        raise on their "error", death or the timeout. Other messages (from other slots) are
+        returned, in order, for the owner."""
         pending, kept = set(pending), []
         deadline = time.monotonic() + self.timeout_s
         while pending:
-            messages = self.receive(0.5)
+            messages, early = (early or []) + self.receive(0.5 if not early else 0.0), None
             for message in messages:
                 kind, wid, payload = message
                 if wid not in pending:
