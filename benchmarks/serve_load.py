@@ -81,7 +81,7 @@ def cases(prompt_ids: list[int], max_positions: int) -> tuple[list[Case], list[C
         Case("top_p_0", False, _chat(top_p=0)),
         Case("top_p_2", False, _chat(top_p=2)),
         Case("empty_messages", False, _chat(messages=[])),
-        Case("stream", False, _chat(stream=True)),
+        Case("response_format", False, _chat(response_format={"type": "json_object"})),
         Case("not_json", False, b'{"messages": [}'),
         Case("body_over_limit", False, too_big.encode()),
         Case("wrong_token", False, _chat(), {"Authorization": "Bearer wrong"}),

@@ -34,8 +34,9 @@ ALLOWED = {
     # process and actor transports; backend imports nothing of the learner
     "learner": {"types", "algo", "data", "metrics", "models", "backend"},
     "dataplane": {"types", "metrics"},
-    # the HTTP face of an engine (`cadence serve`): what a worker lends a verifiers environment
-    "serve": {"types", "engine", "models"},
+    # the HTTP face of an engine (`cadence serve`): what a worker lends a verifiers environment;
+    # tool calls in the model's chat format are envs' (chat_tools.py)
+    "serve": {"types", "engine", "models", "envs"},
     # the policy acting (workers, episodes, evaluation): above what it acts with, below what
     # carries it to processes (backend) and what runs training (pipeline)
     "rollout": {"types", "engine", "envs", "metrics", "models", "rewards", "serve"},

@@ -49,7 +49,7 @@ def tiny_server(
 
     loop = loop or EngineLoop(fresh(), renew=fresh)
     vocab = model.get_input_embeddings().num_embeddings
-    return Server(loop, tokenizer, "test-model", 1024, 64, vocab_size=vocab, **limits)
+    return Server(loop, tokenizer, "test-model", 1024, 64, vocab_size=vocab, model=model, **limits)
 
 
 @pytest.fixture(scope="module")

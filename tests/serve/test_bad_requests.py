@@ -70,8 +70,13 @@ def _many_ids(n):
         ({"top_p": 1.5}, "top_p: Input should be less than or equal to 1"),
         ({"seed": -1}, "seed: Input should be greater than or equal to 0"),
         ({"stop": ["x"] * 17}, "List should have at most 16 items"),
-        ({"stream": True}, "stream: Input should be False"),
-        ({"top_logprobs": 2}, "top_logprobs: Input should be 0"),
+        ({"top_logprobs": 21}, "top_logprobs: Input should be less than or equal to 20"),
+        ({"response_format": {"type": "json_object"}}, "response_format = {'type': 'json_obj"),
+        ({"tool_choice": "required"}, "tool_choice = 'required' is not honoured"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty = 0.5 is not honoured"),
+        ({"logit_bias": {"5": 10}}, "logit_bias = {'5': 10} is not honoured"),
+        ({"reasoning_effort": "high"}, "reasoning_effort: not a field cadence serve honours"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools: this model's"),
     ],
 )
 def test_every_field_out_of_range_is_refused_with_400_and_the_reason(served, fields, reason):

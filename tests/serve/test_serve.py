@@ -105,7 +105,9 @@ def test_a_token_is_required_when_set_and_bad_requests_are_refused(served):
     assert [m.id for m in _client(url).models.list().data] == ["test-model"]
     with pytest.raises(openai.BadRequestError):
         _client(url).chat.completions.create(
-            model="m", messages=[{"role": "user", "content": PROMPT}], top_logprobs=3, logprobs=True
+            model="m",
+            messages=[{"role": "user", "content": PROMPT}],
+            response_format={"type": "json_object"},
         )
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         _client(url).chat.completions.create(

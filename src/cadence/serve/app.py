@@ -1,4 +1,5 @@
-"""`cadence serve`: an OpenAI-compatible HTTP endpoint over a rollout engine (FastAPI + uvicorn).
+"""`cadence serve`: an OpenAI-compatible HTTP endpoint over a rollout engine (FastAPI + uvicorn):
+chat completions (tools, top log-probs, streaming), text completions, and vLLM's token route.
 
 One bad request gets an answer of its own and changes nothing for the others: a body over
 `max_body_bytes` or a field out of range is refused (400, saying which and why) before anything
@@ -28,13 +29,19 @@ from cadence.serve.chat import (
     BadRequest,
     ChatRequest,
     Limits,
+    TopLogprobs,
     check_prompt,
     check_text,
     render,
     response,
 )
+from cadence.serve.completions import CompletionRequest, completion_response
 from cadence.serve.engine_loop import EngineBroken, EngineLoop, RequestFailed
+from cadence.serve.fields import refuse_unhonoured
 from cadence.serve.generate import GenerateRequest, generate_response
+from cadence.serve.logprobs import top_logprobs
+from cadence.serve.stream import DONE, chat_chunks, completion_chunks, event
+from cadence.types import Completion
 
 MAX_TOKENS = 256  # a request's default and the server's ceiling, unless `cadence serve` sets it
 MAX_BODY_BYTES = 4 << 20  # a prompt at 128k positions is under 1 MiB as ids and as text
@@ -82,9 +89,11 @@ class Server:
         vocab_size: int,
         max_body_bytes: int = MAX_BODY_BYTES,
         stop_token_ids: tuple[int, ...] = (),
+        model=None,
     ):
-        """A response ends at `stop_token_ids` (the tokenizer's EOS where none are given)."""
-        self.loop, self.tokenizer, self.name = loop, tokenizer, name
+        """A response ends at `stop_token_ids` (the tokenizer's EOS where none are given);
+        `model`, the engine's, scores `top_logprobs` (refused without it)."""
+        self.loop, self.tokenizer, self.name, self.model = loop, tokenizer, name, model
         self.max_positions, self.max_tokens = max_positions, max_tokens
         self.limits = Limits(vocab_size, max_positions, max_tokens)
         self.max_body_bytes = max_body_bytes
@@ -94,16 +103,25 @@ class Server:
         # one thread: the tokenizer is used from one place at a time, and never the event loop
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="cadence-serve-tokenizer")
 
-    async def chat(self, request: ChatRequest) -> dict[str, Any]:
+    async def chat(self, request: ChatRequest) -> dict[str, Any] | list[str]:
+        """The answer, or its server-sent events when the request streams."""
         job = await self.off_loop(self.prepare, request)
         completions = await asyncio.wrap_future(self.loop.submit(job.request, job.params))
+        return await self.off_loop(self.answer_chat, request, job, completions)
+
+    def answer_chat(self, request: ChatRequest, job: Job, completions: list[Completion]):
         prompt = job.request.prompt_ids
-        return await self.off_loop(
-            response, request, self.name, prompt, completions, self.tokenizer
-        )
+        tops = self.alternatives(prompt, completions, request.top_logprobs, job.params)
+        full = response(request, self.name, prompt, completions, self.tokenizer, tops)
+        if not request.stream:
+            return full
+        return [*map(event, chat_chunks(request, full, completions, self.tokenizer)), DONE]
 
     def prepare(self, request: ChatRequest) -> Job:
         """The prompt's tokens, checked against the model (BadRequest if it cannot take them)."""
+        refuse_unhonoured(request.model_extra)
+        request.check_tool_choice()
+        self.check_alternatives(request.top_logprobs, "top_logprobs")
         prompt = render(request, self.tokenizer)
         limit = min(request.limit or self.max_tokens, self.max_tokens)
         check_prompt(prompt, limit, self.limits)
@@ -114,6 +132,51 @@ class Server:
             stop=tuple(request.stops),
         )
         return Job(Request(prompt, request.seeds(), max_new_tokens=limit), params)
+
+    async def complete(self, request: CompletionRequest) -> dict[str, Any] | list[str]:
+        """/v1/completions: the answer, or its server-sent events when the request streams."""
+        job = await self.off_loop(self.prepare_completion, request)
+        completions = await asyncio.wrap_future(self.loop.submit(job.request, job.params))
+        return await self.off_loop(self.answer_completion, request, job, completions)
+
+    def prepare_completion(self, request: CompletionRequest) -> Job:
+        refuse_unhonoured(request.model_extra, best_of_n=request.n)
+        self.check_alternatives(request.logprobs, "logprobs")
+        prompt = request.prompt_ids(self.encode)
+        limit = min(request.max_tokens or self.max_tokens, self.max_tokens)
+        check_prompt(prompt, limit, self.limits, field="prompt")
+        params = replace(
+            self.params,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            stop=tuple(request.stops),
+        )
+        return Job(Request(prompt, request.seeds(), max_new_tokens=limit), params)
+
+    def answer_completion(
+        self, request: CompletionRequest, job: Job, completions: list[Completion]
+    ):
+        prompt = job.request.prompt_ids
+        tops = self.alternatives(prompt, completions, request.logprobs, job.params)
+        full = completion_response(request, self.name, prompt, completions, self.tokenizer, tops)
+        if not request.stream:
+            return full
+        return [*map(event, completion_chunks(request, full, completions, self.tokenizer)), DONE]
+
+    def check_alternatives(self, k: int | None, field: str) -> None:
+        if k and self.model is None:
+            raise BadRequest(f"{field} = {k}: this server has no model to score alternatives")
+
+    def alternatives(
+        self, prompt: list[int], completions: list[Completion], k: int | None, params
+    ) -> list[TopLogprobs] | None:
+        """Per choice, per token, the `k` likeliest tokens (None when none are asked)."""
+        if not k:
+            return None
+        return [
+            top_logprobs(self.model, prompt, c.token_ids, k, params.temperature)
+            for c in completions
+        ]
 
     async def generate(self, request: GenerateRequest) -> dict[str, Any]:
         job = await self.off_loop(self.prepare_generate, request)
@@ -201,7 +264,7 @@ def make_app(server: Server, token: str | None = None):
     from fastapi import FastAPI
     from fastapi import Request as HttpRequest
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI(title="cadence serve")
     app.add_middleware(BodyLimit, limit=server.max_body_bytes)
@@ -233,11 +296,20 @@ def make_app(server: Server, token: str | None = None):
         )
         return JSONResponse(_error(where, "invalid_request_error"), status_code=400)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: ChatRequest):
+    def reply(body: dict[str, Any] | list[str]):
         # as it is: FastAPI's own encoder would walk every log-prob on the event loop (2 ms for
         # n = 4 x 16 tokens, against 0.3 ms for json.dumps)
-        return JSONResponse(await server.chat(request))
+        if isinstance(body, list):
+            return StreamingResponse(iter(body), media_type="text/event-stream")
+        return JSONResponse(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: ChatRequest):
+        return reply(await server.chat(request))
+
+    @app.post("/v1/completions")
+    async def complete(request: CompletionRequest):
+        return reply(await server.complete(request))
 
     @app.post("/inference/v1/generate")
     async def generate(request: GenerateRequest):
@@ -298,6 +370,7 @@ def build_server(model_dir: str, max_num_seqs: int = 64, max_tokens: int = MAX_T
         max_tokens,
         vocab_size=model.get_input_embeddings().num_embeddings,
         stop_token_ids=stop_token_ids(tokenizer, model_dir),  # a chat model's end of turn too
+        model=model,
     )
 
 

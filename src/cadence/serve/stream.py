@@ -1,0 +1,88 @@
+"""`stream = true`: a finished answer as OpenAI's server-sent events, a chunk per sampled token.
+
+cadence's engines hand back whole completions, so the chunks are sent once a request's
+completions are done: streaming changes how the answer travels, not when its first token
+arrives. Each token's chunk carries its text delta (the deltas join to the non-streamed
+`content` / `text`), its log-prob entry and its id; a choice's tool calls come in one chunk after
+its text, then its finish reason; `stream_options.include_usage` adds a last chunk with the
+usage; `data: [DONE]` ends the stream.
+
+The design in full: docs/serve.md, `cadence/serve/stream.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from cadence.serve.chat import ChatRequest, read_choice
+from cadence.serve.completions import CompletionRequest, choice_text, token_logprobs
+from cadence.serve.logprobs import clip, text_decoder, text_deltas
+from cadence.types import Completion
+
+DONE = "data: [DONE]\n\n"
+
+
+def event(chunk: dict[str, Any]) -> str:
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+def _wants_usage(options: dict[str, Any] | None) -> bool:
+    return bool((options or {}).get("include_usage"))
+
+
+def chat_chunks(
+    request: ChatRequest, full: dict[str, Any], completions: list[Completion], tokenizer
+) -> Iterator[dict[str, Any]]:
+    """The chat.completion.chunk objects of `full` (the non-streamed answer)."""
+    head = {"id": full["id"], "object": "chat.completion.chunk", "created": full["created"]}
+    head["model"] = full["model"]
+
+    def chunk(j: int, delta: dict[str, Any], **fields: Any) -> dict[str, Any]:
+        choice = {"index": j, "delta": delta, "logprobs": None, "finish_reason": None}
+        return {**head, "choices": [choice | fields]}
+
+    for j, (c, choice) in enumerate(zip(completions, full["choices"], strict=True)):
+        turn, finish = read_choice(c, request)
+        deltas = clip(
+            text_deltas(c.token_ids, c.text, text_decoder(tokenizer)), turn.start, turn.end
+        )
+        yield chunk(j, {"role": "assistant", "content": ""})
+        entries = choice["logprobs"]["content"]
+        for token_id, entry, delta in zip(c.token_ids, entries, deltas, strict=True):
+            yield chunk(j, {"content": delta}, logprobs={"content": [entry]}, token_ids=[token_id])
+        calls = choice["message"].get("tool_calls") or []
+        if calls:
+            yield chunk(j, {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]})
+        yield chunk(j, {}, finish_reason=finish)
+    if _wants_usage(request.stream_options):
+        yield {**head, "choices": [], "usage": full["usage"]}
+
+
+def completion_chunks(
+    request: CompletionRequest, full: dict[str, Any], completions: list[Completion], tokenizer
+) -> Iterator[dict[str, Any]]:
+    """The streamed text_completion objects of `full` (the non-streamed answer)."""
+    head = {"id": full["id"], "object": "text_completion", "created": full["created"]}
+    head["model"] = full["model"]
+    for j, c in enumerate(completions):
+        text, finish = choice_text(c, request)
+        top = full["choices"][j]["logprobs"]["top_logprobs"]
+        asked = top is not None
+        tops = [[] for _ in c.token_ids]  # the alternatives, already read: from `full`
+        for i, t in enumerate(token_logprobs(c, tops, text, tokenizer, asked=False)):
+            logprobs = {
+                "tokens": [t["token"]],
+                "token_logprobs": [t["logprob"]],
+                "top_logprobs": [top[i]] if asked else None,
+                "text_offset": [t["offset"]],
+            }
+            choice = {"index": j, "text": t["text"], "logprobs": logprobs, "finish_reason": None}
+            yield {**head, "choices": [choice | {"token_ids": [c.token_ids[i]]}]}
+        yield {
+            **head,
+            "choices": [{"index": j, "text": "", "logprobs": None, "finish_reason": finish}],
+        }
+    if _wants_usage(request.stream_options):
+        yield {**head, "choices": [], "usage": full["usage"]}
