@@ -311,6 +311,7 @@ def step_fsdp(check: Check) -> dict:
     import torch
 
     from cadence.algo import AlgoParams
+    from cadence.backend.placement import place, visible_gpus
     from cadence.learner import Learner, LearnerParams, score
     from cadence.learner.driver import start_local_ranks
     from cadence.learner.rank import RankSpec
@@ -327,7 +328,9 @@ def step_fsdp(check: Check) -> dict:
         one = Learner(copy.deepcopy(model).to(check.device), params, algo, 0)
         one.train_iteration(iter(groups), len(groups))
         spec = RankSpec(d, params, algo, 0, 1, "fsdp")
-        ranked = start_local_ranks(spec, copy.deepcopy(model).cpu(), check.device, Tracer())
+        # the rank process sees the first GPU only (CUDA_VISIBLE_DEVICES), as a run places it
+        gpus = place(1, 1.0, 0, 0.0, visible_gpus()) if check.device.startswith("cuda") else None
+        ranked = start_local_ranks(spec, copy.deepcopy(model).cpu(), Tracer(), gpus)
         try:
             ranked.train_iteration(iter(groups), len(groups))
         finally:

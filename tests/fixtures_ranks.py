@@ -15,6 +15,9 @@ class EchoRank:
     def echo(self, value):
         return self.rank, value, self.greeting, os.getpid()
 
+    def environ(self, key: str) -> str | None:
+        return os.environ.get(key)
+
     def fail(self, message: str):
         raise ValueError(f"rank {self.rank} refuses: {message}")
 

@@ -158,14 +158,30 @@ RAY = ["pipeline.backend='ray'", "pipeline.placement='separate'"]
         (["pipeline.backend='cluster'"], "'local' or 'ray'"),
         (["pipeline.weight_sync='broadcast'"], "pipeline.weight_sync applies to"),
         (["pipeline.ray_address='auto'"], "pipeline.ray_address applies to"),
-        (["pipeline.num_gpus_per_worker=1"], "pipeline.num_gpus_per_worker applies to"),
+        (["pipeline.num_gpus_per_worker=1"], "GPU shares place processes on GPUs"),
         ([*RAY, "pipeline.ray_address='auto'", "pipeline.ray_num_cpus=2"], "leave pipeline.ray"),
         ([*RAY, "pipeline.weight_sync='nccl'"], "'object_store' or 'broadcast'"),
         (
             [*RAY, "pipeline.weight_sync='broadcast'", "model.device='cuda'"],
             "set pipeline.num_gpus_per_worker > 0",
         ),
-        (["learner.num_gpus_per_rank=1"], "learner.num_gpus_per_rank applies to"),
+        (["learner.num_gpus_per_rank=1"], "learner.num_gpus_per_rank = 1 with model.device"),
+        (
+            ["model.device='cuda'", "learner.num_gpus_per_rank=2"],
+            "a rank trains on one GPU",
+        ),
+        (
+            ["model.device='cuda'", "pipeline.placement='separate'", "pipeline.num_workers=2"],
+            "needs pipeline.num_gpus_per_worker",
+        ),
+        (
+            [
+                "model.device='cuda'",
+                "pipeline.placement='separate'",
+                "pipeline.num_gpus_per_worker=1.5",
+            ],
+            "above 1 a worker takes whole GPUs",
+        ),
         (
             [*RAY, "learner.ranks=2", "model.device='cuda'"],
             "set learner.num_gpus_per_rank > 0",

@@ -33,7 +33,7 @@ def test_two_ranks_make_the_one_process_update_with_a_rank_idle_for_a_whole_step
     one = Learner(copy.deepcopy(model), params, algo, tokenizer.pad_token_id, frozen(model))
     grads = capture_grads(one)
     spec = RankSpec(str(model_dir), params, algo, tokenizer.pad_token_id, 2)
-    ranked = start_local_ranks(spec, copy.deepcopy(model), "cpu", Tracer())
+    ranked = start_local_ranks(spec, copy.deepcopy(model), Tracer())
     try:
         for _ in range(2):
             fresh = score([replace(g, policy_version=one.version) for g in groups], algo)
@@ -69,7 +69,7 @@ def test_two_ranks_make_the_one_process_update_with_a_batch_wide_advantage(model
     one = Learner(copy.deepcopy(model), params, algo, tokenizer.pad_token_id)
     grads = capture_grads(one)
     spec = RankSpec(str(model_dir), params, algo, tokenizer.pad_token_id, 2)
-    ranked = start_local_ranks(spec, copy.deepcopy(model), "cpu", Tracer())
+    ranked = start_local_ranks(spec, copy.deepcopy(model), Tracer())
     try:
         want = one.train_iteration(iter(groups), len(groups))
         got = ranked.train_iteration(iter(groups), len(groups))
@@ -96,7 +96,7 @@ def test_two_ranks_report_the_rollout_correction_figures_of_one_process(model_di
     params = LearnerParams(lr=1e-3, micro_batch_groups=1)
     one = Learner(copy.deepcopy(model), params, algo, tokenizer.pad_token_id)
     spec = RankSpec(str(model_dir), params, algo, tokenizer.pad_token_id, 2)
-    ranked = start_local_ranks(spec, copy.deepcopy(model), "cpu", Tracer())
+    ranked = start_local_ranks(spec, copy.deepcopy(model), Tracer())
     try:
         want = one.train_iteration(iter(scored), len(scored))
         got = ranked.train_iteration(iter(scored), len(scored))
@@ -154,7 +154,7 @@ def test_two_mixed_precision_ranks_make_the_one_process_mixed_update(
         str(model_dir), params, algo, tokenizer.pad_token_id, 2, strategy, dtype="bfloat16"
     )
     driver = copy.deepcopy(model).to(torch.bfloat16)
-    ranked = start_local_ranks(spec, driver, "cpu", Tracer())
+    ranked = start_local_ranks(spec, driver, Tracer())
     try:
         for _ in range(2):
             fresh = score([replace(g, policy_version=one.version) for g in groups], algo)
@@ -194,7 +194,7 @@ def test_two_ranks_with_a_token_budget_make_the_one_process_update(model_dir, to
     grads = capture_grads(one)
     params = LearnerParams(lr=1e-3, micro_batch_tokens=20)
     spec = RankSpec(str(model_dir), params, algo, tokenizer.pad_token_id, 2)
-    ranked = start_local_ranks(spec, copy.deepcopy(model), "cpu", Tracer())
+    ranked = start_local_ranks(spec, copy.deepcopy(model), Tracer())
     try:
         want = one.train_iteration(iter(groups), len(groups))
         got = ranked.train_iteration(iter(groups), len(groups))

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from cadence.backend.local import LocalPool
+from cadence.backend.placement import Placement, PlacementError, place, visible_gpus
 from cadence.backend.pool import InFlight, Lost, Pool, TaskResult
 from cadence.backend.procs import Processes, WorkerDied, WorkerError
 from cadence.backend.reward_stage import RewardStage
@@ -42,15 +43,18 @@ def make_pool(
     num_workers: int,
     *,
     timeout_s: float = 300.0,
+    placement: Placement | None = None,
     **ray_options: Any,
 ) -> tuple[Pool, Store]:
     """`num_workers` rollout workers on `backend` ("local" or "ray"), started and ready, and the
-    run's sample store beside them (in this process, or in a Ray actor). `ray_options` are
-    `RayPool`'s keyword arguments (address, num_cpus, per-worker resources, weight_sync)."""
+    run's sample store beside them (in this process, or in a Ray actor). `placement`: the GPUs
+    each local worker sees (None: this process's). `ray_options` are `RayPool`'s keyword
+    arguments (address, num_cpus, per-worker resources, weight_sync)."""
     if backend == "local":
         if ray_options:
             raise ValueError(f"the local backend takes no Ray options; got {sorted(ray_options)}")
-        pool = LocalPool(spec, SharedWeights(model), num_workers, timeout_s=timeout_s)
+        env = placement.worker_env if placement is not None else None
+        pool = LocalPool(spec, SharedWeights(model), num_workers, timeout_s=timeout_s, env=env)
         return pool, SampleStore()
     if backend != "ray":
         raise ValueError(f"unknown backend {backend!r}; choose 'local' or 'ray'")
@@ -71,6 +75,8 @@ __all__ = [
     "LearnerWeights",
     "LocalPool",
     "Lost",
+    "Placement",
+    "PlacementError",
     "Pool",
     "Processes",
     "Receiver",
@@ -84,4 +90,6 @@ __all__ = [
     "WorkerLoop",
     "learner_sync",
     "make_pool",
+    "place",
+    "visible_gpus",
 ]

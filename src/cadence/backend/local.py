@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,13 +50,19 @@ class LocalPool:
     """`num_workers` spawned worker processes in fixed slots; a dead one can be `replace`d."""
 
     def __init__(
-        self, spec: WorkerSpec, weights: SharedWeights, num_workers: int, timeout_s: float = 300.0
+        self,
+        spec: WorkerSpec,
+        weights: SharedWeights,
+        num_workers: int,
+        timeout_s: float = 300.0,
+        env: Callable[[int], dict[str, str]] | None = None,
     ) -> None:
+        """`env(wid)`: what worker `wid`'s environment adds (its GPUs: placement.py)."""
         self.spec = spec
         self.weights = weights
         self.timeout_s = timeout_s
         self._pending: collections.deque = collections.deque()  # received, not yet handed out
-        self._procs = Processes("worker", worker_main, self._args, timeout_s)
+        self._procs = Processes("worker", worker_main, self._args, timeout_s, env=env)
         self._in_flight = [InFlight() for _ in range(num_workers)]
         self._keep(self._procs.start(num_workers))
 

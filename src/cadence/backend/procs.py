@@ -128,7 +128,9 @@ class Proc:
 
 class Processes:
     """The slots of one kind of worker process: `name` in messages ("worker 0 failed"), `tag`
-    in process names (cadence-TAG-0, which a process can read to know what it is)."""
+    in process names (cadence-TAG-0, which a process can read to know what it is); slot `wid`'s
+    process starts with this process's environment updated by `env(wid)` (its GPUs, say), and so
+    does a process that replaces it."""
 
     def __init__(
         self,
@@ -137,9 +139,10 @@ class Processes:
         args: Callable[[int], tuple],
         timeout_s: float = 300.0,
         tag: str = "worker",
+        env: Callable[[int], dict[str, str]] | None = None,
     ) -> None:
         self.name, self.target, self.args, self.timeout_s = name, target, args, timeout_s
-        self.tag = tag
+        self.tag, self.env = tag, env
         self._ctx = fork_server()
         self.procs: list[Proc] = []
         self._took_args: set[int] = set()  # slots whose process has its arguments
@@ -185,7 +188,8 @@ class Processes:
         # start (SmolLM2 shares 273 tensors), a queue any number. Pickled here, not in the
         # queue's thread, so that an argument that cannot travel fails this call.
         inbox.put(bytes(ForkingPickler.dumps(self.args(wid))))
-        args = (dict(os.environ), os.getpid(), self.target, wid, inbox, writer)
+        environ = dict(os.environ) | (self.env(wid) if self.env is not None else {})
+        args = (environ, os.getpid(), self.target, wid, inbox, writer)
         with _ignoring_ctrl_c():
             p = self._ctx.Process(
                 target=_in_environment, name=f"cadence-{self.tag}-{wid}", daemon=True, args=args

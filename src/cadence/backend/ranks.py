@@ -119,11 +119,13 @@ class LocalRanks:
         spawn_args: Callable[[int], tuple] = lambda rank: (),
         timeout_s: float = 300.0,
         name: str = "learner rank",
+        env: Callable[[int], dict[str, str]] | None = None,
     ) -> None:
+        """`env(r)`: what rank r's environment adds (its GPUs: placement.py)."""
         self.num_ranks, self.timeout_s, self.name = num_ranks, timeout_s, name
         self.calls = Calls(num_ranks, name)
         self.procs = Processes(
-            name, serve, lambda r: (factory, spawn_args(r)), timeout_s=timeout_s, tag="rank"
+            name, serve, lambda r: (factory, spawn_args(r)), timeout_s, tag="rank", env=env
         )
         self.procs.start(num_ranks)
 

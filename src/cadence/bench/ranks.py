@@ -87,7 +87,7 @@ def _ranks(spec, model, groups, iterations: int) -> dict[str, Any]:
     from cadence.metrics import Tracer
 
     tracer = Tracer()
-    learner = start_local_ranks(spec, model, "cpu", tracer)
+    learner = start_local_ranks(spec, model, tracer)
     scorer = Scorer(spec.algo)
     try:
         times, stats = [], {}

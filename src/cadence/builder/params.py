@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import torch
 
 from cadence.algo import AlgoParams
+from cadence.backend.placement import Placement, PlacementError, place, visible_gpus
 from cadence.builder.checks import check_trackers, require_ray
 from cadence.builder.tasks import env_spec
 from cadence.config import Config, ConfigError, PipelineConfig, to_toml
@@ -119,16 +120,39 @@ def rank_spec(cfg: Config, pad_id: int) -> RankSpec:
     )
 
 
+def gpu_placement(cfg: Config, visible: list[str] | None = None) -> Placement | None:
+    """The GPUs each learner rank and local worker sees, on the local backend of a CUDA run
+    (None otherwise: Ray places its actors itself); `visible`: this machine's (read when None).
+    More than it shows is a ConfigError naming the keys."""
+    p, learner = cfg.pipeline, cfg.learner
+    if p.backend != "local" or not cfg.model.device.startswith("cuda"):
+        return None
+    workers = p.num_workers if p.placement == "separate" else 0
+    try:
+        return place(
+            learner.ranks,
+            learner.num_gpus_per_rank or 1.0,  # a CUDA learner always holds a GPU
+            workers,
+            p.num_gpus_per_worker,
+            visible_gpus() if visible is None else visible,
+        )
+    except PlacementError as e:
+        raise ConfigError(str(e)) from None
+
+
 def max_staleness(cfg: Config) -> int:
     """Versions a trained group may lag the learner: 0 except in off-policy mode."""
     return cfg.pipeline.max_staleness if cfg.pipeline.mode == "offpolicy" else 0
 
 
 def worker_spec(cfg: Config, sampling: SamplingParams) -> WorkerSpec:
-    """What each rollout worker builds itself from; it scores only without a reward stage."""
+    """What each rollout worker builds itself from; it scores only without a reward stage. A
+    worker with a GPU share of a CUDA run holds its model on its GPU (the first it sees)."""
+    on_gpu = cfg.model.device.startswith("cuda") and cfg.pipeline.num_gpus_per_worker > 0
     return WorkerSpec(
         model_path=cfg.model.path,
         dtype=cfg.model.dtype,
+        device="cuda" if on_gpu else "cpu",
         reward="" if cfg.reward.stage == "separate" else cfg.reward.function,
         sampling=sampling,
         group_size=cfg.rollout.group_size,

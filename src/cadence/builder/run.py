@@ -17,6 +17,7 @@ from cadence.backend import RewardStage, make_pool
 from cadence.builder.checks import check_before_loading, check_sharded
 from cadence.builder.params import (
     algo_params,
+    gpu_placement,
     learner_params,
     learner_threads,
     loop_params,
@@ -30,7 +31,7 @@ from cadence.builder.params import (
 )
 from cadence.builder.rollout import Sync, heldout_evaluator, learner_engine, rollout_worker
 from cadence.builder.tasks import heldout_set, make_task, prompt_filter, prompt_render
-from cadence.config import Config, ConfigError
+from cadence.config import Config
 from cadence.dataplane import Store
 from cadence.engine import Engine
 from cadence.learner import Learner, LearnerParams, Scorer, Trainer
@@ -86,7 +87,13 @@ def build_source(
     spec = worker_spec(cfg, sampling_params(cfg, tokenizer))
     model = plain_weights(model)  # a LoRA policy's merged: the workers' model has no adapter
     pool, store = make_pool(
-        p.backend, spec, model, p.num_workers, timeout_s=p.worker_timeout_s, **ray_options(p)
+        p.backend,
+        spec,
+        model,
+        p.num_workers,
+        timeout_s=p.worker_timeout_s,
+        placement=gpu_placement(cfg),
+        **ray_options(p),
     )
     try:
         stage = reward_stage(cfg, store, tracer) if separate else None
@@ -126,6 +133,7 @@ def reward_stage(cfg: Config, store: Store, tracer: Tracer) -> RewardStage:
 def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     """Every component of a run, wired; from `resume` on, if given (see pipeline/checkpoint.py)."""
     check_before_loading(cfg)
+    gpu_placement(cfg)  # more GPUs asked for than this machine shows: refused before loading
     set_threads(learner_threads(cfg))
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg.model.path)
@@ -268,7 +276,7 @@ def build_scorer(cfg: Config, resume: Checkpoint | None = None) -> Scorer:
 def start_ranks(cfg: Config, model, pad_id: int, tracer: Tracer) -> RankedLearner:
     """`learner.ranks` ranks as local processes or Ray actors."""
     spec = rank_spec(cfg, pad_id)
-    device, p = cfg.model.device, cfg.pipeline
+    p = cfg.pipeline
     if p.backend == "ray":
         return start_ray_ranks(
             spec,
@@ -282,9 +290,4 @@ def start_ranks(cfg: Config, model, pad_id: int, tracer: Tracer) -> RankedLearne
             address=p.ray_address,
             num_cpus=p.ray_num_cpus,
         )
-    if device.startswith("cuda") and torch.cuda.device_count() < spec.world_size:
-        raise ConfigError(
-            f"learner.ranks = {spec.world_size} on model.device = '{device}' puts rank r on "
-            f"cuda:r, and this machine has {torch.cuda.device_count()} GPU(s)"
-        )
-    return start_local_ranks(spec, model, device, tracer)
+    return start_local_ranks(spec, model, tracer, gpu_placement(cfg))

@@ -115,7 +115,7 @@ def check_overlong_buffer_fits(cfg: Sections) -> None:
 def check_learner_ranks(cfg: Sections) -> None:
     ranks, backend = cfg.learner, cfg.pipeline.backend
     if backend != "ray":
-        ray_keys = ("num_cpus_per_rank", "num_gpus_per_rank", "ray_rank_resources")
+        ray_keys = ("num_cpus_per_rank", "ray_rank_resources")
         for key in changed(ranks, ray_keys):
             raise ValueError(
                 f"learner.{key} applies to pipeline.backend = 'ray' only: set the "
@@ -196,6 +196,48 @@ def check_broadcast_devices(cfg: Sections) -> None:
         )
 
 
+def check_local_gpus(cfg: Sections) -> None:
+    """On the local backend the GPU shares place processes on GPUs (backend/placement.py): they
+    need a CUDA run, a rank trains on one GPU at most, a worker takes a fraction or whole GPUs,
+    and separate workers of a CUDA run need a share (0 would leave them on the CPU)."""
+    p, ranks = cfg.pipeline, cfg.learner
+    if p.backend != "local":
+        return
+    on_gpu = cfg.model.device.startswith("cuda")
+    asked = [
+        (key, value)
+        for key, value in (
+            ("learner.num_gpus_per_rank", ranks.num_gpus_per_rank),
+            ("pipeline.num_gpus_per_worker", p.num_gpus_per_worker),
+        )
+        if value > 0
+    ]
+    if asked and not on_gpu:
+        key, value = asked[0]
+        raise ValueError(
+            f"{key} = {value:g} with model.device = '{cfg.model.device}': GPU shares place "
+            "processes on GPUs; set model.device = 'cuda' or leave the key out"
+        )
+    if ranks.num_gpus_per_rank > 1:
+        raise ValueError(
+            f"learner.num_gpus_per_rank = {ranks.num_gpus_per_rank:g} on the local backend: a "
+            "rank trains on one GPU (a fraction shares one); more GPUs: more learner.ranks"
+        )
+    share = p.num_gpus_per_worker
+    if share > 1 and share != int(share):
+        raise ValueError(
+            f"pipeline.num_gpus_per_worker = {share:g}: above 1 a worker takes whole GPUs (an "
+            "integer, e.g. 2 for tensor parallel 2); below 1 it shares one"
+        )
+    if on_gpu and p.placement == "separate" and share == 0:
+        raise ValueError(
+            f"pipeline.placement = 'separate' with model.device = '{cfg.model.device}' on the "
+            "local backend needs pipeline.num_gpus_per_worker: 1 gives each worker a GPU of its "
+            "own after the learner's (learner.num_gpus_per_rank, 1 by default); 0.5 with "
+            "learner.num_gpus_per_rank = 0.5 shares one GPU between the learner and one worker"
+        )
+
+
 def check_master_dtype(cfg: Sections) -> None:
     if cfg.learner.master_dtype == "bfloat16" and cfg.model.dtype != "bfloat16":
         raise ValueError(
@@ -216,6 +258,7 @@ CHECKS = (
     check_verifiers_env,
     check_partial_rollout_engine,
     check_broadcast_devices,
+    check_local_gpus,
 )
 
 

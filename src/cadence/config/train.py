@@ -95,8 +95,10 @@ class LearnerConfig(Section):
     num_cpus_per_rank: float = Field(1.0, ge=0)
     """ray: CPUs each learner rank actor reserves (Ray's num_cpus)."""
     num_gpus_per_rank: float = Field(0.0, ge=0)
-    """ray: GPUs each learner rank actor reserves; above 0 the ranks train on their GPU over NCCL.
-    """
+    """GPUs each learner rank takes. ray: its actor's num_gpus; above 0 the ranks train on their
+    GPU over NCCL. local (model.device = 'cuda'): the ranks take the first GPUs, one each (0 means
+    1; a fraction shares one with the next processes), each rank process seeing only its own
+    (CUDA_VISIBLE_DEVICES); rank 0 is the driver when learner.ranks = 1."""
     ray_rank_resources: dict[str, float] = Field(default_factory=dict)
     """ray: custom Ray resources each learner rank actor reserves besides its CPUs and GPUs, e.g. {
     trainer = 1 }: the ranks then run only on nodes started with that resource (`ray start
@@ -167,8 +169,10 @@ class PipelineConfig(Section):
     num_cpus_per_worker: float = Field(1.0, ge=0)
     """ray: CPUs each worker actor reserves (Ray's num_cpus)."""
     num_gpus_per_worker: float = Field(0.0, ge=0)
-    """ray: GPUs each worker actor reserves (Ray's num_gpus); above 0 the worker generates on its
-    GPU."""
+    """GPUs each rollout worker takes; above 0 the worker generates on its GPU. ray: its actor's
+    num_gpus. local: the workers take the GPUs after the learner's (whole GPUs from 1 up, a
+    fraction shares one), each worker process seeing only its own (CUDA_VISIBLE_DEVICES); a CUDA
+    run with separate placement needs it above 0. More than the machine shows is refused."""
     ray_worker_resources: dict[str, float] = Field(default_factory=dict)
     """ray: custom Ray resources each worker actor reserves besides its CPUs and GPUs, e.g. {
     rollout = 1 }: workers then run only on nodes started with that resource (`ray start
@@ -238,7 +242,6 @@ RAY_ONLY = (
     "ray_address",
     "ray_num_cpus",
     "num_cpus_per_worker",
-    "num_gpus_per_worker",
     "weight_sync",
     "ray_worker_resources",
 )

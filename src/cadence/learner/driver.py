@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from cadence.algo import is_pair_loss
+from cadence.backend.placement import Placement
 from cadence.backend.ranks import BUILD, LocalRanks, Ranks
 from cadence.learner.learner import LearnerParams
 from cadence.learner.rank import Rank, RankSpec, Rendezvous, RoundReply, build_rank
@@ -254,11 +255,12 @@ def load_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray]) -> None:
 
 
 def start_local_ranks(
-    spec: RankSpec, model: torch.nn.Module, device: str, tracer: Tracer
+    spec: RankSpec, model: torch.nn.Module, tracer: Tracer, placement: Placement | None = None
 ) -> RankedLearner:
     """`spec.world_size` rank processes on this machine, meeting through a file on loopback;
     rank 0 writes the gathered weights straight into `model`'s parameters (moved to shared
-    memory). `device` "cuda" puts rank r on cuda:r."""
+    memory). With `placement` rank r sees its own GPUs only and trains on the first (`cuda`);
+    without, on the CPU."""
     model.share_memory()
     shared = dict(model.named_parameters())
     folder = tempfile.mkdtemp(prefix="cadence-ranks-")
@@ -268,10 +270,11 @@ def start_local_ranks(
         spec.world_size,
         spawn_args=lambda r: (spec, shared if r == 0 else None),
         timeout_s=spec.timeout_s,
+        env=placement.rank_env if placement is not None else None,
     )
     try:
         for r in range(spec.world_size):
-            ranks.call(r, BUILD, rendezvous, f"cuda:{r}" if device.startswith("cuda") else "cpu")
+            ranks.call(r, BUILD, rendezvous, "cuda" if placement is not None else "cpu")
         ranks.wait()
         return RankedLearner(
             ranks,

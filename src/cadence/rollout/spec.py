@@ -41,6 +41,8 @@ class WorkerSpec:
     env: EnvSpec = field(default_factory=EnvSpec)  # single turn unless told otherwise
     vllm: VLLMOptions | None = None  # engine 'vllm': the [rollout.vllm] settings
     partial: PartialRollouts | None = None  # new weights between decode steps (partial rollouts)
+    device: str = "cpu"  # where an engine that decodes a model object holds it ("cuda": the
+    # first GPU the worker's process sees; vLLM places itself on that same GPU)
 
 
 def evaluation_spec(spec: WorkerSpec, reward: str) -> WorkerSpec:
@@ -77,6 +79,7 @@ def build_worker(
             tokenizer,
             spec.max_num_seqs,
             dtype=spec.dtype,
+            device=spec.device,
             vllm=spec.vllm,
         )
     reward = None

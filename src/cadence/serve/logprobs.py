@@ -29,7 +29,8 @@ def top_logprobs(
         return [[] for _ in token_ids]
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids + token_ids[:-1]], device=device)
-    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 :].float()
+    # the last len(token_ids) positions only: no logits over the prompt
+    logits = model(input_ids=ids, logits_to_keep=len(token_ids)).logits[0].float()
     logp = log_softmax(logits / temperature if temperature > 0 else logits)
     values, indices = logp.topk(min(k, logp.shape[-1]), dim=-1)
     return [
