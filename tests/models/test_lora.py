@@ -153,3 +153,54 @@ def test_adapter_saves_alone_and_loads_as_a_merged_model(model_dir, tmp_path) ->
     other = apply_lora(load_model(model_dir), LoraSpec(target_modules=("k_proj",)))
     with pytest.raises(LoraError, match=r"does not fit the run.s model\.lora"):
         load_adapter_into(other, adapter)
+
+
+def test_a_bf16_merge_rounds_once_and_keeps_the_unmerged_policys_logprobs() -> None:
+    # a bf16 weight plus the adapter's delta, each rounded to bf16, rounded the sum again: deltas
+    # under the weight's rounding step were lost or doubled (issue 40, LoRA)
+    base = tiny_causal_lm("qwen2", 64).to(torch.bfloat16)
+    policy = apply_lora(copy.deepcopy(base), SPEC)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:  # small, as a few steps of training leave it
+                p.normal_(0, 0.01, generator=torch.Generator().manual_seed(len(name)))
+    merged = merged_parameters(policy)
+    twice = {}  # the former merge: peft's bf16 delta added in bf16
+    for name, module in policy.get_base_model().named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "active_adapters"):
+            w = module.base_layer.weight
+            twice[f"{name}.weight"] = w + module.get_delta_weight("default").to(w.dtype)
+    assert twice and all(merged[n].dtype == torch.bfloat16 for n in merged)
+    changed = 0
+    for name, old in twice.items():
+        module = policy.get_base_model().get_submodule(name.removesuffix(".weight"))
+        exact = module.base_layer.weight.float()
+        exact += (
+            module.lora_B["default"].weight.float() @ module.lora_A["default"].weight.float()
+        ) * module.scaling["default"]
+        assert torch.equal(merged[name], exact.to(torch.bfloat16))  # one rounding
+        changed += int((old != merged[name]).sum())
+    assert changed > 0  # the two-rounding merge differs
+    # the merged bf16 model's log-probs against the unmerged policy's, both computed in float32
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+    worker = copy.deepcopy(base).float()
+    load_into(worker, {n: t.float() for n, t in merged.items()})
+    with torch.no_grad():
+        want = copy.deepcopy(policy).float()(input_ids=ids).logits.log_softmax(-1)
+        got = worker(input_ids=ids).logits.log_softmax(-1)
+    assert (got - want).abs().max().item() <= 2e-2  # bf16 weights: within their rounding
+
+
+def test_merged_weights_are_computed_one_tensor_at_a_time(monkeypatch) -> None:
+    from cadence.models import lora
+
+    _, policy = _policy()
+    calls = []
+    real = lora._delta
+    monkeypatch.setattr(lora, "_delta", lambda m, a: calls.append(1) or real(m, a))
+    tensors = MergedWeights(policy).named_parameters()
+    assert calls == []  # nothing merged before the transport asks
+    for name, _ in tensors:
+        if "q_proj" in name:
+            break
+    assert len(calls) == 1  # the first adapted weight only

@@ -100,36 +100,59 @@ def base_parameters(policy) -> Iterator[tuple[str, torch.Tensor]]:
             yield name.replace(".base_layer", ""), p
 
 
+def _delta(module, adapter: str) -> torch.Tensor:
+    """scale * B @ A of one adapter of one layer, in float32 (peft's `get_delta_weight` returns
+    it in the weight's dtype, rounded before it is added)."""
+    if module.use_dora.get(adapter, False):
+        raise LoraError("DoRA adapters cannot be merged tensor by tensor here")
+    a = module.lora_A[adapter].weight.float()
+    b = module.lora_B[adapter].weight.float()
+    delta = (b @ a) * module.scaling[adapter]
+    return delta.T if module.fan_in_fan_out else delta
+
+
 @torch.no_grad()
-def merged_parameters(policy) -> dict[str, torch.Tensor]:
-    """Every weight as a plain model names it, with the adapter merged: W + scale * B @ A."""
+def merged_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every weight as a plain model names it, with the adapter merged, one at a time: W +
+    scale * B @ A summed in float32 and cast to W's dtype once (a bf16 W + a bf16 delta rounds
+    twice, and a delta under W's rounding step vanishes); one merged tensor alive at a time."""
     from peft.tuners.lora import LoraLayer
 
-    deltas = {
-        f"{name}.weight": module.get_delta_weight(adapter)
+    layers = {
+        f"{name}.weight": module
         for name, module in policy.get_base_model().named_modules()
         if isinstance(module, LoraLayer)
-        for adapter in module.active_adapters
     }
-    return {
-        name: (p + deltas[name].to(p.dtype)) if name in deltas else p
-        for name, p in base_parameters(policy)
-    }
+    for name, p in base_parameters(policy):
+        module = layers.get(name)
+        if module is None:
+            yield name, p
+            continue
+        total = p.to(torch.float32, copy=True)  # never the weight itself, for a float32 one
+        for adapter in module.active_adapters:
+            total += _delta(module, adapter).to(total.device)
+        yield name, total.to(p.dtype)
+
+
+def merged_parameters(policy) -> dict[str, torch.Tensor]:
+    """`merged_tensors` all at once."""
+    return dict(merged_tensors(policy))
 
 
 class MergedWeights(torch.nn.Module):
     """What a weight transport publishes for a LoRA policy: `named_parameters()` gives the merged
-    weights under the plain model's names (computed at each call, from the current adapter)."""
+    weights under the plain model's names (computed at each call from the current adapter, one
+    tensor at a time as the transport takes them)."""
 
     def __init__(self, policy) -> None:
         super().__init__()
         self.__dict__["policy"] = policy
 
     def named_parameters(self, *args: Any, **kwargs: Any):  # type: ignore[override]
-        return iter(merged_parameters(self.policy).items())
+        return merged_tensors(self.policy)
 
     def parameters(self, *args: Any, **kwargs: Any):  # type: ignore[override]
-        return iter(merged_parameters(self.policy).values())
+        return (t for _, t in merged_tensors(self.policy))
 
 
 def plain_weights(model: torch.nn.Module) -> torch.nn.Module:
