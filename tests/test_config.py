@@ -350,3 +350,15 @@ def test_partial_rollout_keys_reach_the_workers_and_round_trip():
     again = tomllib.loads(to_toml(cfg))["pipeline"]
     assert (again["partial_rollout"], again["partial_rollout_kv"]) == (True, "recompute")
     assert again["staleness_strategy"] == "wait"
+
+
+def test_partial_rollouts_on_vllm_refuse_asynchronous_scheduling():
+    sets = [
+        "rollout.engine='vllm'",
+        "pipeline.mode='offpolicy'",
+        "pipeline.placement='separate'",
+        "pipeline.partial_rollout=true",
+    ]
+    with pytest.raises(ConfigError, match="leave async_scheduling out"):
+        load_config(None, [*sets, "rollout.vllm.engine_args={ async_scheduling = true }"])
+    assert load_config(None, sets).pipeline.partial_rollout

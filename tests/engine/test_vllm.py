@@ -377,3 +377,41 @@ def test_importing_cadence_does_not_import_vllm():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_request_after_an_update_never_reads_blocks_the_old_weights_computed(
+    engine, llama_dir, tok
+):
+    # with a request in flight vLLM cannot empty its prefix cache at a weight load: a request
+    # added after the load with the same prompt read the blocks the old weights had computed
+    model = load_model(llama_dir)
+    new = next_version(model)
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    prompt = torch.randint(5, 200, (160,), generator=torch.Generator().manual_seed(4)).tolist()
+    later = Request(prompt, [11])
+    out = {}
+    try:
+        engine.load_weights(original, version=0)
+        engine.take_weights_in_flight(recompute=False)
+        engine.add("early", Request(prompt, [10]), SamplingParams(max_new_tokens=40))
+        for _ in range(3):
+            out.update(engine.step())
+        engine.load_weights(dict(new.named_parameters()), version=1)  # "early" is in flight
+        engine.weights_changed(1)
+        engine.add("later", later, SamplingParams(max_new_tokens=6, temperature=0.9))
+        while engine.busy:
+            out.update(engine.step())
+    finally:
+        while engine.busy:
+            engine.step()
+        engine.in_flight = False
+        engine.load_weights(original, version=0)
+    assert "early" in out and set(out["later"][0].token_versions) == {1}
+    # the new weights' log-probs over the new weights' keys and values (a fresh engine's)
+    assert max_logprob_diff(new, [later], [out["later"]], 0.9) <= 1e-5
+
+
+def test_partial_rollouts_turn_vllms_asynchronous_scheduling_off():
+    assert "async_scheduling" not in VLLMOptions().engine_kwargs("m", "float32", 8)
+    kw = VLLMOptions(in_flight_weights=True).engine_kwargs("m", "float32", 8)
+    assert kw["async_scheduling"] is False

@@ -165,6 +165,12 @@ def check_partial_rollout_engine(cfg: Sections) -> None:
     if not cfg.pipeline.partial_rollout:
         return
     engine = cfg.rollout.engine
+    if engine == "vllm" and cfg.rollout.vllm.engine_args.get("async_scheduling"):
+        raise ValueError(
+            "pipeline.partial_rollout = true with rollout.vllm.engine_args.async_scheduling = "
+            "true: a step scheduled before a weight load would compute under the old weights and "
+            "be stamped with the new version; leave async_scheduling out (cadence turns it off)"
+        )
     if engine == "vllm" and cfg.pipeline.partial_rollout_kv == "recompute":
         raise ValueError(
             "pipeline.partial_rollout_kv = 'recompute' with rollout.engine = 'vllm': the "

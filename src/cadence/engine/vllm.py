@@ -62,6 +62,10 @@ class VLLMOptions:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # new weights may arrive while requests decode (partial rollouts): vLLM's asynchronous
+    # scheduling is off, or a step scheduled before a load would compute under the old weights
+    # and be stamped with the new version
+    in_flight_weights: bool = False
 
     def engine_kwargs(self, model_path: str, model_dtype: str, max_num_seqs: int) -> dict:
         """Keyword arguments of `vllm.LLM`: the named keys, then `engine_args`, then cadence's."""
@@ -84,6 +88,8 @@ class VLLMOptions:
             max_logprobs=0,
             generation_config="vllm",  # a model's generation_config.json must not alter sampling
         )
+        if self.in_flight_weights:
+            kw["async_scheduling"] = False
         return kw
 
 
@@ -128,6 +134,7 @@ class VLLMEngine:
         self.in_flight = False  # new weights may arrive while requests decode (partial rollouts)
         self._number: int | None = None  # the version loaded, as a number (partial rollouts)
         self._jobs: dict[str, tuple[_Job, int]] = {}  # vLLM request id -> (job, sample)
+        self._loads = 0  # weight loads so far: the prefix cache's salt
         self._ids = itertools.count()
         options = options or VLLMOptions()
         self.llm = _start(model_path, options.engine_kwargs(model_path, dtype, max_num_seqs))
@@ -153,7 +160,9 @@ class VLLMEngine:
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import tokens_input
 
-        prompt = tokens_input(list(request.prompt_ids))
+        # salted with the weights' load: a prefix-cache block computed under other weights
+        # never matches (with requests in flight vLLM cannot empty its cache at a load)
+        prompt = tokens_input(list(request.prompt_ids), cache_salt=f"weights-{self._loads}")
         limit = request.limit(params)  # an episode's turn: the room its budget leaves
         added: list[str] = []
         try:
@@ -200,11 +209,14 @@ class VLLMEngine:
         if self.busy and not self.in_flight:
             raise RuntimeError("load_weights while requests decode: one would see two versions")
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+        self._loads += 1
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True}
         )
         self.llm.apply_model(_repack_output_layers)
-        if not self.llm.reset_prefix_cache() and not self.busy:  # busy: its blocks are kept
+        # busy, the blocks of the requests in flight are kept (they carry on with them, as
+        # partial rollouts keep their keys and values); later requests' salt never matches them
+        if not self.llm.reset_prefix_cache() and not self.busy:
             raise RuntimeError("vLLM kept its prefix cache: keys and values of the old weights")
         self._set_version(str(version) if version is not None else f"load-{next(self._ids)}")
         self._number = version if isinstance(version, int) else None
