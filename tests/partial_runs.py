@@ -123,7 +123,7 @@ def thread_workers(publish_at_step: int):
     """A `make_pool` for `build_run` that starts thread workers taking new weights after decode
     step `publish_at_step` of a task generated ahead (see the module docstring)."""
 
-    def make_pool(backend, spec, model, num_workers, *, timeout_s=300.0, **ray):
+    def make_pool(backend, spec, model, num_workers, *, timeout_s=300.0, placement=None, **ray):
         if backend != "local" or ray:
             raise ValueError("thread workers stand in for the local backend only")
         PUBLISHED.clear()

@@ -179,3 +179,28 @@ def test_producer_params_admission_and_checks():
         ProducerParams(prompts_per_task=1, tasks_in_flight=0)
     with pytest.raises(ValueError, match="producer max_staleness = -1: must be at least 0"):
         ProducerParams(prompts_per_task=1, tasks_in_flight=1, max_staleness=-1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_sync_iteration_reaches_the_learner_in_prompt_order_whatever_the_finish_order(seed):
+    # sync mode hands the learner the whole batch: cut into mini-batches in the order the
+    # workers happened to finish, the update depended on their timing
+    policy = torch.nn.Linear(1, 1, bias=False)
+    stream = _stream()
+    params = ProducerParams(
+        prompts_per_task=1, tasks_in_flight=2, iterations=3, group_size=GROUP_SIZE
+    )
+    source = WorkerSource(
+        _pool(SharedWeights(policy), seed),
+        policy,
+        Tracer(),
+        lambda: stream.next_batch(PER_ITERATION),
+        params,
+        stream=False,
+    )
+    try:
+        for k in range(3):
+            source.start_iteration(k, version=k)
+            assert [g.prompt.index for g in source.groups()] == list(range(PER_ITERATION))
+    finally:
+        source.close()

@@ -252,7 +252,11 @@ class WorkerSource:
             self.times.dropped_groups += batch.num_dropped_units
             for _ in range(batch.num_dropped_units):
                 sampler.forget()
-            for group in batch_groups(batch):
+            groups = batch_groups(batch)
+            if not self.stream:  # the whole batch at once: in prompt order, as it was drawn,
+                # whatever order the workers finished it in (mini-batches are cut from it)
+                groups.sort(key=lambda g: g.prompt.index)
+            for group in groups:
                 train, more = sampler.offer(group)
                 if more:
                     self.producer.want(k, size + sampler.extra - 1)
