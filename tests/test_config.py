@@ -167,6 +167,10 @@ RAY = ["pipeline.backend='ray'", "pipeline.placement='separate'"]
         ),
         (["learner.num_gpus_per_rank=1"], "learner.num_gpus_per_rank = 1 with model.device"),
         (
+            ["model.device='cuda'", "learner.ranks=2"],
+            "one GPU would generate for all of them",
+        ),
+        (
             ["model.device='cuda'", "learner.num_gpus_per_rank=2"],
             "a rank trains on one GPU",
         ),

@@ -415,3 +415,11 @@ def test_partial_rollouts_turn_vllms_asynchronous_scheduling_off():
     assert "async_scheduling" not in VLLMOptions().engine_kwargs("m", "float32", 8)
     kw = VLLMOptions(in_flight_weights=True).engine_kwargs("m", "float32", 8)
     assert kw["async_scheduling"] is False
+
+
+def test_where_vllm_has_no_sleep_mode_sleeping_changes_nothing(engine, tok):
+    params = SamplingParams(max_new_tokens=6, temperature=0.8)
+    before = engine.generate(_requests(tok), params)
+    engine.sleep()  # vLLM for CPUs has no sleep mode: the engine stays as it is
+    assert not engine.can_sleep and not engine.asleep
+    assert _tokens(engine.generate(_requests(tok), params)) == _tokens(before)

@@ -182,9 +182,10 @@ def partial_rollouts(cfg: Config) -> PartialRollouts | None:
 
 def vllm_options(cfg: Config) -> VLLMOptions:
     """The `[rollout.vllm]` table as the vLLM engine takes it."""
-    return VLLMOptions(
-        **cfg.rollout.vllm.model_dump(), in_flight_weights=cfg.pipeline.partial_rollout
-    )
+    options = cfg.rollout.vllm.model_dump()
+    # asleep while the learner trains only beside it: a worker's GPU is its own
+    options["sleep_mode"] &= cfg.pipeline.placement == "colocated"
+    return VLLMOptions(**options, in_flight_weights=cfg.pipeline.partial_rollout)
 
 
 def producer_params(cfg: Config, first_iteration: int = 0) -> ProducerParams:

@@ -129,6 +129,14 @@ def check_learner_ranks(cfg: Sections) -> None:
             f"'{cfg.model.device}': set learner.num_gpus_per_rank > 0 (each rank "
             "trains on a GPU of its own)"
         )
+    if ranks.ranks > 1 and on_gpu and cfg.pipeline.placement == "colocated":
+        raise ValueError(
+            f"learner.ranks = {ranks.ranks} with pipeline.placement = 'colocated' on "
+            f"model.device = '{cfg.model.device}': colocated generation runs in the driver, on "
+            "one GPU, while the ranks train on theirs, so one GPU would generate for all of "
+            "them; set pipeline.placement = 'separate' (workers on GPUs of their own: "
+            "pipeline.num_gpus_per_worker) or learner.ranks = 1"
+        )
     if ranks.ranks > 1 and cfg.model.lora is not None:
         raise ValueError(
             f"learner.ranks = {ranks.ranks} with model.lora: the ranks shard a full model; "

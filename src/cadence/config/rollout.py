@@ -31,6 +31,11 @@ class VLLMConfig(Section):
     weight update)."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs one engine's model is split across (vLLM's own workers)."""
+    sleep_mode: bool = True
+    """Colocated on a GPU: vLLM sleeps while the learner trains (level 1: its weights moved to host
+    memory, its KV cache freed) and wakes before the next weight sync, so the learner has the GPU's
+    memory to itself between generations; false keeps vLLM resident. Nothing where vLLM has no
+    sleep mode (CPU) or with separate workers (their GPUs are their own)."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
     """Any other vLLM engine argument by its name (e.g. block_size, kv_cache_dtype, swap_space),
     passed as given; checked when the engine starts."""

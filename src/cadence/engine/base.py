@@ -119,6 +119,16 @@ class InFlightWeights(Protocol):
         ...
 
 
+@runtime_checkable
+class Sleeps(Protocol):
+    """An engine that keeps its own copy on a GPU and can free it while the learner trains
+    (vLLM's sleep mode); it wakes by itself when next asked to load weights or to generate."""
+
+    def sleep(self) -> None:
+        """Free what generation holds on the GPU, if the platform can (else nothing)."""
+        ...
+
+
 class BatchStepper:
     """A batch-only Engine seen as a StreamingEngine: one step generates everything added."""
 

@@ -19,7 +19,7 @@ import os
 import random
 import time
 from collections.abc import Hashable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -62,6 +62,7 @@ class VLLMOptions:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     engine_args: dict[str, Any] = field(default_factory=dict)
+    sleep_mode: bool = False  # may sleep while the learner trains (colocated on a GPU)
     # new weights may arrive while requests decode (partial rollouts): vLLM's asynchronous
     # scheduling is off, or a step scheduled before a load would compute under the old weights
     # and be stamped with the new version
@@ -90,6 +91,8 @@ class VLLMOptions:
         )
         if self.in_flight_weights:
             kw["async_scheduling"] = False
+        if self.sleep_mode:
+            kw["enable_sleep_mode"] = True
         return kw
 
 
@@ -137,6 +140,11 @@ class VLLMEngine:
         self._loads = 0  # weight loads so far: the prefix cache's salt
         self._ids = itertools.count()
         options = options or VLLMOptions()
+        check_gpu_memory(options.gpu_memory_utilization)
+        # vLLM refuses enable_sleep_mode where it has none (CPU): asked there, nothing happens
+        options = replace(options, sleep_mode=options.sleep_mode and _sleep_mode_available())
+        self.can_sleep = options.sleep_mode
+        self.asleep = False
         self.llm = _start(model_path, options.engine_kwargs(model_path, dtype, max_num_seqs))
         VLLMEngine._open = True
         self.runners: list[str] = []  # the model runner of each vLLM worker: "v1" or "v2"
@@ -162,6 +170,7 @@ class VLLMEngine:
 
         # salted with the weights' load: a prefix-cache block computed under other weights
         # never matches (with requests in flight vLLM cannot empty its cache at a load)
+        self._wake()
         prompt = tokens_input(list(request.prompt_ids), cache_salt=f"weights-{self._loads}")
         limit = request.limit(params)  # an episode's turn: the room its budget leaves
         added: list[str] = []
@@ -209,6 +218,7 @@ class VLLMEngine:
         if self.busy and not self.in_flight:
             raise RuntimeError("load_weights while requests decode: one would see two versions")
         items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+        self._wake()
         self._loads += 1
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True}
@@ -220,6 +230,18 @@ class VLLMEngine:
             raise RuntimeError("vLLM kept its prefix cache: keys and values of the old weights")
         self._set_version(str(version) if version is not None else f"load-{next(self._ids)}")
         self._number = version if isinstance(version, int) else None
+
+    def sleep(self) -> None:
+        """While idle and where vLLM can (a GPU, `sleep_mode`): level 1, its weights to host
+        memory and its KV cache freed, until the next `load_weights` or `add` wakes it."""
+        if self.can_sleep and not self.asleep and not self.busy:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def take_weights_in_flight(self, recompute: bool) -> None:
         """Allow new weights between two steps while requests decode, keeping their keys and
@@ -288,6 +310,35 @@ class VLLMEngine:
                 f"vLLM cannot run the model in '{model_path}': {type(e).__name__}: {e}"
             ) from e
         self.occupancy.clear()
+
+
+def check_gpu_memory(utilization: float, free_total: tuple[int, int] | None = None) -> None:
+    """Refuse, naming the key, a `gpu_memory_utilization` the GPU cannot give vLLM beside what
+    is already on it (a colocated learner's weights and optimizer): vLLM takes that fraction of
+    the whole GPU. `free_total`: (free, total) bytes, the current GPU's when None (no GPU: no
+    check)."""
+    if free_total is None:
+        if not torch.cuda.is_available():
+            return
+        free_total = torch.cuda.mem_get_info()
+    free, total = free_total
+    if utilization * total <= free:
+        return
+    from cadence.config import ConfigError
+
+    fits = max(int((free / total - 0.02) * 100) / 100, 0.0)
+    raise ConfigError(
+        f"rollout.vllm.gpu_memory_utilization = {utilization} asks vLLM for "
+        f"{utilization * total / 2**30:.1f} GiB of this GPU's {total / 2**30:.1f} GiB, and "
+        f"{free / 2**30:.1f} GiB are free (the learner holds the rest): set it to {fits} or "
+        "less, or give vLLM a GPU of its own (pipeline.placement = 'separate')"
+    )
+
+
+def _sleep_mode_available() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
 
 
 def _start(model_path: str, kwargs: dict):

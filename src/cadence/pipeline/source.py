@@ -120,6 +120,8 @@ class ColocatedSource:
         self.times.filtered_groups = sampler.filtered
         self.times.oversampled_prompts = sampler.extra
         self.times.first_group = self.times.last_group = self.tracer.now() - self.times.start
+        with self.tracer.span("engine_sleep", "worker-0"):
+            self.worker.rest()  # the learner trains next: the GPU's memory is its own
 
     def groups(self) -> Iterator[Group]:
         pending, self._pending = self._pending, []

@@ -24,6 +24,7 @@ from cadence.engine import (
     InFlightWeights,
     Request,
     SamplingParams,
+    Sleeps,
     StreamingEngine,
     as_streaming,
     derive_seed,
@@ -232,6 +233,12 @@ class RolloutWorker:
         if not self._jobs and self._scoring and (head := self._scoring[0].results) is not None:
             cf.wait([head], timeout=SCORE_WAIT_S)
         return self._scored()
+
+    def rest(self) -> None:
+        """Between generations: an engine that can free the GPU for the learner (vLLM's sleep
+        mode) does so until it is next asked to load weights or generate."""
+        if isinstance(self._engine, Sleeps) and not self.busy:
+            self._engine.sleep()
 
     def close(self) -> None:
         """Stop what the episodes hold; the worker takes no more work."""
