@@ -167,6 +167,20 @@ RAY = ["pipeline.backend='ray'", "pipeline.placement='separate'"]
         ),
         (["learner.num_gpus_per_rank=1"], "learner.num_gpus_per_rank = 1 with model.device"),
         (
+            [
+                "model.device='cuda'",
+                "rollout.engine='vllm'",
+                "rollout.vllm.tensor_parallel_size=2",
+                "pipeline.placement='separate'",
+                "pipeline.num_gpus_per_worker=1",
+            ],
+            "set pipeline.num_gpus_per_worker = 2",
+        ),
+        (
+            ["model.device='cuda'", "rollout.engine='vllm'", "rollout.vllm.tensor_parallel_size=2"],
+            "the colocated engine shares the learner's one GPU",
+        ),
+        (
             ["model.device='cuda'", "learner.ranks=2"],
             "one GPU would generate for all of them",
         ),

@@ -113,3 +113,12 @@ def test_cadence_train_asking_for_gpus_this_machine_lacks_exits_2_before_loading
     err = capsys.readouterr().err
     assert "need 3 GPU(s); this machine shows 1 (CUDA_VISIBLE_DEVICES=0)" in err
     assert "pipeline.num_gpus_per_worker = 1" in err
+
+
+def test_the_shipped_8_gpu_config_puts_ranks_on_0_to_3_and_workers_on_4_to_7():
+    cfg = load_config("configs/qwen7b-8gpu.toml")
+    got = gpu_placement(cfg, visible=EIGHT)
+    assert got.ranks == tuple((str(i),) for i in range(4))
+    assert got.workers == tuple((str(i),) for i in range(4, 8))
+    with pytest.raises(ConfigError, match=r"need 8 GPU\(s\); this machine shows 4"):
+        gpu_placement(cfg, visible=EIGHT[:4])

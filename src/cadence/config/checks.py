@@ -252,6 +252,27 @@ def check_local_gpus(cfg: Sections) -> None:
         )
 
 
+def check_tensor_parallel(cfg: Sections) -> None:
+    """A vLLM worker splits its model over the GPUs it holds: tensor parallel N needs N of
+    them, and a colocated engine's N GPUs beside one learner process is refused."""
+    tp, p = cfg.rollout.vllm.tensor_parallel_size, cfg.pipeline
+    if tp == 1 or cfg.rollout.engine != "vllm" or not cfg.model.device.startswith("cuda"):
+        return
+    if p.placement == "separate" and p.num_gpus_per_worker < tp:
+        raise ValueError(
+            f"rollout.vllm.tensor_parallel_size = {tp} with pipeline.num_gpus_per_worker = "
+            f"{p.num_gpus_per_worker:g}: each worker's vLLM splits the model over the GPUs it "
+            f"holds; set pipeline.num_gpus_per_worker = {tp}"
+        )
+    if p.placement == "colocated":
+        raise ValueError(
+            f"rollout.vllm.tensor_parallel_size = {tp} with pipeline.placement = 'colocated': "
+            "the colocated engine shares the learner's one GPU, and tensor parallel would "
+            "spread it over GPUs that idle while the learner trains; use pipeline.placement = "
+            f"'separate' with pipeline.num_gpus_per_worker = {tp}"
+        )
+
+
 def check_master_dtype(cfg: Sections) -> None:
     if cfg.learner.master_dtype == "bfloat16" and cfg.model.dtype != "bfloat16":
         raise ValueError(
@@ -273,6 +294,7 @@ CHECKS = (
     check_partial_rollout_engine,
     check_broadcast_devices,
     check_local_gpus,
+    check_tensor_parallel,
 )
 
 
