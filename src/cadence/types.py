@@ -185,6 +185,7 @@ class SourceStats:
 
     start: float = 0.0  # when the iteration started
     weight_sync_s: float = 0.0  # the version barrier: publish, and wait for the workers to load
+    weight_sync_bytes: int = 0  # what the version weighed on its way to the engines (0: shared)
     first_group: float = math.nan  # when the iteration's first group arrived
     last_group: float = math.nan  # when its last group arrived
     learner_wait_s: float = 0.0  # the learner's time waiting for groups

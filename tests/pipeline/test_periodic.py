@@ -91,8 +91,12 @@ def test_learner_trains_before_the_last_group_is_generated(model_dir, tmp_path):
         "pipeline_efficiency",
         "queue_depth",
         "tpspd",
+        "weight_sync_s",
+        "weight_sync_bytes",
     ]:
         assert key in records[-1], key
+    weighs = sum(p.numel() * p.element_size() for p in run.trainer.model.parameters())
+    assert all(r["weight_sync_bytes"] == weighs for r in records)  # a whole version each
 
 
 class EagerProducer(WorkerSource):

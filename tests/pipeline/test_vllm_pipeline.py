@@ -102,6 +102,8 @@ def test_colocated_vllm_trains_like_the_workers(vllm_dir, sync_run, tmp_path):
         col_run.trainer.model, sync.trainer.model, col_grads, sync_grads, grad_rtol=5e-5
     )
     assert all(r["t_weight_sync"] > 0 for r in col_records)
+    weighs = sum(p.numel() * p.element_size() for p in col_run.trainer.model.parameters())
+    assert all(r["weight_sync_bytes"] == weighs for r in col_records)
 
 
 def test_colocated_vllm_with_lora_syncs_and_evaluates_the_merged_policy(vllm_dir, tmp_path):
@@ -181,13 +183,16 @@ def test_the_engine_bench_has_a_vllm_row(vllm_dir, tmp_path):
     assert "| uniform | vllm |" in (tmp_path / "bench.md").read_text()
 
 
-def test_vllm_in_a_ray_actor_makes_the_local_update(vllm_dir, sync_run, tmp_path):
+@pytest.mark.parametrize("weight_sync", ["object_store", "broadcast"])
+def test_vllm_in_a_ray_actor_makes_the_local_update(vllm_dir, sync_run, tmp_path, weight_sync):
+    # broadcast: vLLM holds torch.distributed's default group in the actor, and the weights' own
+    # group used to be a second default one: the run waited 5 minutes and died in the driver
     from cadence.backend.ray_pool import start_ray
 
     sync, sync_records, sync_grads = sync_run
     started = start_ray(None, num_cpus=2)
     try:
-        extra = ("pipeline.backend='ray'",)
+        extra = ("pipeline.backend='ray'", f"pipeline.weight_sync='{weight_sync}'")
         ray_run, ray_records, ray_grads = _train(
             load_config(None, _overrides(vllm_dir, "periodic", "separate", *extra)), tmp_path
         )

@@ -251,8 +251,35 @@ class RayPool:
             )
             for wid, a in enumerate(self._actors)
         ]
-        weights.join(init_method, world_size, env, self.timeout_s)
-        ray.get(joins, timeout=self.timeout_s)
+        # the learner's side waits for every member: in a thread, so that a worker that fails
+        # to join is reported at once rather than after the group's timeout
+        failed: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                weights.join(init_method, world_size, env, self.timeout_s)
+            except BaseException as e:
+                failed.append(e)
+
+        learner = threading.Thread(target=join, name="cadence-join-weights", daemon=True)
+        learner.start()
+        deadline = time.monotonic() + self.timeout_s
+        pending = list(joins)
+        while pending or learner.is_alive():
+            if failed:
+                raise failed[0]
+            done, pending = (
+                ray.wait(pending, num_returns=len(pending), timeout=0.2) if pending else ([], [])
+            )
+            ray.get(done)  # a worker's own error, now
+            if not pending:
+                learner.join(timeout=0.2)
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the weights' broadcast group did not form within {self.timeout_s:.0f}s"
+                )
+        if failed:
+            raise failed[0]
 
     @property
     def num_workers(self) -> int:

@@ -36,12 +36,19 @@ class Receiver(Protocol):
     def load(self, version: int) -> None: ...
 
 
+def num_bytes(tensors) -> int:
+    """What one version weighs: the bytes of `tensors` (a dict's values, or any tensors)."""
+    values = tensors.values() if isinstance(tensors, dict) else tensors
+    return sum(t.numel() * t.element_size() for t in values)
+
+
 class SharedWeights:
     def __init__(self, model: torch.nn.Module) -> None:
         self.tensors: dict[str, torch.Tensor] = {
             name: p.detach().clone().share_memory_() for name, p in model.named_parameters()
         }
         self.version = -1
+        self.num_bytes = num_bytes(self.tensors)
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
@@ -76,6 +83,7 @@ class InMemoryWeights:
     def __init__(self, model: torch.nn.Module) -> None:
         self.tensors = {name: p.detach().clone() for name, p in model.named_parameters()}
         self.versions: list[int] = []
+        self.num_bytes = num_bytes(self.tensors)
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
@@ -94,9 +102,14 @@ class LearnerWeights:
 
     def __init__(self, weights: EngineWeights, model: torch.nn.Module) -> None:
         self.weights, self.model = weights, plain_weights(model)
+        self.num_bytes = num_bytes(p for _, p in weights.named_parameters())
 
     def sync(self, version: int | None = None) -> None:
-        self.weights.load({n: p.detach() for n, p in self.model.named_parameters()}, version)
+        # a tensor at a time: a LoRA policy's weights are merged as the engine takes them
+        tensors = ((n, p.detach()) for n, p in self.model.named_parameters())
+        self.weights.load_stream(tensors, version)
+
+    __call__ = sync
 
 
 def learner_sync(
@@ -104,5 +117,5 @@ def learner_sync(
 ) -> Callable[[int | None], None] | None:
     """How the learner's current weights reach the engine of `weights` in the learner's process:
     None where the engine decodes with the learner's own model (nothing to bring over), else
-    `LearnerWeights.sync`."""
-    return LearnerWeights(weights, model).sync if weights.engine.owns_weights else None
+    `LearnerWeights` (called with the version; `num_bytes` what each sync moves)."""
+    return LearnerWeights(weights, model) if weights.engine.owns_weights else None

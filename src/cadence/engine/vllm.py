@@ -138,6 +138,7 @@ class VLLMEngine:
         self._number: int | None = None  # the version loaded, as a number (partial rollouts)
         self._jobs: dict[str, tuple[_Job, int]] = {}  # vLLM request id -> (job, sample)
         self._loads = 0  # weight loads so far: the prefix cache's salt
+        self._tensor_parallel = (options or VLLMOptions()).tensor_parallel_size
         self._ids = itertools.count()
         options = options or VLLMOptions()
         check_gpu_memory(options.gpu_memory_utilization)
@@ -217,7 +218,10 @@ class VLLMEngine:
         with requests decoding only once `take_weights_in_flight` allowed it."""
         if self.busy and not self.in_flight:
             raise RuntimeError("load_weights while requests decode: one would see two versions")
-        items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+        items = tensors.items() if isinstance(tensors, Mapping) else tensors
+        if self._tensor_parallel > 1:  # its workers are processes: they are sent a list
+            items = list(items)
+        # else consumed as it comes, in this process: a stream of buckets needs no whole copy
         self._wake()
         self._loads += 1
         self.llm.collective_rpc(

@@ -11,7 +11,7 @@ from (a transport, the learner's own model): that is backend/'s and the builder'
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import cast
 
 import torch
@@ -52,6 +52,33 @@ class EngineWeights:
         if not self.engine.owns_weights:
             self.model.to(device)
         return self
+
+    @torch.no_grad()
+    def load_stream(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
+        """`load` from (name, tensor) pairs as they arrive (a broadcast's buckets): each is put
+        in place before the next is asked for, so a sender may reuse the memory behind it. Every
+        parameter must come once; a missing or unknown name raises (after what came was put)."""
+        params = dict(self.model.named_parameters())
+        seen: set[str] = set()
+
+        def checked() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in tensors:
+                if name not in params or name in seen:
+                    raise ValueError(
+                        f"the weights sent hold {name!r} twice or unknown to the engine"
+                    )
+                seen.add(name)
+                yield name, t
+            if missing := sorted(params.keys() - seen)[:5]:
+                raise ValueError(f"the weights sent lacked parameters: {missing}")
+
+        if not self.engine.owns_weights:
+            for name, t in checked():
+                params[name].copy_(t)
+            return
+        cast(WeightOwner, self.engine).load_weights(checked(), version)
 
     def load(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Put `tensors` where the engine reads its weights; `version` labels them in an engine

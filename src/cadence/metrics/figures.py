@@ -126,6 +126,8 @@ def pipeline_figures(tracer: Tracer, stats: SourceStats, start: float, wall: flo
         "gen_busy_s": gen_busy,
         "train_busy_s": train_busy,
         "t_weight_sync": stats.weight_sync_s,
+        "weight_sync_s": stats.weight_sync_s,  # the same, under the transport's name
+        "weight_sync_bytes": stats.weight_sync_bytes,
         "t_first_group": stats.first_group,
         "t_last_group": stats.last_group,
         "learner_idle_s": stats.learner_wait_s,

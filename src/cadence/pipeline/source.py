@@ -98,6 +98,7 @@ class ColocatedSource:
             with self.tracer.span("weight_sync", "worker-0"):
                 self.sync(version)
             self.times.weight_sync_s = self.tracer.now() - self.times.start
+            self.times.weight_sync_bytes = getattr(self.sync, "num_bytes", 0)
         size = len(prompts)
         sampler = Oversampler(size, self.max_oversample, self.filter_groups)
         self._pending = []
@@ -219,6 +220,7 @@ class WorkerSource:
             self.barrier(version)
         self.behaviour.published(version, self.model)
         self.times.weight_sync_s = self.tracer.now() - self.times.start
+        self.times.weight_sync_bytes = getattr(self.gate.weights, "num_bytes", 0)
         self._current, self._version = iteration, version
         self.gate.release(version)
 
