@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from cadence.backend.pool import InFlight, Lost
-from cadence.backend.procs import Processes, Sender, WorkerDied, WorkerError
+from cadence.backend.procs import Processes, ProcessSlots, Sender, WorkerDied, WorkerError
 from cadence.backend.weights import SharedReceiver, SharedWeights
 from cadence.backend.worker_loop import WorkerLoop
 from cadence.rollout import WorkerSpec, build_worker
@@ -46,7 +46,7 @@ def worker_main(wid: int, spec: WorkerSpec, tensors: dict, inbox, results) -> No
         outbox.report_error(wid)
 
 
-class LocalPool:
+class LocalPool(ProcessSlots):
     """`num_workers` spawned worker processes in fixed slots; a dead one can be `replace`d."""
 
     def __init__(
@@ -68,15 +68,6 @@ class LocalPool:
 
     def _args(self, wid: int) -> tuple:
         return (self.spec, self.weights.tensors)
-
-    @property
-    def procs(self) -> list:
-        """The worker slots (`.process` of each is its `multiprocessing.Process`)."""
-        return self._procs.procs
-
-    @property
-    def num_workers(self) -> int:
-        return len(self._procs)
 
     def submit(self, wid: int, task_id: int, prompts: list[Prompt], iteration: int) -> None:
         self._in_flight[wid].add(task_id, prompts, iteration)

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -117,18 +118,11 @@ class RayWorker:
         node = ray.get_runtime_context().get_node_id()
         return node, ray.util.get_node_ip_address(), os.getpid(), time.perf_counter()
 
-    def join_group(
-        self,
-        backend: str,
-        init_method: str,
-        rank: int,
-        world_size: int,
-        env: dict,
-        timeout_s: float,
-    ) -> None:
+    def join_group(self, *member) -> None:
+        """`BroadcastReceiver.join(*member)`: this actor's place in the weights' group."""
         if self.group is None:
             raise RuntimeError(f"worker {self.wid} receives weights from the object store")
-        self.group.join(backend, init_method, rank, world_size, env, timeout_s)
+        self.group.join(*member)
 
 
 class RayPool:
@@ -251,35 +245,11 @@ class RayPool:
             )
             for wid, a in enumerate(self._actors)
         ]
-        # the learner's side waits for every member: in a thread, so that a worker that fails
-        # to join is reported at once rather than after the group's timeout
-        failed: list[BaseException] = []
-
-        def join() -> None:
-            try:
-                weights.join(init_method, world_size, env, self.timeout_s)
-            except BaseException as e:
-                failed.append(e)
-
-        learner = threading.Thread(target=join, name="cadence-join-weights", daemon=True)
-        learner.start()
-        deadline = time.monotonic() + self.timeout_s
-        pending = list(joins)
-        while pending or learner.is_alive():
-            if failed:
-                raise failed[0]
-            done, pending = (
-                ray.wait(pending, num_returns=len(pending), timeout=0.2) if pending else ([], [])
-            )
-            ray.get(done)  # a worker's own error, now
-            if not pending:
-                learner.join(timeout=0.2)
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the weights' broadcast group did not form within {self.timeout_s:.0f}s"
-                )
-        if failed:
-            raise failed[0]
+        _await_group(
+            lambda: weights.join(init_method, world_size, env, self.timeout_s),
+            joins,
+            self.timeout_s,
+        )
 
     @property
     def num_workers(self) -> int:
@@ -400,3 +370,34 @@ class RayPool:
         self.weights.close()
         if self._started:
             shutdown_ray()
+
+
+def _await_group(join_learner: Callable[[], None], joins: list, timeout_s: float) -> None:
+    """The learner joins the weights' group (`join_learner`) while the actors' `joins` run: in a
+    thread, so that an actor that fails to join is reported at once, not after the group's
+    timeout."""
+    import ray
+
+    failed: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            join_learner()
+        except BaseException as e:
+            failed.append(e)
+
+    learner = threading.Thread(target=join, name="cadence-join-weights", daemon=True)
+    learner.start()
+    deadline, pending = time.monotonic() + timeout_s, list(joins)
+    while pending or learner.is_alive():
+        if failed:
+            raise failed[0]
+        if pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+            ray.get(done)  # an actor's own error, now
+        else:
+            learner.join(timeout=0.2)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the weights' broadcast group did not form within {timeout_s:.0f}s")
+    if failed:
+        raise failed[0]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cadence.backend.procs import Processes, Sender, WorkerDied, owner_gone
+from cadence.backend.procs import Processes, ProcessSlots, Sender, WorkerDied, owner_gone
 from cadence.dataplane import SCORER, Store, StoreClosed, record_depths
 from cadence.metrics.trace import Span, Tracer
 from cadence.rewards import RewardSpec, build_batch_scorer
@@ -61,7 +61,7 @@ def reward_worker_main(wid: int, spec: RewardSpec, inbox, results) -> None:
         outbox.report_error(wid)
 
 
-class RewardStage:
+class RewardStage(ProcessSlots):
     """`num_workers` reward worker processes and the driver thread that feeds them from `store`.
 
     Built (processes started, scorers loaded) at construction, so a broken reward fails before
@@ -90,15 +90,6 @@ class RewardStage:
         )
         self._procs.start(num_workers)
         self._free = list(range(num_workers))
-
-    @property
-    def procs(self) -> list:
-        """The reward worker slots (`.process` of each is its `multiprocessing.Process`)."""
-        return self._procs.procs
-
-    @property
-    def num_workers(self) -> int:
-        return len(self._procs)
 
     def start(self) -> None:
         if self._thread is None:

@@ -11,7 +11,6 @@ enforces and this module must never grow a second description of a key.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import types
@@ -23,6 +22,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from cadence.config import Config, ConfigError, load_config
+from cadence.config.files import toml_value
 
 DEFAULT_OUT = Path("docs/config.md")
 REGENERATE = "python -m cadence.config.doc"
@@ -71,18 +71,6 @@ def _type_name(annotation: Any) -> str:
     raise TypeError(f"config_doc cannot name the type {annotation!r}: teach _type_name it")
 
 
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
-    return json.dumps(value)
-
-
 def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "required"
@@ -91,23 +79,23 @@ def _default(field: FieldInfo) -> str:
         return "unset"
     if isinstance(default, BaseModel):
         return "a table"
-    return _code(_toml(default))
+    return _code(toml_value(default))
 
 
 def _allowed(field: FieldInfo) -> str:
     """Allowed values: a Literal's choices, else the numeric bounds, else '' (any)."""
     if get_origin(field.annotation) is Literal:
-        return ", ".join(_code(_toml(a)) for a in get_args(field.annotation))
+        return ", ".join(_code(toml_value(a)) for a in get_args(field.annotation))
     parts = []
     for m in field.metadata:
         if isinstance(m, Ge):
-            parts.append(f">= {_toml(m.ge)}")
+            parts.append(f">= {toml_value(m.ge)}")
         elif isinstance(m, Gt):
-            parts.append(f"> {_toml(m.gt)}")
+            parts.append(f"> {toml_value(m.gt)}")
         elif isinstance(m, Le):
-            parts.append(f"<= {_toml(m.le)}")
+            parts.append(f"<= {toml_value(m.le)}")
         elif isinstance(m, Lt):
-            parts.append(f"< {_toml(m.lt)}")
+            parts.append(f"< {toml_value(m.lt)}")
         elif isinstance(m, MinLen):
             parts.append(f"at least {m.min_length} item")
     return ", ".join(_code(p) for p in parts)

@@ -79,7 +79,7 @@ def _toml_table(name: str, values: dict[str, Any], out: list[str]) -> None:
     """`[name]` with its plain keys, then each nested table as `[name.key]`."""
     out.append(f"[{name}]")
     plain = (k for k, v in values.items() if not isinstance(v, dict))
-    out.extend(f"{_toml_key(k)} = {_toml_value(values[k])}" for k in plain)
+    out.extend(f"{_toml_key(k)} = {toml_value(values[k])}" for k in plain)
     out.append("")
     for k, v in values.items():
         if isinstance(v, dict):
@@ -94,13 +94,16 @@ def _toml_key(key: str) -> str:
     return json.dumps(key)
 
 
-def _toml_value(v: Any) -> str:
+def toml_value(v: Any) -> str:
+    """`v` written as TOML (a dict as an inline table)."""
     if isinstance(v, dict):  # a sub-table (model.lora), inline
-        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
+        if not v:
+            return "{}"
+        return "{ " + ", ".join(f"{_toml_key(k)} = {toml_value(x)}" for k, x in v.items()) + " }"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int | float):
         return repr(v)
     if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
     return json.dumps(str(v))  # a JSON string is a valid TOML basic string

@@ -215,19 +215,12 @@ def to_examples(
 
 
 def load_examples(
-    path: str | Path,
-    split: str,
-    prompt_field: str,
-    answer_field: str,
-    on_bad_line: str = "error",
-    check_answer: Callable[[str], None] | None = None,
-    numeric_answers: bool = True,
+    path: str | Path, split: str, prompt_field: str, answer_field: str, on_bad_line="error", **kw
 ) -> tuple[list[Example], int]:
-    """`read_rows` then `to_examples`; no example at all is an error."""
+    """`read_rows` then `to_examples` (`kw`: its `check_answer`, `numeric_answers`); no example
+    at all is an error."""
     rows = read_rows(path, split, on_bad_line)
-    examples, skipped = to_examples(
-        rows, prompt_field, answer_field, on_bad_line, check_answer, numeric_answers
-    )
+    examples, skipped = to_examples(rows, prompt_field, answer_field, on_bad_line, **kw)
     if not examples:
         raise DataError(f"{rows.source}: no examples ({skipped} bad lines skipped)")
     return examples, skipped
@@ -309,7 +302,13 @@ class DatasetTask(ListedTask):
 
         def load(where: str | Path, which: str) -> list[Example]:
             examples, skipped = load_examples(
-                where, which, prompt_field, answer_field, on_bad_line, check_answer, numeric_answers
+                where,
+                which,
+                prompt_field,
+                answer_field,
+                on_bad_line,
+                check_answer=check_answer,
+                numeric_answers=numeric_answers,
             )
             self.num_skipped += skipped
             return examples

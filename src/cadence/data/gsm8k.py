@@ -26,7 +26,13 @@ def check_hashes_answer(answer: str) -> None:
 def load_gsm8k_jsonl(path: str | Path, on_bad_line: str = "error") -> tuple[list[Example], int]:
     """Load a GSM8K-format file; returns (examples, number of skipped bad lines)."""
     return load_examples(
-        path, "train", "question", "answer", on_bad_line, check_hashes_answer, False
+        path,
+        "train",
+        "question",
+        "answer",
+        on_bad_line,
+        check_answer=check_hashes_answer,
+        numeric_answers=False,
     )
 
 

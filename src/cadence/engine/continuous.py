@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from cadence.engine.base import (
+    ModelEngine,
     Request,
     SamplingParams,
     eval_mode,
@@ -130,7 +131,7 @@ class _Slot:
     versions: list[int] = field(default_factory=list)
 
 
-class ContinuousEngine:
+class ContinuousEngine(ModelEngine):
     """Slot-based continuous batching over any Hugging Face causal LM with full attention.
 
     Streaming use: `add(key, request, params)` any time, then `step()` until `busy` is False;
@@ -138,13 +139,8 @@ class ContinuousEngine:
     Protocol) does that for a list of requests and returns them in order.
     """
 
-    owns_weights = False  # it decodes with `model`: whatever changes that model changes it
-
     def __init__(self, model, tokenizer, max_num_seqs: int = 256) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.max_num_seqs = max_num_seqs
-        self.pad_id = tokenizer.pad_token_id
+        super().__init__(model, tokenizer, max_num_seqs)
         self.params: SamplingParams | None = None
         self.waiting: deque[_Job] = deque()
         self.slots: list[_Slot] = []  # active slots, in slot order

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from cadence.engine.base import (
+    ModelEngine,
     Request,
     SamplingParams,
     eval_mode,
@@ -26,15 +27,7 @@ from cadence.engine.base import (
 from cadence.types import Completion
 
 
-class HFEngine:
-    owns_weights = False  # it decodes with `model`: whatever changes that model changes it
-
-    def __init__(self, model, tokenizer, max_num_seqs: int = 256) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.max_num_seqs = max_num_seqs
-        self.pad_id = tokenizer.pad_token_id
-
+class HFEngine(ModelEngine):
     def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
         out: list[list[Completion]] = []
         with eval_mode(self.model):  # no dropout, whatever mode its trainer left it in

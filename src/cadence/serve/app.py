@@ -105,26 +105,41 @@ class Server:
 
     async def chat(self, request: ChatRequest) -> dict[str, Any] | list[str]:
         """The answer, or its server-sent events when the request streams."""
-        job = await self.off_loop(self.prepare, request)
+        return await self.serve(request, self.prepare, self.answer_chat)
+
+    async def serve(self, request, prepare: Callable, answer: Callable):
+        """`prepare(request)` (a Job), the engine's completions of it, then `answer(request, job,
+        completions)`: checking and answering on the tokenizer's thread, never the event loop."""
+        job = await self.off_loop(prepare, request)
         completions = await asyncio.wrap_future(self.loop.submit(job.request, job.params))
-        return await self.off_loop(self.answer_chat, request, job, completions)
+        return await self.off_loop(answer, request, job, completions)
 
     def answer_chat(self, request: ChatRequest, job: Job, completions: list[Completion]):
+        k = request.top_logprobs
+        return self.answer(request, job, completions, k, response, chat_chunks)
+
+    def answer(self, request, job: Job, completions: list[Completion], k, build, chunks):
+        """`build(...)`, the answer object (with `k` alternatives per token), or where the
+        request streams its events from `chunks(...)`."""
         prompt = job.request.prompt_ids
-        tops = self.alternatives(prompt, completions, request.top_logprobs, job.params)
-        full = response(request, self.name, prompt, completions, self.tokenizer, tops)
+        tops = self.alternatives(prompt, completions, k, job.params)
+        full = build(request, self.name, prompt, completions, self.tokenizer, tops)
         if not request.stream:
             return full
-        return [*map(event, chat_chunks(request, full, completions, self.tokenizer)), DONE]
+        return [*map(event, chunks(request, full, completions, self.tokenizer)), DONE]
 
     def prepare(self, request: ChatRequest) -> Job:
         """The prompt's tokens, checked against the model (BadRequest if it cannot take them)."""
         refuse_unhonoured(request.model_extra)
         request.check_tool_choice()
         self.check_alternatives(request.top_logprobs, "top_logprobs")
-        prompt = render(request, self.tokenizer)
-        limit = min(request.limit or self.max_tokens, self.max_tokens)
-        check_prompt(prompt, limit, self.limits)
+        return self.job(request, render(request, self.tokenizer), request.limit)
+
+    def job(self, request, prompt: list[int], limit: int | None, field="prompt_token_ids") -> Job:
+        """The engine's work for `prompt`: checked against the model, at most `limit` new tokens
+        (the server's ceiling), sampled as `request` (a chat or completions request) says."""
+        limit = min(limit or self.max_tokens, self.max_tokens)
+        check_prompt(prompt, limit, self.limits, field=field)
         params = replace(
             self.params,
             temperature=request.temperature,
@@ -135,33 +150,18 @@ class Server:
 
     async def complete(self, request: CompletionRequest) -> dict[str, Any] | list[str]:
         """/v1/completions: the answer, or its server-sent events when the request streams."""
-        job = await self.off_loop(self.prepare_completion, request)
-        completions = await asyncio.wrap_future(self.loop.submit(job.request, job.params))
-        return await self.off_loop(self.answer_completion, request, job, completions)
+        return await self.serve(request, self.prepare_completion, self.answer_completion)
 
     def prepare_completion(self, request: CompletionRequest) -> Job:
         refuse_unhonoured(request.model_extra, best_of_n=request.n)
         self.check_alternatives(request.logprobs, "logprobs")
-        prompt = request.prompt_ids(self.encode)
-        limit = min(request.max_tokens or self.max_tokens, self.max_tokens)
-        check_prompt(prompt, limit, self.limits, field="prompt")
-        params = replace(
-            self.params,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            stop=tuple(request.stops),
-        )
-        return Job(Request(prompt, request.seeds(), max_new_tokens=limit), params)
+        return self.job(request, request.prompt_ids(self.encode), request.max_tokens, "prompt")
 
     def answer_completion(
         self, request: CompletionRequest, job: Job, completions: list[Completion]
     ):
-        prompt = job.request.prompt_ids
-        tops = self.alternatives(prompt, completions, request.logprobs, job.params)
-        full = completion_response(request, self.name, prompt, completions, self.tokenizer, tops)
-        if not request.stream:
-            return full
-        return [*map(event, completion_chunks(request, full, completions, self.tokenizer)), DONE]
+        k = request.logprobs
+        return self.answer(request, job, completions, k, completion_response, completion_chunks)
 
     def check_alternatives(self, k: int | None, field: str) -> None:
         if k and self.model is None:

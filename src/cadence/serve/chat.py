@@ -272,10 +272,22 @@ def response(
                 "token_ids": c.token_ids,
             }
         )
+    return envelope("chatcmpl", "chat.completion", model, prompt_ids, completions, choices)
+
+
+def envelope(
+    prefix: str,
+    kind: str,
+    model: str,
+    prompt_ids: list[int],
+    completions: list[Completion],
+    choices: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """An OpenAI answer object around `choices`: id, object, usage and `prompt_token_ids`."""
     completion_tokens = sum(len(c.token_ids) for c in completions)
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": kind,
         "created": int(time.time()),
         "model": model,
         "choices": choices,

@@ -11,13 +11,11 @@ The design in full: docs/serve.md, `cadence/serve/completions.py`.
 from __future__ import annotations
 
 import secrets
-import time
-import uuid
 from typing import Any
 
 from pydantic import ConfigDict, Field, StrictInt
 
-from cadence.serve.chat import BadRequest, Sampling, TopLogprobs, check_text
+from cadence.serve.chat import BadRequest, Sampling, TopLogprobs, check_text, envelope
 from cadence.serve.logprobs import MAX_TOP_LOGPROBS, clip, text_decoder, text_deltas
 from cadence.types import Completion
 
@@ -122,17 +120,4 @@ def completion_response(
                 "token_ids": c.token_ids,
             }
         )
-    completion_tokens = sum(len(c.token_ids) for c in completions)
-    return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": {
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": completion_tokens,
-            "total_tokens": len(prompt_ids) + completion_tokens,
-        },
-        "prompt_token_ids": prompt_ids,
-    }
+    return envelope("cmpl", "text_completion", model, prompt_ids, completions, choices)
