@@ -1,5 +1,6 @@
-"""The learner's memory against response length: full logits, chunked log-probs, and chunked
-log-probs with activation checkpointing, side by side on SmolLM2-135M-Instruct (`make smollm2`).
+"""The learner's memory against response length: full logits, chunked log-probs, chunked log-probs
+with activation checkpointing, and that with freed memory returned to the OS
+(`learner.return_freed_memory`), side by side on SmolLM2-135M-Instruct (`make smollm2`).
 
 Two measurements, each variant in a process of its own (its peak RSS is its own):
 - `cadence train configs/smollm2.toml` for one iteration with `rollout.max_new_tokens` at
@@ -9,7 +10,7 @@ Two measurements, each variant in a process of its own (its peak RSS is its own)
   response lengths: peak RSS and seconds per iteration, and their difference over the response
   tokens added: MB per response token, what a longer response costs.
 
-    .venv/bin/python benchmarks/learner_memory.py [--tokens 96] [--out runs/learner-memory]
+    .venv/bin/python benchmarks/learner_memory.py [--tokens 96] [--variants A,B] [--out DIR]
 """
 
 from __future__ import annotations
@@ -24,16 +25,19 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = {  # name -> (learner.logits_chunk_tokens, learner.activation_checkpointing)
-    "full logits": (0, False),
-    "chunked": (1024, False),
-    "chunked + checkpointing": (1024, True),
+VARIANTS = {  # name -> (logits_chunk_tokens, activation_checkpointing, return_freed_memory)
+    "full logits": (0, False, False),
+    "chunked": (1024, False, False),
+    "chunked + checkpointing": (1024, True, False),
+    "chunked + checkpointing + freed memory returned": (1024, True, True),
 }
 CONFIG = "configs/smollm2.toml"
 MB = 2**20
 
 
-def learner_only(chunk: int, checkpointing: bool, tokens: int, iterations: int) -> dict:
+def learner_only(
+    chunk: int, checkpointing: bool, release: bool, tokens: int, iterations: int
+) -> dict:
     """One process: the config's learner on synthetic groups of `tokens` response tokens."""
     import torch
 
@@ -45,6 +49,7 @@ def learner_only(chunk: int, checkpointing: bool, tokens: int, iterations: int) 
     sets = [
         f"learner.logits_chunk_tokens={chunk}",
         f"learner.activation_checkpointing={str(checkpointing).lower()}",
+        f"learner.return_freed_memory={str(release).lower()}",
     ]
     cfg = load_config(CONFIG, sets)
     set_threads(cfg.train.threads)
@@ -67,7 +72,7 @@ def learner_only(chunk: int, checkpointing: bool, tokens: int, iterations: int) 
     }
 
 
-def train_run(chunk: int, checkpointing: bool, tokens: int) -> dict:
+def train_run(chunk: int, checkpointing: bool, release: bool, tokens: int) -> dict:
     """`cadence train` for one iteration, responses of at most `tokens`."""
     with tempfile.TemporaryDirectory() as out:
         sets = {
@@ -77,6 +82,7 @@ def train_run(chunk: int, checkpointing: bool, tokens: int) -> dict:
             "metrics.progress": "false",
             "learner.logits_chunk_tokens": chunk,
             "learner.activation_checkpointing": str(checkpointing).lower(),
+            "learner.return_freed_memory": str(release).lower(),
         }
         args = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
         cmd = ["/usr/bin/time", "-f", "%M", sys.executable, "-m", "cadence.cli", "train", CONFIG]
@@ -97,17 +103,23 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=48, help="the shorter response length")
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--out", default="runs/learner-memory")
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated names (the first: base)"
+    )
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        chunk, ckpt, tokens, its = args.child
-        print(json.dumps(learner_only(int(chunk), ckpt == "1", int(tokens), int(its))))
+        chunk, ckpt, release, tokens, its = args.child
+        row = learner_only(int(chunk), ckpt == "1", release == "1", int(tokens), int(its))
+        print(json.dumps(row))
         return
     rows = []
-    for name, (chunk, ckpt) in VARIANTS.items():
-        row = {"variant": name, "run": train_run(chunk, ckpt, args.tokens)}
+    for name in args.variants.split(","):
+        chunk, ckpt, release = VARIANTS[name]
+        row = {"variant": name, "run": train_run(chunk, ckpt, release, args.tokens)}
         for tokens in (args.short, args.tokens):
-            child = [str(chunk), "1" if ckpt else "0", str(tokens), str(args.iterations)]
+            flags = ["1" if ckpt else "0", "1" if release else "0"]
+            child = [str(chunk), *flags, str(tokens), str(args.iterations)]
             cmd = [sys.executable, __file__, "--child", *child]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             row[f"learner_{tokens}"] = json.loads(out.strip().splitlines()[-1])

@@ -35,6 +35,7 @@ from cadence.config import Config
 from cadence.dataplane import Store
 from cadence.engine import Engine
 from cadence.learner import Learner, LearnerParams, Scorer, Trainer
+from cadence.learner.allocator import return_freed_memory
 from cadence.learner.driver import RankedLearner, start_local_ranks, start_ray_ranks
 from cadence.learner.precision import Masters, warn_pure_low_precision
 from cadence.metrics import Tracer
@@ -218,6 +219,8 @@ def build_learner(
     `reference_model`); `params` in place of the config's (a recipe's micro-batching). Mixed
     precision without `masters` (a recipe that loaded the model itself) upcasts masters from
     the model's own weights."""
+    if cfg.learner.return_freed_memory:
+        return_freed_memory()
     ref = reference_model(cfg, model)
     if masters is None and not is_lora(model):
         masters = Masters.split(model, DTYPES[cfg.model.dtype], DTYPES[cfg.learner.master_dtype])
