@@ -127,21 +127,18 @@ def plan_buckets(model, bucket_bytes: int = BUCKET_BYTES) -> list[Bucket]:
 
 
 class _Buffers:
-    """`count` flat buffers per dtype on `device`, each as large as the largest bucket of that
-    dtype; `bytes` what they hold in all."""
+    """One flat buffer per dtype on `device`, as large as the largest bucket of that dtype;
+    `bytes` what they hold in all."""
 
-    def __init__(self, buckets: list[Bucket], device: str, count: int) -> None:
+    def __init__(self, buckets: list[Bucket], device: str) -> None:
         largest: dict[torch.dtype, int] = {}
         for b in buckets:
             largest[b.dtype] = max(largest.get(b.dtype, 0), b.numel)
-        self.sets = [
-            {dt: torch.empty(n, dtype=dt, device=device) for dt, n in largest.items()}
-            for _ in range(count)
-        ]
-        self.bytes = count * sum(n * dt.itemsize for dt, n in largest.items())
+        self.by_dtype = {dt: torch.empty(n, dtype=dt, device=device) for dt, n in largest.items()}
+        self.bytes = sum(n * dt.itemsize for dt, n in largest.items())
 
-    def flat(self, i: int, bucket: Bucket) -> torch.Tensor:
-        return self.sets[i % len(self.sets)][bucket.dtype][: bucket.numel]
+    def flat(self, bucket: Bucket) -> torch.Tensor:
+        return self.by_dtype[bucket.dtype][: bucket.numel]
 
 
 def collective_backend(device: str) -> str:
@@ -203,7 +200,6 @@ class BroadcastWeights:
         self._snapshot = [
             torch.empty(b.numel, dtype=b.dtype, device=self.device) for b in self.buckets
         ]
-        self.copies = 1  # per version, on this side: each parameter once, into its bucket
         self._pending: list = []  # the broadcasts of the last version, until they are done
         self._group = None
         self._dir: str | None = None  # the rendezvous file's folder, on one machine
@@ -263,7 +259,7 @@ class BroadcastReceiver:
     def __init__(self, weights: EngineWeights, device: str, bucket_bytes: int = BUCKET_BYTES):
         self.weights = weights
         self.buckets = plan_buckets(weights, bucket_bytes)
-        self._buffers = _Buffers(self.buckets, device, count=1)
+        self._buffers = _Buffers(self.buckets, device)
         self._group = None
 
     @property
@@ -292,8 +288,8 @@ class BroadcastReceiver:
         # an engine with its own copy (vLLM) consumes the tensors in code that is not ours and
         # may hold one across a bucket's end: it gets each bucket as a tensor of its own
         own = self.weights.engine.owns_weights
-        for i, bucket in enumerate(self.buckets):
-            flat = self._buffers.flat(i, bucket)
+        for bucket in self.buckets:
+            flat = self._buffers.flat(bucket)
             _broadcast(self._group, flat).wait()
             flat = flat.clone() if own else flat
             for name, shape, offset, numel in bucket.entries:

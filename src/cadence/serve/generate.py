@@ -12,10 +12,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from cadence.serve.chat import MAX_STOPS, BadRequest, Sampling
+from cadence.serve.fields import NEUTRAL
 from cadence.types import Completion
 
-NEUTRAL = {"top_k": (-1, 0), "min_p": (0.0,), "presence_penalty": (0.0,)}
-NEUTRAL |= {"frequency_penalty": (0.0,), "repetition_penalty": (1.0,)}
+# vLLM's sampling settings the engines do not apply, accepted at their neutral value only
+UNAPPLIED = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 class GenerateSampling(Sampling):
@@ -35,8 +36,8 @@ class GenerateSampling(Sampling):
 
     def check_supported(self) -> None:
         """Refuse a sampling setting the engine would silently not apply."""
-        for name, neutral in NEUTRAL.items():
-            value = (self.model_extra or {}).get(name)
+        for name in UNAPPLIED:
+            neutral, value = NEUTRAL[name], (self.model_extra or {}).get(name)
             if value is not None and value not in neutral:
                 raise BadRequest(
                     f"sampling_params.{name} = {value!r} is not supported by cadence's engines; "

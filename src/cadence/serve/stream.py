@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from cadence.serve.chat import ChatRequest, read_choice
-from cadence.serve.completions import CompletionRequest, choice_text, token_logprobs
+from cadence.serve.completions import CompletionRequest
 from cadence.serve.logprobs import clip, text_decoder, text_deltas
 from cadence.types import Completion
 
@@ -63,26 +63,26 @@ def chat_chunks(
 def completion_chunks(
     request: CompletionRequest, full: dict[str, Any], completions: list[Completion], tokenizer
 ) -> Iterator[dict[str, Any]]:
-    """The streamed text_completion objects of `full` (the non-streamed answer)."""
+    """The streamed text_completion objects of `full` (the non-streamed answer): each token's
+    text is its slice of the choice's text, between its offset and the next."""
     head = {"id": full["id"], "object": "text_completion", "created": full["created"]}
     head["model"] = full["model"]
-    for j, c in enumerate(completions):
-        text, finish = choice_text(c, request)
-        top = full["choices"][j]["logprobs"]["top_logprobs"]
-        asked = top is not None
-        tops = [[] for _ in c.token_ids]  # the alternatives, already read: from `full`
-        for i, t in enumerate(token_logprobs(c, tops, text, tokenizer, asked=False)):
+    for j, (c, choice) in enumerate(zip(completions, full["choices"], strict=True)):
+        lp, text = choice["logprobs"], choice["text"]
+        ends = [*lp["text_offset"][1:], len(text)]
+        for i, (start, end) in enumerate(zip(lp["text_offset"], ends, strict=True)):
             logprobs = {
-                "tokens": [t["token"]],
-                "token_logprobs": [t["logprob"]],
-                "top_logprobs": [top[i]] if asked else None,
-                "text_offset": [t["offset"]],
+                "tokens": [lp["tokens"][i]],
+                "token_logprobs": [lp["token_logprobs"][i]],
+                "top_logprobs": None if lp["top_logprobs"] is None else [lp["top_logprobs"][i]],
+                "text_offset": [start],
             }
-            choice = {"index": j, "text": t["text"], "logprobs": logprobs, "finish_reason": None}
-            yield {**head, "choices": [choice | {"token_ids": [c.token_ids[i]]}]}
-        yield {
-            **head,
-            "choices": [{"index": j, "text": "", "logprobs": None, "finish_reason": finish}],
-        }
+            piece = {"index": j, "text": text[start:end], "logprobs": logprobs}
+            yield {
+                **head,
+                "choices": [piece | {"finish_reason": None, "token_ids": [c.token_ids[i]]}],
+            }
+        end = {"index": j, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
+        yield {**head, "choices": [end]}
     if _wants_usage(request.stream_options):
         yield {**head, "choices": [], "usage": full["usage"]}

@@ -19,13 +19,13 @@ from typing import Any
 
 from cadence.envs.chat_tools import OPEN, ChatFormat, ChatToolsError, MalformedToolCall, parse_calls
 
-_CHECKED: dict[int, str | None] = {}  # (tokenizer, template) -> why it cannot carry tools
+_CHECKED: dict[tuple[int, str | None], str | None] = {}  # (tokenizer, template) -> why not
 
 
 def template_refuses_tools(tokenizer) -> str | None:
     """Why the tokenizer's chat template cannot carry tool calls the Hermes way (None when it
     can); checked once per tokenizer and template."""
-    key = hash((id(tokenizer), tokenizer.chat_template))
+    key = (id(tokenizer), tokenizer.chat_template)
     if key not in _CHECKED:
         try:
             ChatFormat(tokenizer)
