@@ -199,3 +199,15 @@ def test_a_resume_with_another_reference_model_is_refused_with_exit_2(run_dir, t
     assert _resume(run_dir, "--set", f"model.path='{other}'") == 2
     err = capsys.readouterr().err
     assert "was taken with another reference model" in err and "Traceback" not in err
+
+
+def test_a_run_out_of_minutes_stops_and_writes_what_its_end_writes(model_dir, tmp_path):
+    out = tmp_path / "run"
+    sets = _sets(
+        model_dir, "train.iterations=50", "train.checkpoint_every=20", "train.max_minutes=1e-6"
+    )
+    assert main(["train", "configs/default.toml", "--out", str(out), *sets]) == 0
+    assert _iterations(out) == [0]  # stopped after the first iteration, not the 50th
+    assert [p.name for p in list_checkpoints(out)] == ["iter-000001"]  # the end's checkpoint
+    assert (out / "final").is_dir()
+    assert json.loads((out / "summary.json").read_text())["accuracy_after"] >= 0.0

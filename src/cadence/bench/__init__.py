@@ -10,6 +10,8 @@ drift hits all of them alike, and reports the median. Suites:
 - `ablation` (bench/ablation.py): pipeline x shared prompt x old-logprob reuse, plus TRL.
 - `ranks` (bench/ranks.py): one learner process against `learner.ranks` ranks (FSDP, DDP):
   iteration time and memory per process.
+- `race` (bench/race.py): cadence and TRL for the same wall-clock minutes each; held-out
+  accuracy of their snapshots against training seconds, and the time each takes to a target.
 """
 
 from cadence.bench.ablation import bench_ablation
@@ -19,7 +21,7 @@ from cadence.bench.ranks import bench_ranks
 from cadence.bench.shared_prompt import bench_shared_prompt
 from cadence.bench.trl_peer import bench_trl
 
-SUITES = ("modes", "shared-prompt", "engine", "trl", "ablation", "ranks")
+SUITES = ("modes", "shared-prompt", "engine", "trl", "ablation", "ranks", "race")
 
 __all__ = [
     "MODES",

@@ -192,7 +192,7 @@ def trained_lora(model) -> str:
 
 
 @dataclass
-class _Meter:
+class Meter:
     """What the wrapped TRL methods and callbacks record during one `trainer.train()`."""
 
     generate_s: list[float] = field(default_factory=list)
@@ -233,7 +233,7 @@ def _timed(fn: Callable, times: list[float], on_result: Callable | None = None) 
     return wrapper
 
 
-def _reward_fn(reward, meter: _Meter) -> Callable:
+def _reward_fn(reward, meter: Meter) -> Callable:
     """cadence's reward (with its error handling: a failure scores 0) as a TRL reward function."""
     from cadence.rewards import safe_reward
 
@@ -248,7 +248,7 @@ def _reward_fn(reward, meter: _Meter) -> Callable:
     return cadence_reward
 
 
-def _clock(meter: _Meter):
+def _clock(meter: Meter):
     """A TRL/transformers callback that times the training loop and each optimizer step."""
     import torch
     from transformers import TrainerCallback
@@ -273,6 +273,15 @@ def _clock(meter: _Meter):
 
 def run_trl(cfg: Config, out: Path) -> dict:
     """One TRL GRPOTrainer run on the same workload as `run_cadence(cfg)`; the same figures."""
+    meter = Meter()
+    trainer, args = trl_trainer(cfg, out, meter)
+    trainer.train()
+    return _trl_result(trainer, meter, args)
+
+
+def trl_trainer(cfg: Config, out: Path, meter: Meter, callbacks: tuple = ()) -> tuple:
+    """TRL's GRPOTrainer set up for `cfg`'s workload (its `train.iterations` steps' prompts), timed
+    into `meter`; `callbacks` join the trainer's. Returns the trainer and its GRPOConfig args."""
     check_workload(cfg)
     if not available():
         raise ConfigError(f"the TRL peer needs trl, which is not installed: {INSTALL_HINT}")
@@ -292,7 +301,6 @@ def run_trl(cfg: Config, out: Path) -> dict:
     stream = PromptStream(make_task(cfg), prompt_render(cfg, tokenizer), cfg.data.task)
     prompts = stream.next_batch(t.prompts_per_iteration * t.iterations)
     dataset = Dataset.from_list([{"prompt": p.text, "answer": p.answer} for p in prompts])
-    meter = _Meter()
     args = trl_args(cfg, out)
     trainer = GRPOTrainer(
         model=model,
@@ -301,16 +309,15 @@ def run_trl(cfg: Config, out: Path) -> dict:
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=trl_peft_config(cfg),
-        callbacks=[_clock(meter)],
+        callbacks=[_clock(meter), *callbacks],
     )
     trainer.remove_callback(PrinterCallback)  # it would print TRL's end-of-training log
     trainer._generate = _timed(trainer._generate, meter.generate_s, meter.count)
     trainer._calculate_rewards = _timed(trainer._calculate_rewards, meter.reward_s)
-    trainer.train()
-    return _trl_result(trainer, meter, args)
+    return trainer, args
 
 
-def _trl_result(trainer, meter: _Meter, args: dict) -> dict:
+def _trl_result(trainer, meter: Meter, args: dict) -> dict:
     a = trainer.args
     wall = meter.last_step_end - meter.train_begin  # as cadence's: up to the last step's end
     gen = sum(meter.generate_s) + sum(meter.reward_s)

@@ -89,14 +89,27 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--suite",
         default="modes",
-        choices=["modes", "shared-prompt", "engine", "trl", "ablation", "ranks", "partial"],
+        choices=["modes", "shared-prompt", "engine", "trl", "ablation", "ranks", "partial", "race"],
         help="modes: the RL workload in each pipeline mode; shared-prompt: one training "
         "iteration with the prompt shared or not; engine: static vs continuous batching vs "
         "model.generate on long-tailed and uniform response lengths; trl: cadence and TRL's "
         "GRPOTrainer on the same workload; ablation: pipeline x shared prompt x old-logprob "
         "reuse, plus TRL; ranks: one learner process against learner.ranks ranks (time, memory); "
         "partial: a long-tailed workload (configs/bench-longtail.toml) in sync, periodic, "
-        "offpolicy and offpolicy with partial rollouts",
+        "offpolicy and offpolicy with partial rollouts; race: cadence and TRL for the same "
+        "minutes each, held-out accuracy against training seconds (race.json, race.md, race.png)",
+    )
+    sp.add_argument(
+        "--minutes",
+        type=float,
+        default=20.0,
+        help="suite 'race': each tool's wall-clock budget, in minutes",
+    )
+    sp.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=5,
+        help="suite 'race': save each tool's policy every N optimizer steps (and at the end)",
     )
     sp.add_argument(
         "--model",
@@ -124,7 +137,8 @@ def parser() -> argparse.ArgumentParser:
         "--iterations",
         type=int,
         default=0,
-        help="iterations (optimizer steps) per run, suites modes, trl, ablation (0: config)",
+        help="iterations (optimizer steps) per run, suites modes, trl, ablation (0: config); "
+        "suite race: the most steps either tool may take in its minutes (0: 2000)",
     )
     sp.add_argument(
         "--cells",

@@ -181,6 +181,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         longtail = args.suite == "partial"
         args.config = "configs/bench-longtail.toml" if longtail else "configs/default.toml"
     load_config(args.config, args.set)  # fail early on a bad config, before any run starts
+    if args.suite == "race":
+        from cadence.bench.race import bench_race
+
+        out = Path(args.out)
+        bench_race(
+            args.config, list(args.set), out, args.minutes, args.snapshot_every, args.iterations
+        )
+        print((out / "race.md").read_text())
+        return 0
     if args.suite == "engine":
         set_threads(load_config(args.config, args.set).train.threads)
         rows = bench_engine(Path(args.out), args.repeats, model_dir=args.model)

@@ -44,6 +44,11 @@ class TrainConfig(Section):
     iterations and at the end, for `cadence train --resume`; 0: never."""
     keep_checkpoints: int = Field(2, ge=1)
     """Newest checkpoints kept on disk."""
+    max_minutes: float = Field(0.0, ge=0.0)
+    """Stop after the first iteration that ends this many minutes into the loop (held-out
+    evaluations and checkpoints count; loading and starting workers do not), even if fewer than
+    train.iterations have run: the final model, summary and (with checkpoints on) a checkpoint
+    are written as at the end. A learning-rate schedule is not stretched to it. 0: no limit."""
     max_bad_steps: int = Field(3, ge=0)
     """An optimizer step whose loss or gradient is NaN or inf is skipped (weights untouched) and
     counted; one more than this many in a row stops the run."""

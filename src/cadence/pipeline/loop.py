@@ -219,9 +219,13 @@ def _loop(
         for s in sinks:
             s.write(record)
         budget.check()  # after the line is written: it shows the errors that stopped the run
+        out_of_time = p.max_minutes > 0 and time.perf_counter() - t_loop >= 60 * p.max_minutes
         every = p.checkpoint_every
-        if every and ((k + 1) % every == 0 or k + 1 == p.iterations):
+        if every and ((k + 1) % every == 0 or k + 1 == p.iterations or out_of_time):
             checkpoint(run, out, k + 1, records, *before)
+        if out_of_time:
+            log.info("train.max_minutes = %g reached after iteration %d", p.max_minutes, k + 1)
+            break
     loop_s = time.perf_counter() - t_loop  # not counting closing workers, drawing the timeline
     budget.finish()  # a short run over its reward error budget writes no final model
     return loop_s

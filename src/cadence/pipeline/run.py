@@ -23,6 +23,7 @@ class LoopParams:
     max_staleness: int = 0  # versions a trained group may lag the learner
     eval_every: int = 0  # held-out accuracy every N iterations (0: before and after only)
     checkpoint_every: int = 0
+    max_minutes: float = 0.0  # the loop stops after the iteration that ends past this (0: never)
     keep_checkpoints: int = 2
     max_error_fraction: float = 0.1  # reward errors a run tolerates
     mode: str = "sync"  # labels for the summary and the timeline

@@ -1,0 +1,76 @@
+"""The race: both tools for the same budget, every snapshot scored by one evaluator, the time to
+the lower final accuracy and the ratio computed."""
+
+import json
+import math
+
+import pytest
+
+from cadence.bench.race import STEP_CAP, Snapshot, bench_race, race_config, seconds_to_reach
+from cadence.config import ConfigError
+
+
+def workload(model_dir):
+    """bench/test_trl_peer.py's tiny workload, without the reference pass."""
+    return [
+        f"model.path='{model_dir}'",
+        "train.prompts_per_iteration=4",
+        "train.micro_batch_groups=2",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=12",
+        "train.threads=2",
+        "reward.function='fixtures_rewards:even_length'",
+    ]
+
+
+def test_the_time_to_target_is_the_first_snapshot_after_the_start_that_reaches_it():
+    curve = [
+        Snapshot(0, 0.0, "base", accuracy=0.5),  # the base model: not a time the tool needed
+        Snapshot(5, 10.0, "a", accuracy=0.4),
+        Snapshot(10, 20.0, "b", accuracy=0.6),
+        Snapshot(15, 30.0, "c", accuracy=0.55),
+    ]
+    assert seconds_to_reach(curve, 0.55) == 20.0
+    assert seconds_to_reach(curve, 0.3) == 10.0
+    with pytest.raises(StopIteration):
+        seconds_to_reach(curve, 0.7)
+
+
+def test_the_race_config_is_stopped_by_time_and_refuses_what_trl_cannot_run(model_dir):
+    cfg = race_config(None, workload(model_dir), 2.5, 0)
+    assert cfg.train.max_minutes == 2.5 and cfg.train.iterations == STEP_CAP
+    assert cfg.train.checkpoint_every == 0 and cfg.train.eval_every == 0
+    assert race_config(None, workload(model_dir), 1, 7).train.iterations == 7
+    with pytest.raises(ConfigError, match="--minutes"):
+        race_config(None, workload(model_dir), 0, 0)
+    with pytest.raises(ConfigError, match=r"train\.mini_batches"):
+        race_config(None, [*workload(model_dir), "train.mini_batches=2"], 1, 0)
+
+
+@pytest.mark.slow
+def test_both_tools_race_for_the_budget_and_every_snapshot_is_scored(model_dir, tmp_path):
+    sets = [*workload(model_dir), "data.num_heldout=8"]
+    budget_min, cap = 0.01, 40  # 0.6 s each: stopped by time, long before the cap
+    report = bench_race(None, sets, tmp_path, budget_min, every=2, iterations=cap)
+    assert json.loads((tmp_path / "race.json").read_text()) == report
+    for tool in ("cadence", "trl"):
+        curve = report["curves"][tool]
+        assert curve[0]["step"] == 0 and curve[0]["seconds"] == 0.0  # the one base model
+        assert curve[0]["accuracy"] == report["curves"]["cadence"][0]["accuracy"]
+        steps = [p["step"] for p in curve]
+        assert len(curve) >= 2 and steps == sorted(set(steps)) and steps[-1] < cap, steps
+        assert all(s % 2 == 0 for s in steps[1:-1])  # every 2 steps, then the last one
+        seconds = [p["seconds"] for p in curve]
+        assert seconds == sorted(seconds) and seconds[-1] > 0
+        for p in curve:
+            assert 0.0 <= p["accuracy"] <= 1.0
+            assert p["stderr"] == pytest.approx(math.sqrt(p["accuracy"] * (1 - p["accuracy"]) / 8))
+        assert report["final_accuracy"][tool] == curve[-1]["accuracy"]
+    target = min(report["final_accuracy"].values())
+    assert report["target_accuracy"] == target
+    reach = report["seconds_to_target"]
+    assert reach["cadence"] > 0 and reach["trl"] > 0
+    assert report["ratio_trl_to_cadence"] == pytest.approx(reach["trl"] / reach["cadence"])
+    assert (tmp_path / "race.png").stat().st_size > 0
+    md = (tmp_path / "race.md").read_text()
+    assert "| cadence |" in md and "| trl |" in md and "x cadence's training seconds" in md
