@@ -85,7 +85,7 @@ def test_held_out_answers_are_scored_at_once():
     # Before: one call after another, 24 x 0.5 s = 12 s.
     def sleeps(prompt: str, completion: str, answer: str) -> float:
         time.sleep(0.5)
-        return 1.0 if answer in ("0", "1", "2") else 0.0
+        return 1.0 if answer in ("0", "1", "2") else 0.25 if answer == "3" else 0.0
 
     engine = ScriptedEngine(lambda ids, seed: [1])
     t0 = time.perf_counter()
@@ -93,7 +93,8 @@ def test_held_out_answers_are_scored_at_once():
     worker = RolloutWorker(engine, _tokenize, reward, SamplingParams(max_new_tokens=2), 1, 0)
     result = evaluate(worker, _prompts(24))
     assert time.perf_counter() - t0 < 6.0  # 2 waves of 0.5 s
-    assert result["accuracy"] == pytest.approx(3 / 24, abs=1e-12)
+    assert result["accuracy"] == pytest.approx(3 / 24, abs=1e-12)  # partial credit is not right
+    assert result["score_mean"] == pytest.approx((3 + 0.25) / 24, abs=1e-12)
 
 
 def _run(model_dir, out, reward: str, concurrency: int, placement: str) -> list[dict]:

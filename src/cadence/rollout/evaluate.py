@@ -24,7 +24,8 @@ from cadence.types import Prompt
 
 
 def evaluate(worker: RolloutWorker, prompts: list[Prompt]) -> dict[str, float]:
-    """Fraction of held-out prompts whose greedy answer scores >= 1, and mean response length;
+    """Fraction of held-out prompts whose greedy answer scores >= 1, their mean score (partial
+    credit counts there, as reasoning-gym's graders give it), and mean response length;
     with task labels, each task's fraction too (`accuracy/<task>`). `worker` is the evaluation
     worker (`build_worker(evaluation_spec(...))`: greedy, one sample, the run's reward)."""
     if worker.reward is None:
@@ -44,9 +45,12 @@ def evaluate(worker: RolloutWorker, prompts: list[Prompt]) -> dict[str, float]:
     correct = sum(s >= 1.0 for s in scores)
     tokens = sum(len(c.token_ids) for c in completions)
     n = max(len(prompts), 1)
-    return {"accuracy": correct / n, "response_tokens_mean": tokens / n} | task_accuracy(
-        prompts, scores
-    )
+    figures = {
+        "accuracy": correct / n,
+        "score_mean": sum(scores) / n,
+        "response_tokens_mean": tokens / n,
+    }
+    return figures | task_accuracy(prompts, scores)
 
 
 @dataclass
