@@ -118,3 +118,57 @@ def test_buckets_keep_the_order_and_cut_at_the_size_and_at_a_dtype_change():
         assert dtypes == {b.dtype}
         assert len(b.entries) == 1 or b.numel * b.dtype.itemsize <= BUCKET
     assert buckets[-1].dtype == torch.bfloat16
+
+
+class _Store:
+    """Ray's object store as the object-store transport uses it: `put` copies every array once
+    into the store (as Ray serialises numpy arrays out of band), `get` hands back the store's
+    arrays read-only, without a copy (as Ray does for numpy arrays on the same node)."""
+
+    def __init__(self):
+        self.puts, self.put_args = 0, []
+
+    def put(self, arrays):
+        self.puts += 1
+        self.put_args.append(arrays)
+        self.held = {name: a.copy() for name, a in arrays.items()}
+        for a in self.held.values():
+            a.flags.writeable = False
+        return "ref"
+
+    def get(self, ref):
+        return self.held
+
+
+def test_the_object_store_copies_a_version_twice_into_the_engine(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from cadence.backend.ray_weights import ObjectStoreReceiver, ObjectStoreWeights
+
+    store = _Store()
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(put=store.put, get=store.get))
+    learner, worker = _model(1), _model(2)
+    sender = ObjectStoreWeights(learner)
+    loaded = []
+    weights = EngineWeights(ScriptedEngine(lambda ids, seed: [1]), worker)
+    load = weights.load
+    monkeypatch.setattr(weights, "load", lambda t, v: (loaded.append(t), load(t, v))[1])
+    receiver = ObjectStoreReceiver(weights)
+    sender.publish(learner, 1)
+    receiver.stage(1, sender.message(1))
+    receiver.load(1)
+    # copy 1, the put: the learner's parameters reach it as views, not copies of their own
+    params = dict(learner.named_parameters())
+    (arrays,) = store.put_args
+    assert store.puts == 1 and set(arrays) == set(params)
+    for name, a in arrays.items():
+        assert np.shares_memory(a, params[name].detach().numpy()), name
+    # the worker's read is the store's memory; copy 2 puts it into the engine's model
+    (tensors,) = loaded
+    for name, t in tensors.items():
+        assert np.shares_memory(t.numpy(), store.held[name]), name
+    for name, p in worker.named_parameters():
+        assert torch.equal(p, params[name]) and p.data_ptr() != params[name].data_ptr()

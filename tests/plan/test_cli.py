@@ -22,6 +22,7 @@ def test_plan_on_given_hardware_writes_json_and_png(tmp_path, capsys):
     assert main(["plan", *SMALL, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "recommended" in out and "TPSPD" in out
+    assert "weight sync to a separate engine (broadcast, 2 copies)" in out
     result = json.loads((tmp_path / "plan.json").read_text())
     (cluster,) = result["clusters"]
     assert cluster["devices"] == 4
@@ -58,6 +59,7 @@ def test_plan_reads_a_spec_file(tmp_path, capsys):
         (["--set", "hardware.mem_bw=0"], "hardware.mem_bw"),
         (["--set", "plan.modes=['async']"], "plan.modes"),
         (["--set", "workload.group_sise=4"], "workload.group_sise"),
+        (["--set", "cluster.weight_sync='pigeon'"], "cluster.weight_sync"),
         (["/nonexistent/plan.toml"], "/nonexistent/plan.toml"),
         (["--calibrate", "/nonexistent/model"], "/nonexistent/model"),
     ],

@@ -4,7 +4,15 @@ import math
 
 import pytest
 
-from cadence.plan.costs import DeviceSpec, ModelShape, Profile, Throughput, from_hardware
+from cadence.backend.ray_weights import BUCKET_BYTES
+from cadence.plan.costs import (
+    SYNC_BUCKET_BYTES,
+    DeviceSpec,
+    ModelShape,
+    Profile,
+    Throughput,
+    from_hardware,
+)
 
 # 1 B parameters in bf16 (2 GB of weights), 10 layers of width 1000, no grouped-query attention
 MODEL = ModelShape(params=1e9, layers=10, hidden=1000, bytes_per_param=2.0)
@@ -35,9 +43,10 @@ def test_formulas_from_peak_rates():
     assert t.prefill_per_token_s == pytest.approx(2e9 / 1e15)
     # forward 2 N + 2 L h S = 2e9 + 2e7 FLOPs per token, x 3 with the backward
     assert t.train_per_token_s == pytest.approx(3 * (2e9 + 2e7) / 1e15)
-    assert t.load_s == pytest.approx(0.1 + 2e9 / 1e10)  # latency + weights over the link
+    # broadcast (the default): the snapshot's device copy, latency + weights over the link
+    assert t.load_s == pytest.approx(2e9 / 1e12 + 0.1 + 2e9 / 1e10)
     assert t.allreduce_s == pytest.approx(2 * 2e9 / 1e10)
-    assert t.kv_cache_bytes == pytest.approx(10e9 - 2e9)
+    assert t.kv_cache_bytes == pytest.approx(10e9 - 2e9 - SYNC_BUCKET_BYTES)  # one bucket beside
     with_ref = from_hardware(MODEL, DEVICE, seq_tokens=1000, reference_model=True).separate
     assert with_ref.train_per_token_s == pytest.approx(t.train_per_token_s * 4 / 3)
 
@@ -48,7 +57,35 @@ def test_tensor_parallel_engine_has_the_rates_of_its_devices():
         MODEL, DEVICE, seq_tokens=100, reference_model=False, engine_devices=2
     ).separate
     assert two.decode_step_s == pytest.approx(one.decode_step_s / 2)
-    assert two.kv_cache_bytes == pytest.approx(2 * 10e9 - 2e9)
+    assert two.kv_cache_bytes == pytest.approx(2 * 10e9 - 2e9 - SYNC_BUCKET_BYTES)
+
+
+def test_each_weight_transport_costs_its_copies():
+    # 2 GB of weights: 2 ms a device copy (1 TB/s), 0.2 s over the link, the network or a host
+    # copy (10 GB/s each), 0.1 s of latency
+    def costs(transport):
+        profile = from_hardware(
+            MODEL, DEVICE, seq_tokens=100, reference_model=False, weight_sync=transport
+        )
+        return profile.separate, profile.colocated
+
+    broadcast, colocated = costs("broadcast")
+    assert broadcast.publish_s == pytest.approx(0.002 + 0.1 + 0.2)  # the learner waits on the wire
+    assert broadcast.load_s == pytest.approx(0.1 + 0.2 + 0.002)
+    assert broadcast.sync_copies == 2 and broadcast.sync_extra_bytes == SYNC_BUCKET_BYTES
+    assert SYNC_BUCKET_BYTES == BUCKET_BYTES  # what the broadcast really holds per engine
+    store, _ = costs("object_store")
+    assert store.publish_s == pytest.approx(0.1 + 0.2 + 0.2)  # device to host, then the put
+    assert store.load_s == pytest.approx(0.2 + 0.2)  # to the engine's node, then into the engine
+    assert store.sync_copies == 4 and store.sync_extra_bytes == 0
+    assert store.kv_cache_bytes == pytest.approx(10e9 - 2e9)
+    shm, _ = costs("shm")
+    assert (shm.publish_s, shm.load_s) == pytest.approx((0.1 + 0.2, 0.2))
+    # colocated: the engine shares the learner's device: one local copy, whatever the transport
+    assert colocated.publish_s == 0 and colocated.load_s == pytest.approx(0.002)
+    assert colocated.sync_copies == 1 and colocated.kv_cache_bytes == pytest.approx(8e9)
+    with pytest.raises(ValueError, match="pigeon"):
+        costs("pigeon")
 
 
 def test_decode_time_is_the_sum_of_its_steps():

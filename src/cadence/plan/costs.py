@@ -43,6 +43,7 @@ class DeviceSpec:
     network_bw: float = 50e9  # bytes/s per device between nodes (gradient reduction)
     sync_bw: float = 50e9  # bytes/s from the learner to an inference engine
     sync_latency_s: float = 0.05
+    host_copy_bw: float = 10e9  # bytes/s of one copy through host memory (serialising, the store)
     step_overhead_s: float = 0.001  # per decode step: scheduling, sampling, launches
     kv_memory_fraction: float = 0.9  # of memory an engine may fill (weights + KV cache)
     train_memory_fraction: float = 0.9  # of memory a training rank's state may fill
@@ -72,6 +73,8 @@ class Throughput:
     gather_s: float = 0.0  # all-gathering the whole weights once over the training network
     train_memory_bytes: float = math.inf  # what a training device may hold (no memory model)
     activation_bytes: float = 0.0  # a micro-batch's activations and logits at their peak
+    sync_copies: float = 0.0  # copies of a version between the learner and an engine
+    sync_extra_bytes: float = 0.0  # device memory a weight sync adds beside each engine
 
     def decode_time(self, active: int, context: float, steps: int) -> float:
         """`steps` decode steps of `active` sequences holding `context` tokens at the start.
@@ -212,6 +215,38 @@ def train_flops_per_token(
     return forward * (3 + (1 if reference_model else 0) + (1 if checkpointing else 0))
 
 
+SYNC_BUCKET_BYTES = 64 << 20  # backend/ray_weights.BUCKET_BYTES: a broadcast's unit
+TRANSPORTS = ("broadcast", "object_store", "shm")
+
+
+def sync_costs(transport: str, weight_bytes: float, device: DeviceSpec) -> dict[str, float]:
+    """A version's trip from the learner to an engine over `transport` (`pipeline.weight_sync`;
+    shm: the local backend's shared memory): the learner's seconds (on its critical path), each
+    engine's, the copies made (docs/ray.md counts them) and the device memory added per engine.
+
+    broadcast: a device copy into the learner's snapshot, the wire (`sync_bw`), each 64 MiB
+    bucket copied into the engine as the next one arrives (one bucket of extra memory).
+    object_store: device to host, the put (a host copy), the transfer to the engine's node
+    (`network_bw`), host to device into the engine. shm: into shared host memory, out of it."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown weight transport {transport!r}; allowed: {TRANSPORTS}")
+    local = weight_bytes / (device.mem_bw * device.mem_efficiency)
+    link, host = weight_bytes / device.sync_bw, weight_bytes / device.host_copy_bw
+    lat = device.sync_latency_s
+    if transport == "broadcast":
+        both = lat + link  # the collective ends for the sender and the receivers together
+        return dict(
+            publish_s=local + both, load_s=both + local, sync_copies=2.0,
+            sync_extra_bytes=float(min(SYNC_BUCKET_BYTES, weight_bytes)),
+        )  # fmt: skip
+    if transport == "object_store":
+        wire = weight_bytes / device.network_bw
+        return dict(
+            publish_s=lat + link + host, load_s=wire + link, sync_copies=4.0, sync_extra_bytes=0.0
+        )
+    return dict(publish_s=lat + link, load_s=link, sync_copies=2.0, sync_extra_bytes=0.0)
+
+
 def from_hardware(
     model: ModelShape,
     device: DeviceSpec,
@@ -222,11 +257,14 @@ def from_hardware(
     micro_batch_tokens: float = 0.0,
     checkpointing: bool = False,
     logits_chunk: int = 0,
+    weight_sync: str = "broadcast",
 ) -> Profile:
-    """Throughput of `device` for `model` from its peak rates (the formulas in the docstring)."""
+    """Throughput of `device` for `model` from its peak rates (the formulas in the docstring);
+    separate engines take versions over `weight_sync` (`sync_costs`)."""
     f, bw = device.flops, device.mem_bw * device.mem_efficiency
     w = model.weight_bytes
     tp = engine_devices  # an engine spanning tp devices: tp x the rates, 1/tp of the weights each
+    sync = sync_costs(weight_sync, w, device)
     kv_free = device.memory_bytes * device.kv_memory_fraction * tp - w
     base = Throughput(
         decode_step_s=w / (tp * bw) + device.step_overhead_s,
@@ -237,9 +275,8 @@ def from_hardware(
         / (device.train_mfu * f),
         optimizer_update_s=16 * model.params / bw,
         allreduce_s=2 * w / device.network_bw,
-        publish_s=w / bw,
-        load_s=device.sync_latency_s + w / device.sync_bw,
-        kv_cache_bytes=max(kv_free, 0.0),
+        **sync,
+        kv_cache_bytes=max(kv_free - sync["sync_extra_bytes"], 0.0),
         kv_bytes_per_token=model.kv_bytes_per_token,
         train_state_bytes=16 * model.params,
         frozen_bytes=w if reference_model else 0.0,
@@ -248,7 +285,14 @@ def from_hardware(
         train_memory_bytes=device.memory_bytes * device.train_memory_fraction,
         activation_bytes=activation_memory(model, micro_batch_tokens, checkpointing, logits_chunk),
     )
-    colocated = replace(base, publish_s=0.0, load_s=w / bw)  # reshard in place: one local copy
+    colocated = replace(  # reshard in place: one local copy, no transport
+        base,
+        publish_s=0.0,
+        load_s=w / bw,
+        sync_copies=1.0,
+        sync_extra_bytes=0.0,
+        kv_cache_bytes=max(kv_free, 0.0),
+    )
     return Profile(
         name=device.name,
         separate=base,

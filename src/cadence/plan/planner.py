@@ -102,6 +102,7 @@ def load_profile(spec: PlanSpec, mean_response: float) -> Profile:
         network_bw=hw.network_bw,
         sync_bw=hw.sync_bw,
         sync_latency_s=hw.sync_latency_s,
+        host_copy_bw=hw.host_copy_bw,
         step_overhead_s=hw.step_overhead_s,
         kv_memory_fraction=hw.kv_memory_fraction,
         train_memory_fraction=hw.train_memory_fraction,
@@ -118,6 +119,7 @@ def load_profile(spec: PlanSpec, mean_response: float) -> Profile:
         micro_batch_tokens=micro_batch_tokens(w),
         checkpointing=w.activation_checkpointing,
         logits_chunk=w.logits_chunk_tokens,
+        weight_sync=spec.cluster.weight_sync,
     )
 
 

@@ -82,9 +82,24 @@ def recommendation(cluster: ClusterPlan) -> str:
     )
 
 
+def weight_sync_line(result: PlanResult) -> str:
+    """A version's trip to a separate engine: the transport, its copies, seconds and memory."""
+    t = result.profile.separate
+    how = (
+        "measured (hardware.profile)"
+        if result.spec.hardware.profile
+        else f"{result.spec.cluster.weight_sync}, {t.sync_copies:.0f} copies"
+    )
+    return (
+        f"weight sync to a separate engine ({how}): learner {t.publish_s:.3f} s, engine "
+        f"{t.load_s:.3f} s per version, {t.sync_extra_bytes / 2**20:,.0f} MiB beside each engine"
+    )
+
+
 def print_plan(result: PlanResult, console: Console | None = None) -> None:
     console = console or Console()
     console.print(f"hardware: {result.profile.name} ({result.profile.source})")
+    console.print(weight_sync_line(result))
     for cluster in result.clusters:
         console.print(cluster_table(result, cluster))
         console.print(recommendation(cluster) + "  (* in the table)")

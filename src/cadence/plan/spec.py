@@ -100,6 +100,9 @@ class HardwareSpec(_Section):
     network_bw: float = Field(50e9, gt=0, description="Bytes/s per device for gradients.")
     sync_bw: float = Field(50e9, gt=0, description="Bytes/s from learner to an engine.")
     sync_latency_s: float = Field(0.05, ge=0, description="Fixed cost of one weight load.")
+    host_copy_bw: float = Field(
+        10e9, gt=0, description="Bytes/s of one copy through host memory (the object store's)."
+    )
     step_overhead_s: float = Field(0.001, ge=0, description="Per decode step (scheduling).")
     kv_memory_fraction: float = Field(
         0.9, gt=0, le=1, description="Fraction of memory an engine fills (weights + KV cache)."
@@ -141,6 +144,13 @@ class ClusterSpec(_Section):
         "shards the training state over them, ddp gives each a whole copy.",
     )
     prompts_per_task: int = Field(4, ge=1, description="static: prompts per engine batch.")
+    weight_sync: Literal["broadcast", "object_store", "shm"] = Field(
+        "broadcast",
+        description="How separate engines get a version (pipeline.weight_sync; shm: the local "
+        "backend's shared memory): the learner's and each engine's seconds, the copies made "
+        "and a broadcast's bucket of engine memory (docs/planner.md). Not used with "
+        "hardware.profile, whose times are measured.",
+    )
 
     @field_validator("devices")
     @classmethod
