@@ -56,3 +56,22 @@ def test_online_dpo_run_builds_a_reference_without_kl_and_trains(model_dir, tmp_
     assert run.trainer.ref_model is not None
     summary = train(run, tmp_path, evaluate=False)
     assert math.isfinite(summary["kl_last"])
+
+
+def test_periodic_with_several_steps_releases_groups_a_step_at_a_time():
+    from cadence.builder.run import step_groups
+
+    def groups(*sets):
+        base = ["pipeline.placement='separate'", "train.prompts_per_iteration=6"]
+        return step_groups(load_config(None, [*base, *sets]))
+
+    assert groups("pipeline.mode='periodic'", "train.mini_batches=4") == 2  # 6 prompts / 4 steps
+    assert groups("pipeline.mode='periodic'", "train.mini_batches=1") == 0  # one step sums all
+    assert groups("pipeline.mode='sync'", "train.mini_batches=4") == 0  # sync sorts the batch
+    assert groups("pipeline.mode='offpolicy'", "train.mini_batches=4") == 0
+    dynamic = (
+        "pipeline.mode='periodic'",
+        "train.mini_batches=4",
+        "pipeline.filter_groups='zero_variance'",
+    )
+    assert groups(*dynamic) == 0

@@ -21,7 +21,9 @@ from cadence.pipeline import WorkerSource
 from cadence.pipeline.behaviour import BehaviourPolicies
 from cadence.pipeline.producer import ProducerParams
 from cadence.pipeline.prompts import PromptStream
+from cadence.pipeline.steporder import StepOrder
 from cadence.rollout import RolloutWorker
+from cadence.types import Group, Prompt
 
 GROUP_SIZE = 3
 PER_ITERATION = 4
@@ -204,3 +206,50 @@ def test_a_sync_iteration_reaches_the_learner_in_prompt_order_whatever_the_finis
             assert [g.prompt.index for g in source.groups()] == list(range(PER_ITERATION))
     finally:
         source.close()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_periodic_steps_reach_the_learner_by_prompt_index_whatever_the_finish_order(seed):
+    # periodic with 2 optimizer steps an iteration: step 1 must train prompts 0-1 and step 2
+    # prompts 2-3, as sync's cut does, however the workers' timing orders their finishing
+    policy = torch.nn.Linear(1, 1, bias=False)
+    stream = _stream()
+    params = ProducerParams(
+        prompts_per_task=1, tasks_in_flight=2, iterations=3, group_size=GROUP_SIZE
+    )
+    source = WorkerSource(
+        _pool(SharedWeights(policy), seed),
+        policy,
+        Tracer(),
+        lambda: stream.next_batch(PER_ITERATION),
+        params,
+        stream=True,
+        step_groups=2,
+    )
+    try:
+        for k in range(3):
+            source.start_iteration(k, version=k)
+            indices = [g.prompt.index for g in source.groups()]
+            assert sorted(indices[:2]) == [0, 1] and sorted(indices[2:]) == [2, 3], indices
+    finally:
+        source.close()
+
+
+def _arrived(index):
+    return dataclasses.replace(_GROUP, prompt=dataclasses.replace(_GROUP.prompt, index=index))
+
+
+_GROUP = Group(Prompt("u", "q", "a"), [1], [], 0, 0)
+
+
+def test_step_order_releases_a_step_once_all_its_prompts_are_in():
+    order = StepOrder(size=5, per_step=2)  # steps {0, 1}, {2, 3}, {4}
+    released = [[g.prompt.index for g in order.offer(_arrived(i))] for i in (3, 1, 4, 0, 2)]
+    assert released == [[], [], [], [1, 0], [3, 2, 4]]  # step 2 waited for step 1
+    assert order.flush() == []
+    # a group that never comes (dropped) holds the later steps until the iteration ends
+    order = StepOrder(size=4, per_step=2)
+    assert [order.offer(_arrived(i)) for i in (1, 2, 3)] == [[], [], []]
+    assert [g.prompt.index for g in order.flush()] == [1, 2, 3]
+    with pytest.raises(ValueError, match="per_step"):
+        StepOrder(size=4, per_step=0)

@@ -10,6 +10,8 @@ checkpoint when resuming; everything after it sees a `Trainer`. Recipes that tra
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from cadence.algo import needs_reference
@@ -115,7 +117,18 @@ def build_source(
         next_extra=stream.extra,
         checkpoint_every=cfg.train.checkpoint_every,
         behaviour=resume.run.behaviour_policies if resume else [],
+        step_groups=step_groups(cfg),
     )
+
+
+def step_groups(cfg: Config) -> int:
+    """Periodic with several optimizer steps an iteration: the prompts of one step, released
+    together in prompt order (pipeline/steporder.py), so each step trains what sync's would;
+    0 otherwise (one step sums everything; off-policy and dynamic sampling do not equal sync)."""
+    t, p = cfg.train, cfg.pipeline
+    if p.mode != "periodic" or t.mini_batches == 1 or p.filter_groups != "none":
+        return 0
+    return math.ceil(t.prompts_per_iteration / t.mini_batches)
 
 
 def reward_stage(cfg: Config, store: Store, tracer: Tracer) -> RewardStage:

@@ -32,6 +32,7 @@ from cadence.pipeline.behaviour import BehaviourPolicies
 from cadence.pipeline.gate import WeightGate
 from cadence.pipeline.oversample import Oversampler
 from cadence.pipeline.producer import Producer, ProducerParams
+from cadence.pipeline.steporder import StepOrder
 from cadence.rollout import RolloutWorker
 from cadence.types import Group, Prompt, SampleBatch, SourceStats
 
@@ -156,14 +157,20 @@ class WorkerSource:
         next_extra: Callable[[int], Prompt] | None = None,
         checkpoint_every: int = 0,
         behaviour: Sequence[dict[str, Any]] = (),
+        step_groups: int = 0,
     ) -> None:
         """`params`: the producer's settings (the builder makes them). `behaviour`: the
         behaviour policies of the checkpoint a run resumes from (`behaviour_policies`), published
-        again before its first iteration (pipeline/behaviour.py)."""
+        again before its first iteration (pipeline/behaviour.py). `step_groups` > 0 (streaming,
+        several optimizer steps an iteration): groups released a step of that many prompts at a
+        time, in prompt order of steps (steporder.py)."""
         if params.queue_size and (params.max_staleness > 0 or not stream):
             raise ValueError("pipeline.queue_size must be 0 (unbounded) unless mode is periodic")
         if filter_groups and next_extra is None:
             raise ValueError("filter_groups needs next_extra, the source of extra prompts")
+        if step_groups and (filter_groups or not stream):
+            raise ValueError("step_groups orders a stream of groups without dynamic sampling")
+        self.step_groups = step_groups
         self.pool, self.model, self.tracer = pool, model, tracer
         self.stream, self.max_staleness = stream, params.max_staleness
         self.store: Store = store if store is not None else SampleStore()
@@ -251,6 +258,7 @@ class WorkerSource:
         k, version = self._current, self._version
         size = self.producer.wait_begun(k, self._raise_failure)
         sampler = Oversampler(size, self.max_oversample, self.filter_groups)
+        order = StepOrder(size, self.step_groups) if self.step_groups else None
         while sampler.outstanding > 0:
             batch = self._take(k, version, sampler.outstanding)
             self.times.dropped_groups += batch.num_dropped_units
@@ -265,8 +273,9 @@ class WorkerSource:
                 if more:
                     self.producer.want(k, size + sampler.extra - 1)
                 if train:
-                    yield group
+                    yield from order.offer(group) if order else [group]
         yield from sampler.top_up()
+        yield from order.flush() if order else []
         self.times.filtered_groups = sampler.filtered
         self.times.oversampled_prompts = sampler.extra
         self.store.clear(k)
