@@ -6,6 +6,7 @@ run themselves. Translations only: refusals are checks.py's, tasks and environme
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import Any, TypeVar
@@ -197,7 +198,23 @@ def producer_params(cfg: Config, first_iteration: int = 0) -> ProducerParams:
         cfg.rollout,
         max_staleness=max_staleness(cfg),
         first_iteration=first_iteration,
+        tasks_in_flight=tasks_in_flight(cfg),
     )
+
+
+def tasks_in_flight(cfg: Config) -> int:
+    """`pipeline.tasks_in_flight`, or where it is 0 the tasks that fill a worker's engine slots
+    (vLLM's 256 took 2 tasks of 4 x 8 = 64 sequences before), no more than the worker's share of
+    what generation may hold at once, at least 2 (the former default)."""
+    p, r = cfg.pipeline, cfg.rollout
+    if p.tasks_in_flight:
+        return p.tasks_in_flight
+    if r.engine == "static":  # a task is its batch: more queued adds no parallelism
+        return 2
+    fill = math.ceil(r.max_num_seqs / (p.prompts_per_task * r.group_size))
+    held = cfg.train.prompts_per_iteration * (1 + max_staleness(cfg))
+    share = math.ceil(held / (p.prompts_per_task * p.num_workers))
+    return max(2, min(fill, share))
 
 
 def ray_options(p: PipelineConfig) -> dict[str, Any]:

@@ -150,8 +150,11 @@ class PipelineConfig(Section):
     """torch threads of the learner when separate (0: cores - workers)."""
     prompts_per_task: int = Field(4, ge=1)
     """Prompts sent to a worker as one task (the unit of assignment)."""
-    tasks_in_flight: int = Field(2, ge=1)
-    """Tasks queued at each worker at once (bounded concurrency)."""
+    tasks_in_flight: int = Field(0, ge=0)
+    """Tasks queued at each worker at once (bounded concurrency). 0: enough to fill the worker's
+    engine, ceil(rollout.max_num_seqs / (prompts_per_task x rollout.group_size)), but no more
+    than the worker's share of the tasks generation may hold (an iteration's, times 1 + the
+    staleness off-policy), and at least 2; 2 with rollout.engine = 'static'."""
     queue_size: int = Field(0, ge=0)
     """periodic: most groups waiting in the sample store for the learner; while that many wait, the
     producer hands out no new task (0: no bound)."""

@@ -294,6 +294,8 @@ def _measure_sync(model) -> tuple[float, float]:
 
 def spec_from_config(cfg: Config, cal: Calibration, profile_path: str, lengths_path: str) -> dict:
     """The plan spec (as a dict, before any file or override) for this machine and config."""
+    from cadence.builder.params import tasks_in_flight
+
     devices, _, _ = cpu_layout(cfg)
     p = cfg.pipeline
     return {
@@ -315,7 +317,7 @@ def spec_from_config(cfg: Config, cal: Calibration, profile_path: str, lengths_p
             "max_num_seqs": cfg.rollout.max_num_seqs,
             "batching": cfg.rollout.engine,  # the engine `cadence train` runs here
             # a worker never holds more than its queued tasks, whatever its slots
-            "samples_in_flight": p.tasks_in_flight * p.prompts_per_task * cfg.rollout.group_size,
+            "samples_in_flight": tasks_in_flight(cfg) * p.prompts_per_task * cfg.rollout.group_size,
             "prompts_per_task": p.prompts_per_task,
         },
         "plan": {"modes": list(DEFAULT_MODES)},
