@@ -14,7 +14,11 @@ short keeps what it measured:
 3. engine against learner log-probs in bf16: cadence's continuous engine samples, the learner
    recomputes (mean and max |diff| on the sampled tokens);
 4. decode tokens/s of cadence's continuous engine;
-5. FSDP2 on one GPU over NCCL (a rank process) against the one-process learner.
+5. FSDP2 on one GPU over NCCL (a rank process) against the one-process learner;
+6. placement, with two GPUs or more: two worker processes placed as a run places them each see
+   one GPU of their own;
+7. broadcast, with two GPUs or more: a version in 64 MiB buckets over NCCL into a second copy,
+   seconds per GB and the receiver's extra memory.
 
 On a machine without CUDA it runs step 0 and writes the reason for every other step; exit 0
 unless a step failed (1). `--device cpu --shape tiny` runs every step on a tiny model on the CPU
@@ -349,6 +353,104 @@ def step_fsdp(check: Check) -> dict:
     }
 
 
+def _gpus_or_cpu(check: Check, least: int) -> list[str]:
+    """The devices of a two-sided step: `least` visible GPUs, or the CPU (`--device cpu`)."""
+    import torch
+
+    if not check.device.startswith("cuda"):
+        return ["cpu"] * least
+    needs_cuda(check)
+    if torch.cuda.device_count() < least:
+        raise Skip(f"needs {least} GPUs; {torch.cuda.device_count()} visible")
+    return [f"cuda:{i}" for i in range(least)]
+
+
+def step_placement(check: Check) -> dict:
+    """Two worker processes placed as a run places them (pipeline.num_gpus_per_worker = 1): each
+    starts with its own CUDA_VISIBLE_DEVICES and sees one GPU, a different one."""
+    import subprocess
+
+    from cadence.backend.placement import place, visible_gpus
+
+    if _gpus_or_cpu(check, 2) == ["cpu", "cpu"]:
+        raise Skip("placement needs 2 GPUs (the CPU has no devices to place)")
+    placement = place(0, 0.0, 2, 1.0, visible_gpus())
+    probe = (
+        "import torch; print(torch.cuda.device_count(), torch.cuda.get_device_properties(0).uuid)"
+    )
+    seen = []
+    for wid in range(2):
+        env = placement.worker_env(wid)
+        out = subprocess.run(
+            [sys.executable, "-c", probe], env=os.environ | env, capture_output=True, text=True
+        )
+        count, uuid = out.stdout.split()
+        seen.append(
+            {"cuda_visible_devices": env["CUDA_VISIBLE_DEVICES"], "count": int(count), "uuid": uuid}
+        )
+    if len({w["uuid"] for w in seen}) != 2 or any(w["count"] != 1 for w in seen):
+        raise RuntimeError(f"the two workers do not each see one GPU of their own: {seen}")
+    return {"workers": seen}
+
+
+def step_broadcast(check: Check) -> dict:
+    """A version of the model broadcast in 64 MiB buckets over its own process group (NCCL
+    between two GPUs; gloo on the CPU) into a second copy: seconds per GB, and the receiver's
+    extra memory (one bucket)."""
+    import tempfile
+    import threading
+
+    import torch
+
+    from cadence.backend.ray_weights import BroadcastReceiver, BroadcastWeights, num_bytes
+    from cadence.engine import EngineWeights, ScriptedEngine
+
+    send_dev, recv_dev = _gpus_or_cpu(check, 2)
+    learner = check.model(torch.bfloat16).to(send_dev)
+    worker = check.model(torch.bfloat16).to(recv_dev)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(1.0)
+    sender = BroadcastWeights(learner)
+    engine = EngineWeights(ScriptedEngine(lambda ids, seed: [1]), worker)
+    receiver = BroadcastReceiver(engine, recv_dev)
+    times = []
+    with tempfile.TemporaryDirectory() as d:
+        init = f"file://{d}/store"
+        joined = threading.Thread(target=receiver.join, args=(sender.backend, init, 1, 2, {}, 120))
+        joined.start()
+        sender.join(init, 2, {}, 120)
+        joined.join()
+        try:
+            for version in range(1, 4):  # the first warms the group's connections up
+                start = time.perf_counter()
+                loading = threading.Thread(target=receiver.load, args=(version,))
+                loading.start()
+                sender.publish(learner, version)
+                loading.join()
+                if recv_dev.startswith("cuda"):
+                    torch.cuda.synchronize(recv_dev)
+                times.append(time.perf_counter() - start)
+        finally:
+            sender.close()
+            receiver.close()
+    same = all(
+        torch.equal(a.cpu(), b.cpu())
+        for a, b in zip(learner.parameters(), worker.parameters(), strict=True)
+    )
+    if not same:
+        raise RuntimeError("the broadcast did not deliver the learner's weights")
+    gb = num_bytes(learner) / 1e9
+    return {
+        "backend": sender.backend,
+        "version_gb": gb,
+        "version_seconds": times,
+        "seconds_per_gb": min(times[1:]) / gb,
+        "receiver_extra_mb": receiver.buffer_bytes / 2**20,
+        "buckets": len(sender.buckets),
+    }
+
+
 STEPS: list[tuple[str, Callable[[Check], dict]]] = [
     ("environment", step_environment),
     ("learner_memory", step_learner_memory),
@@ -356,6 +458,8 @@ STEPS: list[tuple[str, Callable[[Check], dict]]] = [
     ("logprobs", step_logprobs),
     ("decode", step_decode),
     ("fsdp", step_fsdp),
+    ("placement", step_placement),
+    ("broadcast", step_broadcast),
 ]
 
 

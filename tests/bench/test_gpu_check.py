@@ -31,7 +31,7 @@ def test_make_gpu_check_without_cuda_skips_every_gpu_step_and_exits_0(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     lines = _lines(tmp_path)
-    assert [r["step"] for r in lines] == [0, 1, 2, 3, 4, 5]
+    assert [r["step"] for r in lines] == [0, 1, 2, 3, 4, 5, 6, 7]
     assert lines[0]["torch"] and lines[0]["cuda_available"] is False
     assert all(r["skipped"].startswith("no CUDA device") for r in lines[1:])
 
@@ -42,6 +42,7 @@ def test_every_step_runs_on_a_tiny_model_on_the_cpu(tmp_path):
 
     assert gpu_check.main(["--out", str(tmp_path), "--device", "cpu", "--shape", "tiny"]) == 0
     steps = {r["name"]: r for r in _lines(tmp_path)}
+    assert steps.pop("placement")["skipped"].startswith("placement needs 2 GPUs")
     assert not any("error" in r or "skipped" in r for r in steps.values())
     mixed = steps["mixed_step"]
     assert mixed["float32_moved_frac"] > 0.99
@@ -51,6 +52,9 @@ def test_every_step_runs_on_a_tiny_model_on_the_cpu(tmp_path):
     assert 0 < steps["logprobs"]["abs_diff_mean"] < 0.05  # bf16 noise, not another policy
     assert steps["decode"]["new_tokens"] == 64 * 16
     assert {k for k in steps["learner_memory"] if k.endswith("_s")} >= {"full_16_s", "ckpt_32_s"}
+    broadcast = steps["broadcast"]  # gloo here; NCCL between two GPUs
+    assert broadcast["backend"] == "gloo" and broadcast["seconds_per_gb"] > 0
+    assert broadcast["receiver_extra_mb"] <= 64 and len(broadcast["version_seconds"]) == 3
 
 
 def test_a_budget_spent_skips_the_steps_left(tmp_path):
