@@ -23,6 +23,11 @@ def test_plan_on_given_hardware_writes_json_and_png(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "recommended" in out and "TPSPD" in out
     assert "weight sync to a separate engine (broadcast, 2 copies)" in out
+    # sync-colocated on 4 devices is a yardstick, not something cadence runs: the plan says so
+    assert any(
+        "not a cadence setting" in n
+        for n in json.loads((tmp_path / "plan.json").read_text())["notes"]
+    )
     result = json.loads((tmp_path / "plan.json").read_text())
     (cluster,) = result["clusters"]
     assert cluster["devices"] == 4
@@ -51,6 +56,7 @@ def test_plan_reads_a_spec_file(tmp_path, capsys):
     assert main(["plan", str(spec), "--out", str(tmp_path / "out")]) == 0
     result = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert set(result["clusters"][0]["best"]) == {"sync", "periodic"}
+    assert not any("not a cadence setting" in n for n in result["notes"])  # no colocated mode
 
 
 @pytest.mark.parametrize(

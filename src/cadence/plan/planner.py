@@ -24,6 +24,13 @@ from cadence.plan.lengths import LengthsError, ResponseLengths, load_empirical
 from cadence.plan.sim import Shape, SimResult, Workload, simulate
 from cadence.plan.spec import PlanSpec, parse_mode
 
+# what cadence runs colocated today, against what the simulation's sync-colocated assumes
+COLOCATED_NOTE = (
+    "sync-colocated on more than one device assumes an engine on every device beside a learner "
+    "rank, as colocated systems (verl) run; cadence colocates one engine with one learner "
+    "process (learner.ranks > 1 colocated on GPUs is refused), so on D devices it is the "
+    "yardstick, not a cadence setting: cadence's own runs are the separate modes"
+)
 EXHAUSTIVE_SPLITS = 12  # simulate every split up to this many candidates
 TIE = 1e-3  # TPSPDs closer than this (relative) are a tie: below the simulation's resolution
 
@@ -164,6 +171,8 @@ def plan(spec: PlanSpec, log: Callable[[str], None] | None = None) -> PlanResult
     profile = load_profile(spec, float(lengths.mean()))
     work = workload(spec)
     notes = [dist.note] if dist.note else []
+    if "sync-colocated" in spec.plan.modes and max(spec.cluster.devices) > 1:
+        notes.append(COLOCATED_NOTE)
     clusters = []
     for devices in spec.cluster.devices:
         if log:
