@@ -34,7 +34,7 @@ class StepOrder:
         """`group` arrived; the groups now released (its step's and any later complete ones)."""
         self.held[group.prompt.index // self.per_step].append(group)
         out: list[Group] = []
-        while self._expected(self.next_step) > 0 and len(self.held[self.next_step]) == (
+        while self._expected(self.next_step) > 0 and len(self.held[self.next_step]) >= (
             self._expected(self.next_step)
         ):
             out += self.held.pop(self.next_step)
