@@ -3,7 +3,8 @@ the answer in <answer></answer> tags (reasoning-gym's own rule, graded by each d
 score_answer) and, for datasets whose answer is a number, one line ending in it (the last number
 graded). Greedy, `cadence eval`'s evaluator on each dataset's own held-out rows; accuracy (score
 >= 1) with its standard error and the mean score (reasoning-gym's partial credit). Writes
-base_rates.json after every dataset and prints the Markdown table of docs/smollm2.md.
+base_rates.json after every dataset (a second run with the same --out measures only what is
+missing) and prints the Markdown table of docs/smollm2.md.
 
     python benchmarks/reasoning_gym_base_rates.py --model runs/smollm2 --heldout 64 \\
         --out runs/rg-base-rates
@@ -35,7 +36,8 @@ DATASETS: dict[str, tuple[str, bool]] = {
     "gcd": ("{ max_value = 20 }", True),
     "lcm": ("{ max_value = 10 }", True),
     "simple_equations": (
-        '{ min_terms = 2, max_terms = 2, max_value = 10, operators = ["+", "-"] }',
+        '{ min_terms = 2, max_terms = 2, max_value = 10, operators = ["+", "-"], '
+        "operators_weights = [0.5, 0.5] }",
         True,
     ),
     "spell_backward": ("{ min_word_len = 3, max_word_len = 4 }", False),
@@ -86,10 +88,14 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    path = args.out / "base_rates.json"
+    rows = json.loads(path.read_text()) if path.exists() else []  # a run cut short goes on
+    done = {(r["dataset"], r["format"]) for r in rows}
     for name in args.datasets.split(","):
         config, numeric = DATASETS[name]
         for fmt in FORMATS if numeric else ("tags",):
+            if (name, fmt) in done:
+                continue
             sets = overrides(args.model, name, config, fmt, args.heldout, args.max_new_tokens)
             start = time.perf_counter()
             result = evaluate_model(load_config(None, sets), args.model)
@@ -114,7 +120,7 @@ def main() -> None:
                 f"{r['seconds']:.0f} s",
                 flush=True,
             )
-            (args.out / "base_rates.json").write_text(json.dumps(rows, indent=2) + "\n")
+            path.write_text(json.dumps(rows, indent=2) + "\n")
     print("\n| dataset (easy settings) | format | accuracy ± s.e. | mean score | tokens |")
     print("|---|---|---|---|---|")
     for r in rows:
