@@ -48,7 +48,7 @@ def main() -> None:
     fig = Figure(figsize=(12, 4.2), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     overall, by_task = fig.subplots(1, 2)
-    for run, (s, curves) in zip(args.runs, loaded, strict=True):
+    for run, (_, curves) in zip(args.runs, loaded, strict=True):
         xs, ys = zip(*curves[""], strict=True)
         overall.plot(xs, ys, marker="o", alpha=0.6, label=run.name)
     # the band: the seeds' evaluations share their iterations except the last one

@@ -100,6 +100,9 @@ def _cfg(model_dir, mode, *extra):
             "pipeline.ray_address='auto'",
             "pipeline.ray_worker_resources={ rollout = 1 }",
             "pipeline.prompts_per_task=1",
+            # two of an iteration's four prompts at a time (the default would send all four at
+            # once): the node killed at the first groups has prompts in flight to re-run
+            "pipeline.tasks_in_flight=2",
             "pipeline.learner_threads=1",
             "train.iterations=2",  # the second generates with the weights the first trained
             "train.prompts_per_iteration=4",
