@@ -185,7 +185,9 @@ class _KillOnFirstGroups:
 def test_killed_actor_is_reported_with_its_prompts_and_nothing_hangs(
     ray_cluster, model_dir, tmp_path
 ):
-    one = ("pipeline.num_workers=1", "pipeline.prompts_per_task=1")
+    # two prompts at a time (the default would send the iteration's four at once): the actor
+    # killed at the first groups holds prompts in flight
+    one = ("pipeline.num_workers=1", "pipeline.prompts_per_task=1", "pipeline.tasks_in_flight=2")
     run = build_run(_cfg(model_dir, "periodic", *one, "pipeline.max_worker_restarts=0"))
     killer = _KillOnFirstGroups(run.source.pool, ray_cluster)
     run.source.pool.poll = killer
