@@ -183,23 +183,29 @@ def test_producer_params_admission_and_checks():
         ProducerParams(prompts_per_task=1, tasks_in_flight=1, max_staleness=-1)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_a_sync_iteration_reaches_the_learner_in_prompt_order_whatever_the_finish_order(seed):
-    # sync mode hands the learner the whole batch: cut into mini-batches in the order the
-    # workers happened to finish, the update depended on their timing
+def _ordered_source(seed: int, **source_kwargs) -> WorkerSource:
+    """Two workers with uneven delays (`_pool`), a task per prompt, two tasks in flight each:
+    groups finish out of prompt order."""
     policy = torch.nn.Linear(1, 1, bias=False)
     stream = _stream()
     params = ProducerParams(
         prompts_per_task=1, tasks_in_flight=2, iterations=3, group_size=GROUP_SIZE
     )
-    source = WorkerSource(
+    return WorkerSource(
         _pool(SharedWeights(policy), seed),
         policy,
         Tracer(),
         lambda: stream.next_batch(PER_ITERATION),
         params,
-        stream=False,
+        **source_kwargs,
     )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_sync_iteration_reaches_the_learner_in_prompt_order_whatever_the_finish_order(seed):
+    # sync mode hands the learner the whole batch: cut into mini-batches in the order the
+    # workers happened to finish, the update depended on their timing
+    source = _ordered_source(seed, stream=False)
     try:
         for k in range(3):
             source.start_iteration(k, version=k)
@@ -212,20 +218,7 @@ def test_a_sync_iteration_reaches_the_learner_in_prompt_order_whatever_the_finis
 def test_periodic_steps_reach_the_learner_by_prompt_index_whatever_the_finish_order(seed):
     # periodic with 2 optimizer steps an iteration: step 1 must train prompts 0-1 and step 2
     # prompts 2-3, as sync's cut does, however the workers' timing orders their finishing
-    policy = torch.nn.Linear(1, 1, bias=False)
-    stream = _stream()
-    params = ProducerParams(
-        prompts_per_task=1, tasks_in_flight=2, iterations=3, group_size=GROUP_SIZE
-    )
-    source = WorkerSource(
-        _pool(SharedWeights(policy), seed),
-        policy,
-        Tracer(),
-        lambda: stream.next_batch(PER_ITERATION),
-        params,
-        stream=True,
-        step_groups=2,
-    )
+    source = _ordered_source(seed, stream=True, step_groups=2)
     try:
         for k in range(3):
             source.start_iteration(k, version=k)
