@@ -12,7 +12,16 @@ import fixtures_openenv
 from cadence.builder import env_spec
 from cadence.config import ConfigError, load_config
 from cadence.data.base import stable_seed
-from cadence.envs import Budget, ChatFormat, FactoryError, OpenEnvEnv, load_openenv
+from cadence.envs import (
+    Budget,
+    ChatFormat,
+    ChatToolsError,
+    EnvSpec,
+    FactoryError,
+    OpenEnvEnv,
+    load_openenv,
+    make_env,
+)
 from cadence.envs import observation_text as text_of
 from cadence.types import Prompt
 
@@ -94,6 +103,27 @@ def test_an_mcp_environment_is_called_in_the_chat_format(tokenizer):
     assert episode.finish() == 1.0
     quiet = env.start(_prompt())
     assert quiet.step("It is 5.").done and quiet.finish() is None  # the run's reward decides
+
+
+CHATML = (  # SmolLM2's kind of template: ChatML that ignores tools=
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_text_environment_needs_no_template_that_renders_tools(tokenizer):
+    """A text environment's replies are user messages: a chat template without tools carries
+    them (SmolLM2's); an MCP environment, whose tools the prompt must show, is refused."""
+    tok = tokenizer  # the fixture's own: a fresh one per test
+    tok.eos_token = "<|im_end|>"  # the template's end of a turn
+    text = make_env(
+        EnvSpec("openenv", factory="fixtures_openenv:GuessNumber", chat_template=CHATML), tok
+    )
+    episode = text.start(_prompt())
+    assert episode.prompt_text.endswith("Guess the number.<|im_end|>\n<|im_start|>assistant\n")
+    assert episode.step("3").text == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ChatToolsError, match="ignores tools="):
+        make_env(EnvSpec("openenv", factory="fixtures_openenv:Sums", chat_template=CHATML), tok)
 
 
 def test_an_observation_reads_as_its_one_field_or_a_json_object():

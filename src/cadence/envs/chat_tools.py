@@ -78,12 +78,17 @@ def parse_calls(turn: str) -> list[ToolCall]:
 
 
 class ChatFormat:
-    """A chat template that carries tool calls (checked when built; see the module docstring)."""
+    """A chat template that carries tool calls (checked when built; see the module docstring);
+    with `tools=False`, one that carries a user's replies only (a text environment's)."""
 
-    def __init__(self, tokenizer: Any, template: str | None = None) -> None:
+    def __init__(self, tokenizer: Any, template: str | None = None, tools: bool = True) -> None:
         self.tokenizer, self.template = tokenizer, template
         self.eos = tokenizer.eos_token
-        self._check()
+        if tools:
+            self._check()
+        else:
+            self._basics()
+            self.user_reply("hi")  # raises unless a reply can follow a turn token-exactly
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False, **kw) -> str:
         text = self.tokenizer.apply_chat_template(
@@ -135,10 +140,7 @@ class ChatFormat:
         """Refuse a template that cannot carry a tool conversation, token-exactly: a probe
         conversation built the way episodes build it (prompt, the call as the template writes
         it, EOS, the reply) must be what the template renders for the whole conversation."""
-        if self.template is None and not self.tokenizer.chat_template:
-            raise ChatToolsError("the tokenizer has no chat template to write tool calls with")
-        if not self.eos:
-            raise ChatToolsError("the tokenizer has no EOS token to end a policy turn with")
+        self._basics()
         user, tools = [{"role": "user", "content": "hi"}], [_PROBE_SCHEMA]
         assistant = {"role": "assistant", "content": "", "tool_calls": [_call(_NAME)]}
         reply = {"role": "tool", "name": _NAME, "content": _CONTENT}
@@ -171,6 +173,12 @@ class ChatFormat:
                 "blocks, say), so the trajectory could not stay token-exact: give a template "
                 "that keeps earlier messages as they were, as data.chat_template"
             )
+
+    def _basics(self) -> None:
+        if self.template is None and not self.tokenizer.chat_template:
+            raise ChatToolsError("the tokenizer has no chat template to write the episode with")
+        if not self.eos:
+            raise ChatToolsError("the tokenizer has no EOS token to end a policy turn with")
 
     def _check_format(self, written: str) -> None:
         try:

@@ -39,12 +39,13 @@ def load_openenv(spec: str, what: str = "env.factory") -> type:
     if inspect.isabstract(cls):
         missing = ", ".join(sorted(cls.__abstractmethods__))
         raise FactoryError(f"{what} {spec!r} is abstract: it does not define {missing}")
-    if not _is_mcp(cls):
+    if not is_mcp(cls):
         text_field(cls, spec)
     return cls
 
 
-def _is_mcp(cls: type) -> bool:
+def is_mcp(cls: type) -> bool:
+    """Whether `cls` is an MCP environment (its tools called in the chat format)."""
     from openenv.core.env_server import MCPEnvironment
 
     return MCPEnvironment is not None and issubclass(cls, MCPEnvironment)
@@ -105,7 +106,7 @@ class OpenEnvEnv:
     eos_ends_episode = False
 
     def __init__(self, cls: type, chat: ChatFormat, budget: Budget, timeout_s: float = 5.0) -> None:
-        self.chat, self.budget, self.mcp = chat, budget, _is_mcp(cls)
+        self.chat, self.budget, self.mcp = chat, budget, is_mcp(cls)
         self.pool = InstancePool(cls)
         self.schemas: list[dict] = []
         if self.mcp:

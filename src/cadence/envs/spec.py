@@ -85,14 +85,16 @@ def make_env(spec: EnvSpec, tokenizer=None) -> Environment | VerifiersEnv | None
         raise ValueError(f"env kind {spec.kind!r} writes in the chat template: give the tokenizer")
     from cadence.envs.chat_tools import ChatFormat
 
-    chat = ChatFormat(tokenizer, spec.chat_template)
     if spec.kind == "class":
         from cadence.envs.classes import ClassEnv
 
+        chat = ChatFormat(tokenizer, spec.chat_template)
         return ClassEnv(_factories(spec), chat, budget, spec.tool_timeout_s)
-    from cadence.envs.openenv import OpenEnvEnv, load_openenv
+    from cadence.envs.openenv import OpenEnvEnv, is_mcp, load_openenv
 
-    return OpenEnvEnv(load_openenv(spec.factory), chat, budget, spec.tool_timeout_s)
+    cls = load_openenv(spec.factory)  # a text environment calls no tools: its template needs none
+    chat = ChatFormat(tokenizer, spec.chat_template, tools=is_mcp(cls))
+    return OpenEnvEnv(cls, chat, budget, spec.tool_timeout_s)
 
 
 def _factories(spec: EnvSpec):
