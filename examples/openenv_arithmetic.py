@@ -45,3 +45,10 @@ class RetryArithmetic(Environment[ArithmeticAction, ArithmeticObservation, State
     @property
     def state(self) -> State:
         return self._state
+
+
+def unread(prompt: str, completion: str, answer: str) -> float:
+    """The run's reward for an episode the environment never judged (its turn ran into the
+    token cap, so there was nothing whole to read): 0, so the environment is the only judge.
+    `configs/smollm2-env.toml` sets it as `reward.function`."""
+    return 0.0
