@@ -44,6 +44,22 @@ SMALL_RUN = (
 TWO_WORKERS = ("pipeline.num_workers=2", "pipeline.prompts_per_task=1")  # a task per prompt
 
 
+def peer_workload(model_dir, *, kl: bool = True) -> list[str]:
+    """The tiny workload cadence and TRL both run in the bench tests (`--suite trl`, `--suite
+    race`): four prompts, groups of four, twelve new tokens; `kl=False` leaves out the reference
+    pass."""
+    return [
+        f"model.path='{model_dir}'",
+        "train.prompts_per_iteration=4",
+        "train.micro_batch_groups=2",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=12",
+        *(["algo.kl_coef=0.05"] if kl else []),
+        "train.threads=2",
+        "reward.function='fixtures_rewards:even_length'",
+    ]
+
+
 def run_config(model_dir, *sets: str, base: tuple[str, ...] = SMALL_RUN) -> Config:
     """`base`, then `sets` (later keys win), on the model in `model_dir`."""
     return load_config(None, [f"model.path='{model_dir}'", *base, *sets])

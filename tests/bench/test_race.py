@@ -8,19 +8,12 @@ import pytest
 
 from cadence.bench.race import STEP_CAP, Snapshot, bench_race, race_config, seconds_to_reach
 from cadence.config import ConfigError
+from runs import peer_workload
 
 
 def workload(model_dir):
-    """bench/test_trl_peer.py's tiny workload, without the reference pass."""
-    return [
-        f"model.path='{model_dir}'",
-        "train.prompts_per_iteration=4",
-        "train.micro_batch_groups=2",
-        "rollout.group_size=4",
-        "rollout.max_new_tokens=12",
-        "train.threads=2",
-        "reward.function='fixtures_rewards:even_length'",
-    ]
+    """`--suite trl`'s tiny workload, without the reference pass."""
+    return peer_workload(model_dir, kl=False)
 
 
 def test_the_time_to_target_is_the_first_snapshot_after_the_start_that_reaches_it():

@@ -10,19 +10,11 @@ from cadence.bench import trl_peer
 from cadence.cli import main
 from cadence.config import ConfigError, load_config
 from cadence.models import load_model
+from runs import peer_workload
 
 
 def workload(model_dir):
-    return [
-        f"model.path='{model_dir}'",
-        "train.prompts_per_iteration=4",
-        "train.micro_batch_groups=2",
-        "rollout.group_size=4",
-        "rollout.max_new_tokens=12",
-        "algo.kl_coef=0.05",
-        "train.threads=2",
-        "reward.function='fixtures_rewards:even_length'",
-    ]
+    return peer_workload(model_dir)
 
 
 def cli_args(model_dir, out, *extra):
