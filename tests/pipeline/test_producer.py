@@ -7,6 +7,7 @@ task's stream."""
 import dataclasses
 import io
 import random
+import threading
 import time
 
 import pytest
@@ -246,3 +247,19 @@ def test_step_order_releases_a_step_once_all_its_prompts_are_in():
     assert [g.prompt.index for g in order.flush()] == [1, 2, 3]
     with pytest.raises(ValueError, match="per_step"):
         StepOrder(size=4, per_step=0)
+
+
+def test_a_ctrl_c_while_the_producer_starts_leaves_a_source_that_closes(monkeypatch):
+    """Ctrl-C can land inside `Thread.start()`, before the thread runs: closing the source then
+    must not join a thread that never started ("cannot join thread before it is started")."""
+    source = _ordered_source(0, stream=False)
+    real_start = threading.Thread.start
+
+    def interrupted(thread):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        source.start_iteration(0, version=0)
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    source.close()  # raised RuntimeError before

@@ -93,8 +93,9 @@ class RewardStage(ProcessSlots):
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="cadence-reward", daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._run, name="cadence-reward", daemon=True)
+            thread.start()  # kept once started: close() never joins a thread that never ran
+            self._thread = thread
 
     # --- driver thread -------------------------------------------------------------------
 

@@ -89,12 +89,12 @@ class Producer:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Start the thread, once."""
+        """Start the thread, once. It is kept only once started: a Ctrl-C inside `start()` leaves
+        nothing that `stop()` could not join."""
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._produce, name="cadence-producer", daemon=True
-            )
-            self._thread.start()
+            thread = threading.Thread(target=self._produce, name="cadence-producer", daemon=True)
+            thread.start()
+            self._thread = thread
 
     @property
     def alive(self) -> bool:
