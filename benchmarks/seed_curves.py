@@ -24,7 +24,7 @@ def points(run: Path) -> tuple[dict, dict[str, list[tuple[int, float]]]]:
     """The run's summary, and per curve name ('' overall, else the task) its (iteration, accuracy)
     points: before at 0, every held-out evaluation, after at the last iteration."""
     s = json.loads((run / "summary.json").read_text())
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = _records(run)
     tasks = [k.split("/", 1)[1] for k in s if k.startswith("accuracy_before/")]
     curves = {
         name: [(0, s["accuracy_before" + (f"/{name}" if name else "")])] for name in ["", *tasks]
@@ -61,14 +61,15 @@ def main() -> None:
     overall.plot(common, [statistics.mean(v) for v in at], color="black", label="mean")
     overall.set(title="held-out accuracy (greedy), each seed", xlabel="iteration", ylim=(0, 1))
     overall.legend(loc="upper left", fontsize="small")
-    for name in [n for n in loaded[0][1] if n]:
+    tasks = [n for n in loaded[0][1] if n]
+    for name in tasks:
         xs = sorted(set.intersection(*({x for x, _ in c[name]} for _, c in loaded)))
         ys = [statistics.mean(dict(c[name])[x] for _, c in loaded) for x in xs]
         by_task.plot(xs, ys, marker="o", label=name)
     by_task.set(
         title="held-out accuracy per task, mean of the seeds", xlabel="iteration", ylim=(0, 1)
     )
-    if not [n for n in loaded[0][1] if n]:
+    if not tasks:
         episodes(by_task, args.runs)
     by_task.legend(loc="lower right", fontsize="small")
     for ax in (overall, by_task):
@@ -97,13 +98,13 @@ def episodes(ax, runs: list[Path]) -> None:
     """Each seed's policy turns per episode (solid, left axis) and sampled reward (dashed, right
     axis) per iteration."""
     reward = ax.twinx()
-    for i, run in enumerate(runs):
-        rs = [r for r in _records(run) if "turns_mean" in r]
+    per_run = [[r for r in _records(run) if "turns_mean" in r] for run in runs]
+    for i, (run, rs) in enumerate(zip(runs, per_run, strict=True)):
         xs = [r["iteration"] + 1 for r in rs]
         color = f"C{i}"
         ax.plot(xs, [r["turns_mean"] for r in rs], color=color, label=f"{run.name} turns")
         reward.plot(xs, [r["reward_mean"] for r in rs], color=color, ls="--", alpha=0.6)
-    top = max(r["turns_mean"] for run in runs for r in _records(run) if "turns_mean" in r)
+    top = max(r["turns_mean"] for rs in per_run for r in rs)
     ax.set(title="policy turns per episode (solid), sampled reward (dashed)", ylim=(0, top + 0.5))
     ax.set_ylabel("turns_mean")
     reward.set(ylim=(0, 1), ylabel="reward_mean")
