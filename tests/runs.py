@@ -85,11 +85,13 @@ def train_run(
 
 
 def local_pids(run, cfg: Config) -> list[int]:
-    """Pids of the processes a run started on this machine: rollout workers, reward workers and
-    learner ranks (none for a colocated run or Ray actors)."""
+    """Pids of the processes a run started on this machine: rollout workers, reward workers
+    (beside the workers, or beside a colocated one) and learner ranks (none for Ray actors)."""
     if cfg.pipeline.backend != "local":
         return []
     pids = [d["pid"] for d in run.trainer.described] if cfg.learner.ranks > 1 else []
+    colocated_reward = getattr(getattr(run.source, "worker", None), "reward", None)
+    pids += [p.process.pid for p in getattr(colocated_reward, "procs", [])]
     if cfg.pipeline.placement == "separate":
         source = run.source
         stage = source.reward_stage.procs if source.reward_stage is not None else []

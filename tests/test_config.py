@@ -380,3 +380,29 @@ def test_partial_rollouts_on_vllm_refuse_asynchronous_scheduling():
     with pytest.raises(ConfigError, match="leave async_scheduling out"):
         load_config(None, [*sets, "rollout.vllm.engine_args={ async_scheduling = true }"])
     assert load_config(None, sets).pipeline.partial_rollout
+
+
+def test_vllm_runs_score_rewards_in_reward_processes_by_default():
+    # an in-process vLLM engine shares one GIL with a reward scored beside it: the GPU waited
+    vllm = ["rollout.engine='vllm'"]
+    assert load_config(None, vllm).reward.stage == "separate"  # colocated: beside the worker
+    assert load_config(None, [*vllm, "pipeline.placement='separate'"]).reward.stage == "separate"
+    assert load_config(None, [*vllm, "reward.stage='worker'"]).reward.stage == "worker"
+    assert load_config(None, []).reward.stage == "worker"  # cadence's own engine
+    tools = [*vllm, "env.kind='tool'", "env.tools=['calculator']", "data.chat_template=true"]
+    assert load_config(None, tools).reward.stage == "worker"  # episodes score themselves
+    colocated = load_config(None, ["reward.stage='separate'"])  # a rule reward, any engine
+    assert tomllib.loads(to_toml(colocated))["reward"]["stage"] == "separate"
+
+
+@pytest.mark.parametrize("kind", ["class", "openenv"])
+def test_a_reward_stage_that_would_drop_an_environments_own_rewards_is_refused(kind):
+    sets = [
+        f"env.kind='{kind}'",
+        "env.factory='my_envs:Env'",
+        "reward.stage='separate'",
+        "pipeline.placement='separate'",
+        "data.chat_template=true",
+    ]
+    with pytest.raises(ConfigError, match=f"env.kind = '{kind}' gives rewards of its own"):
+        load_config(None, sets)

@@ -151,6 +151,7 @@ def test_public_surface() -> None:
         "MathReward",
         "RewardBudgetExceeded",
         "RewardCall",
+        "RewardScorer",
         "RewardErrorBudget",
         "RewardFn",
         "RewardLoadError",

@@ -21,6 +21,7 @@ from cadence.backend.local import LocalPool
 from cadence.backend.placement import Placement, PlacementError, place, visible_gpus
 from cadence.backend.pool import InFlight, Lost, Pool, TaskResult
 from cadence.backend.procs import Processes, WorkerDied, WorkerError
+from cadence.backend.reward_procs import RewardProcesses
 from cadence.backend.reward_stage import RewardStage
 from cadence.backend.weights import (
     InMemoryWeights,
@@ -80,6 +81,7 @@ __all__ = [
     "Pool",
     "Processes",
     "Receiver",
+    "RewardProcesses",
     "RewardStage",
     "SharedReceiver",
     "SharedWeights",

@@ -35,8 +35,9 @@ class ScoreResult:
 
 
 def reward_worker_main(wid: int, spec: RewardSpec, inbox, results) -> None:
-    """A reward worker process: ('score', (job, data)) in, ('scored', wid, ScoreResult) out of
-    `results`, the write end of its own pipe."""
+    """A reward worker process: ('score', (job, data)) or, rule rewards only, ('calls', (job,
+    reward calls)) in, ('scored', wid, ScoreResult) out of `results`, the write end of its own
+    pipe."""
     outbox = Sender(results)
     try:
         torch.set_num_threads(spec.threads)
@@ -54,7 +55,8 @@ def reward_worker_main(wid: int, spec: RewardSpec, inbox, results) -> None:
                 return
             job, data = payload
             start = time.perf_counter()
-            rewards, errors = scorer(data)
+            # "calls": a rollout worker's reward calls (reward_procs.py); "score": store rows
+            rewards, errors = scorer.score_calls(data) if kind == "calls" else scorer(data)
             result = ScoreResult(job, rewards, errors, start, time.perf_counter())
             outbox.put(("scored", wid, result))
     except BaseException:

@@ -13,15 +13,16 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from cadence.backend import learner_sync
+from cadence.backend import RewardProcesses, learner_sync
 from cadence.builder.checks import require_engine
-from cadence.builder.params import sampling_params, vllm_options, worker_spec
+from cadence.builder.params import reward_spec, sampling_params, vllm_options, worker_spec
 from cadence.builder.tasks import env_error, heldout_set
 from cadence.config import Config
 from cadence.engine import Engine, EngineWeights, keeps_own_copy, open_engine
 from cadence.envs import ChatToolsError
+from cadence.metrics import Tracer
 from cadence.models import load_tokenizer, max_positions
-from cadence.rewards import RewardRunner, load_runner
+from cadence.rewards import RewardRunner, RewardScorer, load_runner
 from cadence.rollout import Evaluator, RolloutWorker, WorkerSpec, build_worker, evaluation_spec
 from cadence.types import Prompt
 
@@ -74,22 +75,39 @@ def rollout_worker(
     tokenizer,
     model_path: str | Path | None = None,
     score: bool = True,
+    reward: RewardScorer | None = None,
 ) -> RolloutWorker:
     """A worker sampling as `cadence train` samples (`rollout.*`, the environment, the run seed)
     on `engine`, stopping where the model in `model_path` (default `model.path`) stops; its
-    groups scored by the run's reward unless `score` is False (or a reward stage scores)."""
+    groups scored by the run's reward unless `score` is False (or a reward stage scores), by
+    `reward` where given (reward processes: `reward_processes`)."""
     spec = worker_spec(cfg, sampling_params(cfg, tokenizer, model_path))
     if not score:
         spec = replace(spec, reward="")
-    return _build(cfg, spec, engine, tokenizer)
+    return _build(cfg, spec, engine, tokenizer, reward)
 
 
-def _build(cfg: Config, spec: WorkerSpec, engine: Engine, tokenizer) -> RolloutWorker:
+def reward_processes(cfg: Config, tracer: Tracer | None = None) -> RewardProcesses:
+    """The reward processes that score a colocated worker's groups (`reward.stage =
+    "separate"`, placement colocated), started, scorers built."""
+    return RewardProcesses(
+        reward_spec(cfg),
+        cfg.reward.num_workers,
+        timeout_s=cfg.pipeline.worker_timeout_s,
+        tracer=tracer,
+    )
+
+
+def _build(
+    cfg: Config, spec: WorkerSpec, engine: Engine, tokenizer, reward: RewardScorer | None = None
+) -> RolloutWorker:
     """`build_worker` on `engine`; a chat template that cannot carry tool calls is a config
     error naming the template."""
     try:
-        return build_worker(spec, engine, tokenizer)[1]
+        return build_worker(spec, engine, tokenizer, reward)[1]
     except ChatToolsError as err:
+        if reward is not None:
+            reward.close()
         raise env_error(cfg, err) from None
 
 

@@ -31,7 +31,13 @@ from cadence.builder.params import (
     set_threads,
     worker_spec,
 )
-from cadence.builder.rollout import Sync, heldout_evaluator, learner_engine, rollout_worker
+from cadence.builder.rollout import (
+    Sync,
+    heldout_evaluator,
+    learner_engine,
+    reward_processes,
+    rollout_worker,
+)
 from cadence.builder.tasks import heldout_set, make_task, prompt_filter, prompt_render
 from cadence.config import Config
 from cadence.dataplane import Store
@@ -77,8 +83,11 @@ def build_source(
 
     filter_groups = p.filter_groups == "zero_variance"
     if p.placement == "colocated":
+        # reward.stage 'separate': the groups are scored in reward processes, off the engine's
+        # thread (in-process vLLM shares its GIL with a reward computed beside it)
+        scorer = reward_processes(cfg, tracer) if cfg.reward.stage == "separate" else None
         return ColocatedSource(
-            rollout_worker(cfg, engine, tokenizer),
+            rollout_worker(cfg, engine, tokenizer, reward=scorer),
             tracer,
             next_prompts,
             filter_groups=filter_groups,

@@ -65,10 +65,19 @@ def check_correction_needs_sampled_logprobs(cfg: Sections) -> None:
 
 
 def check_reward_stage_needs_workers(cfg: Sections) -> None:
-    if cfg.reward.stage == "separate" and cfg.pipeline.placement != "separate":
+    r, placement, env = cfg.reward, cfg.pipeline.placement, cfg.env.kind
+    if r.stage != "separate":
+        return
+    if r.kind == "model" and placement != "separate":
         raise ValueError(
-            "reward.stage = 'separate' (the default for reward.kind = 'model') scores in "
-            "reward workers beside the rollout workers: set pipeline.placement = 'separate'"
+            "reward.kind = 'model' scores in a reward stage beside the rollout workers: set "
+            "pipeline.placement = 'separate'"
+        )
+    if placement == "separate" and env in ("class", "openenv"):
+        raise ValueError(
+            f"reward.stage = 'separate' with pipeline.placement = 'separate' scores every "
+            f"response with reward.function, and env.kind = '{env}' gives rewards of its own, "
+            "which would be dropped: set reward.stage = 'worker'"
         )
 
 

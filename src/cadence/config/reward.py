@@ -23,10 +23,13 @@ class RewardConfig(Section):
     """kind 'model': local Hugging Face sequence-classification directory (`cadence
     init-reward-model` builds a tiny one on the task)."""
     stage: Literal["worker", "separate"] = "worker"
-    """Where responses are scored: worker (inside the rollout worker, as each group finishes; rule
-    rewards only) or separate (a stage of num_workers reward worker processes that score rows from
-    the sample store as they arrive; needs pipeline.placement = 'separate'). Default: worker for
-    kind 'rule', separate for kind 'model'."""
+    """Where responses are scored: worker (inside the rollout worker, as each group finishes, in
+    the engine's process; rule rewards only) or separate (num_workers reward worker processes:
+    with pipeline.placement = 'separate' a stage that scores rows from the sample store as they
+    arrive; colocated, rule rewards only, the processes score each group the learner's engine
+    finishes while it decodes the others). Default: separate for kind 'model', and for
+    rollout.engine = 'vllm' with env.kind = 'single_turn' (an in-process vLLM shares its GIL
+    with a reward computed beside it, and the GPU waits on it); worker otherwise."""
     num_workers: int = Field(1, ge=1)
     """stage 'separate': reward worker processes."""
     threads_per_worker: int = Field(1, ge=1)
@@ -68,6 +71,8 @@ class RewardConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _stage_of_kind(cls, data: Any) -> Any:
+        """The default stage of the section alone (the whole config's also reads the engine:
+        `default_stage`)."""
         if isinstance(data, dict) and "stage" not in data:
             data["stage"] = "separate" if data.get("kind") == "model" else "worker"
         return data
@@ -82,3 +87,10 @@ class RewardConfig(Section):
                 "(or leave it out)"
             )
         return self
+
+
+def default_stage(kind: str | None, engine: str | None, env_kind: str | None) -> str:
+    """reward.stage where unset: 'separate' for a reward model and for single-turn vLLM runs
+    (off the engine's GIL), 'worker' otherwise."""
+    single_turn = env_kind in (None, "single_turn")
+    return "separate" if kind == "model" or (engine == "vllm" and single_turn) else "worker"

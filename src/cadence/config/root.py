@@ -13,7 +13,7 @@ from cadence.config.checks import check_all
 from cadence.config.data import DataConfig
 from cadence.config.env import EnvConfig
 from cadence.config.model import ModelConfig
-from cadence.config.reward import RewardConfig
+from cadence.config.reward import RewardConfig, default_stage
 from cadence.config.rollout import RolloutConfig
 from cadence.config.train import (
     LearnerConfig,
@@ -68,15 +68,23 @@ class Config(Section):
         """reasoning-gym rows are scored by their own datasets unless reward.function is set."""
         if not isinstance(data, dict):
             return data
-        d = data.get("data")
-        if isinstance(d, DataConfig):
-            task = d.task
-        else:
-            task = d.get("task") if isinstance(d, dict) else None
-        if task == "reasoning_gym":
+        if _key(data, "data", "task") == "reasoning_gym":
             reward = data.setdefault("reward", {})
             if isinstance(reward, dict):
                 reward.setdefault("function", "reasoning_gym")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reward_stage(cls, data: Any) -> Any:
+        """reward.stage, unset, follows the reward's kind, the engine and the environment
+        (`default_stage`)."""
+        if not isinstance(data, dict) or not isinstance(data.get("reward", {}), dict):
+            return data
+        reward = data.setdefault("reward", {})
+        if "stage" not in reward:
+            engine, env_kind = _key(data, "rollout", "engine"), _key(data, "env", "kind")
+            reward["stage"] = default_stage(reward.get("kind"), engine, env_kind)
         return data
 
     @property
@@ -106,3 +114,11 @@ class Config(Section):
         keys."""
         check_all(self)
         return self
+
+
+def _key(data: dict, section: str, key: str) -> Any:
+    """`data[section][key]`, the section a dict or a built section (None where unset)."""
+    value = data.get(section)
+    if isinstance(value, dict):
+        return value.get(key)
+    return getattr(value, key, None)

@@ -23,6 +23,7 @@ from cadence.rewards.concurrent import (
     DEFAULT_CONCURRENCY,
     RewardCall,
     RewardRunner,
+    RewardScorer,
     as_runner,
     load_runner,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "RewardLoadError",
     "RewardResult",
     "RewardRunner",
+    "RewardScorer",
     "RewardSpec",
     "RewardTimeout",
     "RowRewardFn",

@@ -16,7 +16,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from cadence.rewards.aio import event_loop, is_async, run_awaitable
 from cadence.rewards.base import (
@@ -149,6 +149,9 @@ class RewardRunner:
     def num_timeouts(self) -> int:
         return self._log.count
 
+    def close(self) -> None:
+        """Nothing to stop: its threads are daemons, and a call past its deadline ends alone."""
+
     def score(self, calls: Sequence[RewardCall]) -> list[RewardResult]:
         """The result of each call, in order."""
         return self.submit(calls).result()
@@ -250,11 +253,23 @@ class RewardRunner:
             self.stuck -= 1
 
 
-def as_runner(reward: RewardFn | RewardRunner, concurrency: int | None = None) -> RewardRunner:
-    """`reward` as a runner: itself if it is one; a `TimedReward`'s function under its deadline;
-    any other reward function with no deadline. `concurrency` None: the reward's own
-    (`default_concurrency`: MathReward's 1, else 32)."""
-    if isinstance(reward, RewardRunner):
+@runtime_checkable
+class RewardScorer(Protocol):
+    """What scores a rollout worker's reward calls: a `RewardRunner` in the worker's own process,
+    or reward processes beside it (backend/reward_procs.py)."""
+
+    def submit(self, calls: Sequence[RewardCall]) -> cf.Future[list[RewardResult]]: ...
+
+    def score(self, calls: Sequence[RewardCall]) -> list[RewardResult]: ...
+
+    def close(self) -> None: ...
+
+
+def as_runner(reward: RewardFn | RewardScorer, concurrency: int | None = None) -> RewardScorer:
+    """`reward` as a scorer: itself if it is one (a runner, reward processes); a `TimedReward`'s
+    function under its deadline; any other reward function with no deadline. `concurrency`
+    None: the reward's own (`default_concurrency`: MathReward's 1, else 32)."""
+    if isinstance(reward, RewardScorer):
         return reward
     if isinstance(reward, TimedReward):
         return RewardRunner(reward.fn, concurrency, reward.timeout_s, reward.name)

@@ -63,6 +63,10 @@ class RuleScorer:
             RewardCall(p.text, text, p.answer, p.metadata)
             for p, text in zip(data["prompt"], data["response_text"], strict=True)
         ]
+        return self.score_calls(calls)
+
+    def score_calls(self, calls: Sequence[RewardCall]) -> Scores:
+        """The calls a rollout worker made, as it would have scored them."""
         results = self.rewards.score(calls)
         return [r.value for r in results], [r.error for r in results]
 

@@ -20,6 +20,7 @@ from cadence.rollout.worker import PartialRollouts, RolloutWorker
 
 if TYPE_CHECKING:
     from cadence.engine.vllm import VLLMOptions
+    from cadence.rewards import RewardScorer
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,10 @@ def evaluation_spec(spec: WorkerSpec, reward: str) -> WorkerSpec:
 
 
 def build_worker(
-    spec: WorkerSpec, engine: Engine | None = None, tokenizer=None
+    spec: WorkerSpec,
+    engine: Engine | None = None,
+    tokenizer=None,
+    reward: RewardScorer | None = None,
 ) -> tuple[EngineWeights | None, RolloutWorker]:
     """(what new weights load into, the worker) as `spec` describes: every rollout worker, in a
     worker process, colocated with the learner or evaluating, is built here.
@@ -63,7 +67,8 @@ def build_worker(
     weights are that engine's (`EngineWeights.load` copies into its model, or hands them to an
     engine that keeps its own copy). With `engine` (the learner's process: colocated generation,
     held-out evaluation) it decodes with that one, whose weights its holder brings (None).
-    `tokenizer` saves loading the model's again. A chat environment whose template cannot
+    `tokenizer` saves loading the model's again; `reward`, what scores instead of `spec.reward`
+    (reward processes beside a colocated worker). A chat environment whose template cannot
     carry tool calls raises `ChatToolsError`."""
     from cadence.engine import open_engine
     from cadence.envs import make_env
@@ -82,8 +87,7 @@ def build_worker(
             device=spec.device,
             vllm=spec.vllm,
         )
-    reward = None
-    if spec.reward:
+    if reward is None and spec.reward:
         reward = load_runner(
             spec.reward, spec.answer_format, spec.reward_timeout_s, spec.reward_concurrency
         )

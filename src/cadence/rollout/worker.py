@@ -30,7 +30,7 @@ from cadence.engine import (
     derive_seed,
 )
 from cadence.envs import Environment, VerifiersEnv
-from cadence.rewards import RewardCall, RewardFn, RewardResult, RewardRunner, as_runner
+from cadence.rewards import RewardCall, RewardFn, RewardResult, RewardScorer, as_runner
 from cadence.rollout.episodes import Finished
 from cadence.rollout.runners import make_episodes
 from cadence.types import Completion, Group, Prompt
@@ -100,15 +100,15 @@ class _Scoring:
 
 
 class RolloutWorker:
-    """`reward`: a reward function (run at its default concurrency, no deadline) or a
-    `RewardRunner` (the run's: `reward.concurrency`, `reward.timeout_s`); None: a reward stage
-    scores."""
+    """`reward`: a reward function (run at its default concurrency, no deadline) or a `RewardScorer`
+    (the run's `RewardRunner`: `reward.concurrency`, `reward.timeout_s`; or reward processes
+    beside the worker, which it closes with itself); None: a reward stage scores."""
 
     def __init__(
         self,
         engine: Engine,
         tokenizer,
-        reward: RewardFn | RewardRunner | None,
+        reward: RewardFn | RewardScorer | None,
         sampling: SamplingParams,
         group_size: int,
         run_seed: int,
@@ -241,9 +241,12 @@ class RolloutWorker:
             self._engine.sleep()
 
     def close(self) -> None:
-        """Stop what the episodes hold; the worker takes no more work."""
+        """Stop what the episodes hold, and the reward's processes if it has any; the worker
+        takes no more work."""
         if self.episodes is not None:
             self.episodes.close()
+        if self.reward is not None:
+            self.reward.close()
 
     def take_spans(self) -> list[tuple[str, float, float]]:
         """(name, start, end) of the tool calls since the last call (time.perf_counter())."""

@@ -1,0 +1,136 @@
+"""Reward processes for one rollout worker: its groups scored off the engine's thread.
+
+A colocated run with `reward.stage = "separate"` (the default with `rollout.engine = "vllm"`)
+hands each finished group's reward calls here instead of scoring them between decode steps: an
+in-process vLLM engine shares one GIL with whatever else runs in its process, so a reward
+computed there (math-verify: milliseconds to seconds a response) stalls the GPU. Each batch of
+calls goes to a free reward worker (`reward_worker_main`, the reward stage's processes) and comes
+back as a future, as `RewardRunner.submit` gives. A worker that fails or dies fails every future
+in flight and every later call, with its traceback or exit code: never a silent zero.
+
+The design in full: docs/internals.md, `cadence/backend/reward_procs.py`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from cadence.backend.procs import Processes, ProcessSlots, WorkerDied
+from cadence.backend.reward_stage import ScoreResult, reward_worker_main
+from cadence.metrics.trace import Span, Tracer
+from cadence.rewards import RewardCall, RewardResult, RewardSpec
+
+_Job = tuple[int, list[RewardCall], "cf.Future[list[RewardResult]]"]
+
+
+class RewardProcesses(ProcessSlots):
+    """`num_workers` reward worker processes behind `submit(calls)` and `score(calls)`.
+
+    Started and their scorers built at construction (a reward that cannot load fails before any
+    generation); `close()` stops them. `tracer`, when given, gets a "score" span per batch."""
+
+    def __init__(
+        self,
+        spec: RewardSpec,
+        num_workers: int,
+        *,
+        timeout_s: float = 300.0,
+        tracer: Tracer | None = None,
+    ) -> None:
+        if spec.kind != "rule":
+            raise ValueError("reward processes beside a rollout worker score rule rewards only")
+        self.timeout_s, self.tracer = timeout_s, tracer
+        self.failure: BaseException | None = None
+        self._procs = Processes(
+            "reward worker", reward_worker_main, lambda wid: (spec,), timeout_s, tag="reward"
+        )
+        self._procs.start(num_workers)
+        self._free = list(range(num_workers))
+        self._waiting: deque[_Job] = deque()
+        self._jobs: dict[int, tuple[int, cf.Future]] = {}  # job -> (worker, future)
+        self._next_job = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cadence-reward-procs", daemon=True)
+        self._thread.start()
+
+    def submit(self, calls: Sequence[RewardCall]) -> cf.Future[list[RewardResult]]:
+        """Start `calls` in one reward worker (the next free one); a future of their results,
+        in order."""
+        future: cf.Future[list[RewardResult]] = cf.Future()
+        with self._lock:
+            if self.failure is not None:
+                future.set_exception(self.failure)
+                return future
+            self._waiting.append((self._next_job, list(calls), future))
+            self._next_job += 1
+            self._dispatch()
+        return future
+
+    def score(self, calls: Sequence[RewardCall]) -> list[RewardResult]:
+        return self.submit(calls).result()
+
+    def close(self) -> None:
+        """Stop the receiving thread, then every reward worker."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+        self._procs.close()
+        self._fail(RuntimeError("the reward processes were closed"))
+
+    def _dispatch(self) -> None:
+        """Under the lock: each waiting batch to a free worker."""
+        while self._free and self._waiting:
+            job, calls, future = self._waiting.popleft()
+            wid = self._free.pop(0)
+            self._procs.send(wid, ("calls", (job, calls)))
+            self._jobs[job] = (wid, future)
+
+    def _run(self) -> None:
+        last_word = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                if self._collect(timeout_s=0.05) or not self._jobs:
+                    last_word = time.monotonic()
+                elif time.monotonic() - last_word > self.timeout_s:
+                    raise TimeoutError(f"no word from the reward workers for {self.timeout_s:.0f}s")
+        except BaseException as e:
+            self._fail(e)
+
+    def _collect(self, timeout_s: float) -> bool:
+        messages = self._procs.receive(timeout_s)
+        for kind, wid, payload in messages:
+            if kind == "error":
+                raise self._procs.failed(wid, payload)
+            result: ScoreResult = payload
+            with self._lock:
+                _, future = self._jobs.pop(result.job)
+                self._free.append(wid)
+                self._dispatch()
+            future.set_result(
+                [RewardResult(v, e) for v, e in zip(result.rewards, result.errors, strict=True)]
+            )
+            if self.tracer is not None:
+                origin = self.tracer.origin
+                span = Span("score", f"reward-{wid}", result.start - origin, result.end - origin)
+                self.tracer.add(span)
+        if (gone := self._procs.dead()) is not None:
+            held = len(self._jobs)
+            raise WorkerDied(f"{self._procs.exited(gone)}; batches in flight: {held}", gone)
+        return bool(messages)
+
+    def _fail(self, error: BaseException) -> None:
+        """Every future in flight or waiting, and every later call, fails with `error`."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = error
+            futures = [f for _, f in self._jobs.values()] + [f for _, _, f in self._waiting]
+            self._jobs.clear()
+            self._waiting.clear()
+        for future in futures:
+            if not future.done():
+                future.set_exception(self.failure)
