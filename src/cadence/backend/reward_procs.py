@@ -24,7 +24,7 @@ from cadence.backend.reward_stage import ScoreResult, reward_worker_main
 from cadence.metrics.trace import Span, Tracer
 from cadence.rewards import RewardCall, RewardResult, RewardSpec
 
-_Job = tuple[int, list[RewardCall], "cf.Future[list[RewardResult]]"]
+_Batch = tuple[list[RewardCall], "cf.Future[list[RewardResult]]"]  # one submit's calls
 
 
 class RewardProcesses(ProcessSlots):
@@ -38,20 +38,21 @@ class RewardProcesses(ProcessSlots):
         spec: RewardSpec,
         num_workers: int,
         *,
+        batch_size: int = 32,
         timeout_s: float = 300.0,
         tracer: Tracer | None = None,
     ) -> None:
         if spec.kind != "rule":
             raise ValueError("reward processes beside a rollout worker score rule rewards only")
-        self.timeout_s, self.tracer = timeout_s, tracer
+        self.batch_size, self.timeout_s, self.tracer = batch_size, timeout_s, tracer
         self.failure: BaseException | None = None
         self._procs = Processes(
             "reward worker", reward_worker_main, lambda wid: (spec,), timeout_s, tag="reward"
         )
         self._procs.start(num_workers)
         self._free = list(range(num_workers))
-        self._waiting: deque[_Job] = deque()
-        self._jobs: dict[int, tuple[int, cf.Future]] = {}  # job -> (worker, future)
+        self._waiting: deque[_Batch] = deque()
+        self._jobs: dict[int, tuple[int, list[_Batch]]] = {}  # job -> (worker, its batches)
         self._next_job = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -59,15 +60,14 @@ class RewardProcesses(ProcessSlots):
         self._thread.start()
 
     def submit(self, calls: Sequence[RewardCall]) -> cf.Future[list[RewardResult]]:
-        """Start `calls` in one reward worker (the next free one); a future of their results,
-        in order."""
+        """Start `calls` in a reward worker (the next free one, with whatever else waits for
+        one, up to `batch_size` calls); a future of their results, in order."""
         future: cf.Future[list[RewardResult]] = cf.Future()
         with self._lock:
             if self.failure is not None:
                 future.set_exception(self.failure)
                 return future
-            self._waiting.append((self._next_job, list(calls), future))
-            self._next_job += 1
+            self._waiting.append((list(calls), future))
             self._dispatch()
         return future
 
@@ -83,12 +83,20 @@ class RewardProcesses(ProcessSlots):
         self._fail(RuntimeError("the reward processes were closed"))
 
     def _dispatch(self) -> None:
-        """Under the lock: each waiting batch to a free worker."""
+        """Under the lock: the waiting batches to free workers, as many to each as fit in
+        `batch_size` calls (at least one): a worker scores one message at a time, and its
+        runner keeps `reward.concurrency` calls of it in flight."""
         while self._free and self._waiting:
-            job, calls, future = self._waiting.popleft()
+            batches = [self._waiting.popleft()]
+            size = len(batches[0][0])
+            while self._waiting and size + len(self._waiting[0][0]) <= self.batch_size:
+                batches.append(self._waiting.popleft())
+                size += len(batches[-1][0])
             wid = self._free.pop(0)
-            self._procs.send(wid, ("calls", (job, calls)))
-            self._jobs[job] = (wid, future)
+            calls = [call for batch, _ in batches for call in batch]
+            self._procs.send(wid, ("calls", (self._next_job, calls)))
+            self._jobs[self._next_job] = (wid, batches)
+            self._next_job += 1
 
     def _run(self) -> None:
         last_word = time.monotonic()
@@ -108,12 +116,15 @@ class RewardProcesses(ProcessSlots):
                 raise self._procs.failed(wid, payload)
             result: ScoreResult = payload
             with self._lock:
-                _, future = self._jobs.pop(result.job)
+                _, batches = self._jobs.pop(result.job)
                 self._free.append(wid)
                 self._dispatch()
-            future.set_result(
-                [RewardResult(v, e) for v, e in zip(result.rewards, result.errors, strict=True)]
-            )
+            scores = [
+                RewardResult(v, e) for v, e in zip(result.rewards, result.errors, strict=True)
+            ]
+            for calls, future in batches:
+                future.set_result(scores[: len(calls)])
+                scores = scores[len(calls) :]
             if self.tracer is not None:
                 origin = self.tracer.origin
                 span = Span("score", f"reward-{wid}", result.start - origin, result.end - origin)
@@ -128,7 +139,8 @@ class RewardProcesses(ProcessSlots):
         with self._lock:
             if self.failure is None:
                 self.failure = error
-            futures = [f for _, f in self._jobs.values()] + [f for _, _, f in self._waiting]
+            batches = [b for _, held in self._jobs.values() for b in held] + list(self._waiting)
+            futures = [future for _, future in batches]
             self._jobs.clear()
             self._waiting.clear()
         for future in futures:

@@ -93,6 +93,7 @@ def reward_processes(cfg: Config, tracer: Tracer | None = None) -> RewardProcess
     return RewardProcesses(
         reward_spec(cfg),
         cfg.reward.num_workers,
+        batch_size=cfg.reward.batch_size,
         timeout_s=cfg.pipeline.worker_timeout_s,
         tracer=tracer,
     )
