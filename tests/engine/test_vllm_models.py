@@ -62,3 +62,48 @@ def test_a_model_vllm_cannot_run_is_refused_with_its_reason(tmp_path):
     # the engine it refused is closed: another one starts
     ok = save_vllm_ready(tmp_path / "ok", "llama")
     VLLMEngine(ok, load_tokenizer(ok), options=CPU).close()
+
+
+def test_a_lora_adapter_alone_gives_the_policys_logprobs_version_after_version(tmp_path):
+    # before, a LoRA policy reached vLLM as merged whole weights at every sync
+    import torch
+
+    from cadence.backend import LearnerAdapter
+    from cadence.models.lora import LoraSpec, apply_lora
+
+    path = save_vllm_ready(tmp_path / "llama", "llama")
+    tok = load_tokenizer(path)
+    spec = LoraSpec(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "gate_proj"))
+    policy = apply_lora(load_model(path), spec, path)
+    requests = [
+        Request(tok("What is 3 + 4?")["input_ids"], [derive_seed(5, 0, 0, j) for j in (0, 1)])
+    ]
+    engine = VLLMEngine(
+        path, tok, max_num_seqs=8, options=VLLMOptions(enforce_eager=True, lora_rank=4)
+    )
+    sync = LearnerAdapter(engine, policy)
+    adapter_bytes = sum(p.numel() * 4 for n, p in policy.named_parameters() if "lora_" in n)
+    assert (
+        sync.num_bytes
+        == adapter_bytes
+        < sum(p.numel() * 4 for p in load_model(path).parameters()) / 20
+    )
+    diffs = []
+    try:
+        for version in (1, 2):
+            torch.manual_seed(version)
+            with torch.no_grad():  # an adapter that moves the policy (peft starts B at zero)
+                for name, p in policy.named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0, 0.3)
+            sync(version)
+            assert not any(sync._dir.iterdir())  # vLLM read it before the sync returned
+            outputs = engine.generate(requests, SamplingParams(max_new_tokens=8, temperature=1.0))
+            assert all(c.token_ids for c in outputs[0]) and engine.version == str(version)
+            diffs.append(max_logprob_diff(policy, requests, outputs, 1.0))
+            with policy.disable_adapter():
+                assert max_logprob_diff(policy, requests, outputs, 1.0) > 1e-2  # not the base
+        assert len(engine.llm.llm_engine.list_loras()) == 1  # version 1's adapter dropped
+    finally:
+        engine.close()
+    assert max(diffs) <= 1e-5, diffs

@@ -2,6 +2,7 @@
 sync and periodic making the same update, and the refusals (no vLLM, a model it cannot run)."""
 
 import copy
+import json
 import multiprocessing
 
 import pytest
@@ -108,7 +109,7 @@ def test_colocated_vllm_trains_like_the_workers(vllm_dir, sync_run, tmp_path):
 
 def test_colocated_vllm_with_lora_syncs_and_evaluates_the_merged_policy(vllm_dir, tmp_path):
     # it crashed at the first sync: the peft model's names (base_model.model..., lora_A) went to
-    # vLLM, where worker processes are sent the merged weights
+    # vLLM, where worker processes are sent the merged weights; now the adapter goes alone
     lora = ("model.lora.r=4", "model.lora.alpha=8.0", "model.lora.target_modules=['q_proj']")
     extra = (*lora, "train.iterations=2", "train.lr=5e-2")  # an adapter that moves the policy
     cfg = load_config(None, _overrides(vllm_dir, "sync", "colocated", *extra))
@@ -117,6 +118,13 @@ def test_colocated_vllm_with_lora_syncs_and_evaluates_the_merged_policy(vllm_dir
     try:
         summary = train(run, tmp_path, evaluate=True)
         assert 0.0 <= summary["accuracy_after"] <= 1.0
+        # the adapter alone reached vLLM at each sync (its LoRA requests), not the whole model
+        adapter = sum(
+            p.numel() * 4 for n, p in run.trainer.model.named_parameters() if "lora_" in n
+        )
+        records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [r["weight_sync_bytes"] for r in records] == [adapter] * 2
+        assert len(engine.llm.llm_engine.list_loras()) == 1  # the old versions dropped
         run.heldout_accuracy.sync()  # what evaluation loads: the trained policy, merged
         tok = load_tokenizer(vllm_dir)
         requests = [Request(tok("What is 3 + 4?")["input_ids"], [1, 2])]

@@ -25,6 +25,7 @@ from cadence.backend.reward_procs import RewardProcesses
 from cadence.backend.reward_stage import RewardStage
 from cadence.backend.weights import (
     InMemoryWeights,
+    LearnerAdapter,
     LearnerWeights,
     Receiver,
     SharedReceiver,
@@ -73,6 +74,7 @@ def make_pool(
 __all__ = [
     "InFlight",
     "InMemoryWeights",
+    "LearnerAdapter",
     "LearnerWeights",
     "LocalPool",
     "Lost",

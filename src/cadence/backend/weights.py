@@ -6,19 +6,24 @@ version gate's, pipeline/gate.py).
   handed to each worker process once at spawn; the learner writes it, a worker loads from it.
 - `InMemoryWeights` (the fake): plain tensors, and a record of every version published.
 - `LearnerWeights`: an engine with its own copy in the learner's process (colocated vLLM,
-  evaluation), loaded straight from the learner's model, a LoRA adapter merged in.
+  evaluation), loaded straight from the learner's model, a LoRA adapter merged in;
+  `LearnerAdapter`: the adapter alone, for such an engine that takes adapters.
 - The Ray transports (object store, broadcast) are in ray_weights.py.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from cadence.engine import EngineWeights
-from cadence.models.lora import plain_weights
+from cadence.engine import EngineWeights, TakesAdapters
+from cadence.models.lora import is_lora, plain_weights
 
 
 class WeightSync(Protocol):
@@ -112,10 +117,39 @@ class LearnerWeights:
     __call__ = sync
 
 
+class LearnerAdapter:
+    """A LoRA policy's adapter alone for an engine in the learner's process that takes adapters
+    on its own base weights (`TakesAdapters`: colocated vLLM's LoRA requests): each sync saves
+    the adapter (peft's `save_pretrained`, float32 as it trains) to a directory of its own, the
+    engine reads it, and the directory goes. The base weights never move: they do not train."""
+
+    def __init__(self, engine: TakesAdapters, policy) -> None:
+        self.engine, self.policy = engine, policy
+        self.num_bytes = num_bytes(p for n, p in policy.named_parameters() if "lora_" in n)
+        self._dir = Path(tempfile.mkdtemp(prefix="cadence-adapter-"))
+        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+
+    def sync(self, version: int | None = None) -> None:
+        path = self._dir / f"version-{version}"
+        self.policy.save_pretrained(path)
+        try:
+            self.engine.load_adapter(str(path), version)
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    __call__ = sync
+
+
 def learner_sync(
     weights: EngineWeights, model: torch.nn.Module
 ) -> Callable[[int | None], None] | None:
     """How the learner's current weights reach the engine of `weights` in the learner's process:
-    None where the engine decodes with the learner's own model (nothing to bring over), else
-    `LearnerWeights` (called with the version; `num_bytes` what each sync moves)."""
-    return LearnerWeights(weights, model) if weights.engine.owns_weights else None
+    None where the engine decodes with the learner's own model (nothing to bring over);
+    `LearnerAdapter` for a LoRA policy and an engine that takes adapters; else `LearnerWeights`
+    (called with the version; `num_bytes` what each sync moves)."""
+    engine = weights.engine
+    if not engine.owns_weights:
+        return None
+    if is_lora(model) and isinstance(engine, TakesAdapters) and engine.takes_adapters:
+        return LearnerAdapter(engine, model)
+    return LearnerWeights(weights, model)

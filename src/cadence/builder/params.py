@@ -184,9 +184,14 @@ def partial_rollouts(cfg: Config) -> PartialRollouts | None:
 def vllm_options(cfg: Config) -> VLLMOptions:
     """The `[rollout.vllm]` table as the vLLM engine takes it."""
     options = cfg.rollout.vllm.model_dump()
+    colocated = cfg.pipeline.placement == "colocated"
     # asleep while the learner trains only beside it: a worker's GPU is its own
-    options["sleep_mode"] &= cfg.pipeline.placement == "colocated"
-    return VLLMOptions(**options, in_flight_weights=cfg.pipeline.partial_rollout)
+    options["sleep_mode"] &= colocated
+    # beside the learner a LoRA policy's adapter alone reaches the engine (workers get the
+    # merged weights: their transports carry whole models)
+    lora_rank = cfg.model.lora.r if colocated and cfg.model.lora is not None else 0
+    in_flight = cfg.pipeline.partial_rollout
+    return VLLMOptions(**options, in_flight_weights=in_flight, lora_rank=lora_rank)
 
 
 def producer_params(cfg: Config, first_iteration: int = 0) -> ProducerParams:

@@ -129,6 +129,22 @@ class Sleeps(Protocol):
         ...
 
 
+@runtime_checkable
+class TakesAdapters(Protocol):
+    """An engine with its own copy that can also take a LoRA adapter beside its base weights
+    (vLLM's LoRA requests): a LoRA policy's update then travels as the adapter alone."""
+
+    @property
+    def takes_adapters(self) -> bool:
+        """Whether it was started able to take one (vLLM: `enable_lora`)."""
+        ...
+
+    def load_adapter(self, path: str, version: int | str | None = None) -> None:
+        """Decode every later request with the adapter saved in `path` (peft's layout), read
+        before this returns; `version` labels it. Only while idle, as `load_weights`."""
+        ...
+
+
 class ModelEngine:
     """What cadence's own engines share: they decode with `model` itself, padding with the
     tokenizer's pad id, at most `max_num_seqs` sequences at a time."""

@@ -82,6 +82,8 @@ class VLLMEngine:
         self._jobs: dict[str, tuple[_Job, int]] = {}  # vLLM request id -> (job, sample)
         self._loads = 0  # weight loads so far: the prefix cache's salt
         self._tensor_parallel = (options or VLLMOptions()).tensor_parallel_size
+        self.takes_adapters = bool((options or VLLMOptions()).lora_rank)
+        self._adapter = None  # the LoRA request later requests decode with (load_adapter)
         self._ids = itertools.count()
         options = options or VLLMOptions()
         check_gpu_memory(options.gpu_memory_utilization)
@@ -122,7 +124,8 @@ class VLLMEngine:
         try:
             for seed in request.seeds:
                 rid = str(next(self._ids))
-                self.llm.llm_engine.add_request(rid, prompt, _vllm_params(params, seed, limit))
+                vparams = _vllm_params(params, seed, limit)
+                self.llm.llm_engine.add_request(rid, prompt, vparams, lora_request=self._adapter)
                 added.append(rid)
         except BaseException as e:
             if added:
@@ -176,6 +179,28 @@ class VLLMEngine:
         # partial rollouts keep their keys and values); later requests' salt never matches them
         if not self.llm.reset_prefix_cache() and not self.busy:
             raise RuntimeError("vLLM kept its prefix cache: keys and values of the old weights")
+        self._set_version(str(version) if version is not None else f"load-{next(self._ids)}")
+        self._number = version if isinstance(version, int) else None
+
+    def load_adapter(self, path: str, version: int | str | None = None) -> None:
+        """Decode every later request with the LoRA adapter saved in `path` (peft's layout) on
+        the base weights the engine holds: vLLM reads it before this returns, and the adapter
+        before it is dropped. Only while idle, as `load_weights`; needs `options.lora_rank`."""
+        if not self.takes_adapters:
+            raise RuntimeError("a LoRA adapter for a vLLM engine started without lora_rank")
+        if self.busy:
+            raise RuntimeError("load_adapter while requests decode: one would see two versions")
+        from vllm.lora.request import LoRARequest
+
+        self._wake()
+        self._loads += 1
+        adapter = LoRARequest(f"policy-{self._loads}", self._loads, path)
+        if not self.llm.llm_engine.add_lora(adapter):
+            raise RuntimeError(f"vLLM did not take the LoRA adapter in {path}")
+        for old in self.llm.llm_engine.list_loras() - {adapter.lora_int_id}:
+            self.llm.llm_engine.remove_lora(old)
+        self._adapter = adapter
+        self.llm.reset_prefix_cache()  # idle: its blocks are the old adapter's
         self._set_version(str(version) if version is not None else f"load-{next(self._ids)}")
         self._number = version if isinstance(version, int) else None
 

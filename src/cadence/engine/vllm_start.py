@@ -37,6 +37,22 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRA slots come in
+# adapters held at once: the version requests in flight decode with and the next one (partial
+# rollouts keep requests of the old version running while the new one arrives)
+LORA_SLOTS = 2
+
+
+def lora_slot_rank(r: int) -> int:
+    """The smallest LoRA slot rank vLLM has that holds an adapter of rank `r`."""
+    for rank in LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(
+        f"model.lora.r = {r}: vLLM takes LoRA adapters of rank {LORA_RANKS[-1]} at most"
+    )
+
+
 @dataclass(frozen=True)
 class VLLMOptions:
     """The `[rollout.vllm]` keys, as plain values a worker process can be sent."""
@@ -53,6 +69,9 @@ class VLLMOptions:
     # scheduling is off, or a step scheduled before a load would compute under the old weights
     # and be stamped with the new version
     in_flight_weights: bool = False
+    # a LoRA policy's adapter alone reaches the engine (LoRA requests): the adapter's rank, 0 for
+    # none (full weights, a LoRA adapter merged in)
+    lora_rank: int = 0
 
     def engine_kwargs(
         self, model_path: str, model_dtype: str, max_num_seqs: int, cpu: bool = False
@@ -95,6 +114,13 @@ class VLLMOptions:
             kw["async_scheduling"] = False
         if self.sleep_mode:
             kw["enable_sleep_mode"] = True
+        if self.lora_rank:
+            kw.update(
+                enable_lora=True,
+                max_lora_rank=lora_slot_rank(self.lora_rank),
+                max_loras=LORA_SLOTS,
+                max_cpu_loras=LORA_SLOTS,
+            )
         return kw
 
 
