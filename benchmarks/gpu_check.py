@@ -18,7 +18,10 @@ short keeps what it measured:
 6. placement, with two GPUs or more: two worker processes placed as a run places them each see
    one GPU of their own;
 7. broadcast, with two GPUs or more: a version in 64 MiB buckets over NCCL into a second copy,
-   seconds per GB and the receiver's extra memory.
+   seconds per GB and the receiver's extra memory;
+8. vLLM reload, where vLLM is importable (not on the lent machine as it is): new weights loaded
+   in place into an in-process vLLM engine (seconds, GB/s), and the log-probs of what it then
+   samples against the learner's model.
 
 On a machine without CUDA it runs step 0 and writes the reason for every other step; exit 0
 unless a step failed (1). `--device cpu --shape tiny` runs every step on a tiny model on the CPU
@@ -451,6 +454,73 @@ def step_broadcast(check: Check) -> dict:
     }
 
 
+def step_vllm_reload(check: Check) -> dict:
+    """vLLM in this process (when it is importable): a version of new weights loaded in place,
+    seconds and GB/s, then the log-probs of what it samples against the learner's model."""
+    needs_cuda(check)
+    import tempfile
+
+    import torch
+
+    from cadence.engine import Request, SamplingParams
+    from cadence.engine.vllm import VLLMEngine, VLLMOptions, vllm_available
+    from cadence.models import save_pretrained
+
+    if not vllm_available():
+        raise ImportError("No module named 'vllm'")
+    from transformers import Qwen2ForCausalLM
+
+    dtype = torch.bfloat16 if check.device.startswith("cuda") else torch.float32
+    config = check.config(layers=8 if check.shape != "tiny" else None)
+    if check.shape == "tiny":  # vLLM's CPU attention has no kernel for heads of 16
+        config.num_attention_heads, config.num_key_value_heads = 2, 1
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(dtype)
+    tok = _tokenizer()
+    options = VLLMOptions(enforce_eager=True, gpu_memory_utilization=0.3)
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(model, tok, d)
+        engine = VLLMEngine(d, tok, max_num_seqs=16, dtype=str(dtype)[6:], options=options)
+    try:
+        model.to(check.device)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        times = []
+        for version in range(1, 4):  # the first warms vLLM's reload path up
+            start = time.perf_counter()
+            engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), version)
+            if check.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        vocab = model.config.vocab_size
+        gen = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(0, vocab, (32,), generator=gen).tolist() for _ in range(4)]
+        requests = [Request(p, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
+        out = engine.generate(requests, SamplingParams(max_new_tokens=16, temperature=1.0))
+    finally:
+        engine.close()
+    diffs = []
+    model.eval()
+    with torch.no_grad():
+        for request, samples in zip(requests, out, strict=True):
+            for c in samples:
+                ids = torch.tensor([request.prompt_ids + c.token_ids], device=check.device)
+                logits = model(ids).logits[0, len(request.prompt_ids) - 1 : -1].float()
+                mine = torch.log_softmax(logits, -1)[range(len(c.token_ids)), c.token_ids]
+                diffs += (mine.cpu() - torch.tensor(c.logprobs)).abs().tolist()
+    gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    return {
+        "dtype": str(dtype),
+        "version_gb": gb,
+        "reload_seconds": times,
+        "reload_gb_per_s": gb / min(times[1:]),
+        "tokens": len(diffs),
+        "abs_diff_mean": sum(diffs) / len(diffs),
+        "abs_diff_max": max(diffs),
+    }
+
+
 STEPS: list[tuple[str, Callable[[Check], dict]]] = [
     ("environment", step_environment),
     ("learner_memory", step_learner_memory),
@@ -460,6 +530,7 @@ STEPS: list[tuple[str, Callable[[Check], dict]]] = [
     ("fsdp", step_fsdp),
     ("placement", step_placement),
     ("broadcast", step_broadcast),
+    ("vllm_reload", step_vllm_reload),
 ]
 
 

