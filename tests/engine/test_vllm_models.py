@@ -1,6 +1,8 @@
 """vLLM on other models (each engine started and closed in turn: one per process at a time):
 an untied Qwen2 with biases, a model vLLM cannot run, engine arguments vLLM does not have."""
 
+from pathlib import Path
+
 import pytest
 
 from cadence.config import ConfigError
@@ -107,3 +109,31 @@ def test_a_lora_adapter_alone_gives_the_policys_logprobs_version_after_version(t
     finally:
         engine.close()
     assert max(diffs) <= 1e-5, diffs
+
+
+def test_tensor_parallel_workers_read_one_copy_of_a_version_and_sample_from_it(tmp_path):
+    # before, the weights went to collective_rpc as a list: pickled, and a whole copy unpickled
+    # in each tensor-parallel worker process (on a GPU, every CUDA tensor through host memory)
+    import torch
+
+    path = save_vllm_ready(tmp_path / "llama", "llama")
+    tok = load_tokenizer(path)
+    model = load_model(path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    requests = [Request(tok("What is 3 + 4?")["input_ids"], [1, 2])]
+    engine = VLLMEngine(path, tok, options=VLLMOptions(enforce_eager=True, tensor_parallel_size=2))
+    sent, rpc = [], engine.llm.collective_rpc
+    engine.llm.collective_rpc = lambda method, **kw: sent.append((method, kw)) or rpc(method, **kw)
+    try:
+        engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), 1)
+        outputs = engine.generate(requests, SamplingParams(max_new_tokens=8, temperature=1.0))
+    finally:
+        engine.close()
+    (kw,) = [kw for m, kw in sent if m == "reload_weights"]
+    assert set(kw["kwargs"]) == {"weights_path", "is_checkpoint_format"}  # no tensors pickled
+    assert not Path(kw["kwargs"]["weights_path"]).exists()  # the version's files are gone
+    size = sum(p.numel() * 4 for p in model.parameters())
+    assert engine.version_bytes == size  # one copy of the version for both workers
+    assert max_logprob_diff(model, requests, outputs, 1.0) <= 1e-5

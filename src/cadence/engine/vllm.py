@@ -11,6 +11,8 @@ The design in full: docs/internals.md, `cadence/engine/vllm.py`.
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 import time
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, replace
@@ -24,6 +26,7 @@ from cadence.engine.base import (
     Tensors,
     generate_by_steps,
 )
+from cadence.engine.vllm_files import version_dir, write_shards
 from cadence.engine.vllm_logprobs import CHECK_PARAMS, check_full_softmax, hook_sampler
 from cadence.engine.vllm_start import (
     INSTALL_HINT,
@@ -84,6 +87,7 @@ class VLLMEngine:
         self._tensor_parallel = (options or VLLMOptions()).tensor_parallel_size
         self.takes_adapters = bool((options or VLLMOptions()).lora_rank)
         self._adapter = None  # the LoRA request later requests decode with (load_adapter)
+        self.version_bytes = 0  # tensor parallel: the bytes of the last version's files
         self._ids = itertools.count()
         options = options or VLLMOptions()
         check_gpu_memory(options.gpu_memory_utilization)
@@ -91,7 +95,10 @@ class VLLMEngine:
         options = replace(options, sleep_mode=options.sleep_mode and sleep_mode_available())
         self.can_sleep = options.sleep_mode
         self.asleep = False
-        kwargs = options.engine_kwargs(model_path, dtype, max_num_seqs, cpu=on_cpu())
+        cpu = on_cpu()
+        if cpu and options.tensor_parallel_size > 1:  # vLLM binds each worker to a NUMA node
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        kwargs = options.engine_kwargs(model_path, dtype, max_num_seqs, cpu=cpu)
         self.llm = start_llm(model_path, kwargs)
         VLLMEngine._open = True
         self.runners: list[str] = []  # the model runner of each vLLM worker: "v1" or "v2"
@@ -166,14 +173,14 @@ class VLLMEngine:
         if self.busy and not self.in_flight:
             raise RuntimeError("load_weights while requests decode: one would see two versions")
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
-        if self._tensor_parallel > 1:  # its workers are processes: they are sent a list
-            items = list(items)
-        # else consumed as it comes, in this process: a stream of buckets needs no whole copy
         self._wake()
         self._loads += 1
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True}
-        )
+        if self._tensor_parallel > 1:  # its workers are processes: they read one copy in files
+            self._reload_from_files(items)
+        else:  # consumed as it comes, in this process: a stream of buckets needs no whole copy
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True}
+            )
         self.llm.apply_model(_repack_output_layers)
         # busy, the blocks of the requests in flight are kept (they carry on with them, as
         # partial rollouts keep their keys and values); later requests' salt never matches them
@@ -181,6 +188,20 @@ class VLLMEngine:
             raise RuntimeError("vLLM kept its prefix cache: keys and values of the old weights")
         self._set_version(str(version) if version is not None else f"load-{next(self._ids)}")
         self._number = version if isinstance(version, int) else None
+
+    def _reload_from_files(self, items) -> None:
+        """The version written once as files, which each tensor-parallel worker maps, reading
+        its own shard of each tensor (engine/vllm_files.py); the files go after."""
+        held = sum(self.llm.apply_model(_parameter_bytes))  # an upper bound: some are replicated
+        directory = version_dir(held)
+        try:
+            self.version_bytes = write_shards(items, directory)
+            self.llm.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_path": str(directory), "is_checkpoint_format": True},
+            )
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def load_adapter(self, path: str, version: int | str | None = None) -> None:
         """Decode every later request with the LoRA adapter saved in `path` (peft's layout) on
@@ -324,6 +345,10 @@ def _finish_reason(out) -> str:
     if out.finish_reason == "stop":
         return "stop" if isinstance(out.stop_reason, str) else "eos"
     raise RuntimeError(f"vLLM ended a sample with finish reason {out.finish_reason!r}")
+
+
+def _parameter_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _repack_output_layers(model: torch.nn.Module) -> None:
