@@ -187,11 +187,20 @@ def vllm_options(cfg: Config) -> VLLMOptions:
     colocated = cfg.pipeline.placement == "colocated"
     # asleep while the learner trains only beside it: a worker's GPU is its own
     options["sleep_mode"] &= colocated
-    # beside the learner a LoRA policy's adapter alone reaches the engine (workers get the
-    # merged weights: their transports carry whole models)
-    lora_rank = cfg.model.lora.r if colocated and cfg.model.lora is not None else 0
+    lora_rank = cfg.model.lora.r if ships_adapter(cfg) else 0
     in_flight = cfg.pipeline.partial_rollout
     return VLLMOptions(**options, in_flight_weights=in_flight, lora_rank=lora_rank)
+
+
+def ships_adapter(cfg: Config) -> bool:
+    """Whether a LoRA policy's versions reach its vLLM engines as the adapter alone (their LoRA
+    requests): beside the learner, and in local worker processes without partial rollouts
+    (which would keep requests of several adapters in flight); else as merged whole weights
+    (Ray's transports are not tested with adapters)."""
+    if cfg.model.lora is None or cfg.rollout.engine != "vllm":
+        return False
+    p = cfg.pipeline
+    return p.placement == "colocated" or (p.backend == "local" and not p.partial_rollout)
 
 
 def producer_params(cfg: Config, first_iteration: int = 0) -> ProducerParams:

@@ -11,6 +11,7 @@ checkpoint when resuming; everything after it sees a `Trainer`. Recipes that tra
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -29,6 +30,7 @@ from cadence.builder.params import (
     reward_spec,
     sampling_params,
     set_threads,
+    ships_adapter,
     worker_spec,
 )
 from cadence.builder.rollout import (
@@ -48,7 +50,15 @@ from cadence.learner.driver import RankedLearner, start_local_ranks, start_ray_r
 from cadence.learner.precision import Masters, warn_pure_low_precision
 from cadence.metrics import Tracer
 from cadence.models import DTYPES, load_model, load_tokenizer, max_positions
-from cadence.models.lora import AdapterOff, LoraSpec, apply_lora, is_lora, plain_weights
+from cadence.models.lora import (
+    AdapterOff,
+    AdapterOnly,
+    LoraSpec,
+    adapter_spec,
+    apply_lora,
+    is_lora,
+    plain_weights,
+)
 from cadence.pipeline import ColocatedSource, GroupSource, Run, WorkerSource
 from cadence.pipeline.checkpoint import (
     Checkpoint,
@@ -97,7 +107,10 @@ def build_source(
         )
     separate = cfg.reward.stage == "separate"
     spec = worker_spec(cfg, sampling_params(cfg, tokenizer))
-    model = plain_weights(model)  # a LoRA policy's merged: the workers' model has no adapter
+    if ships_adapter(cfg):  # vLLM workers keep their base weights and take each adapter
+        spec, model = replace(spec, adapter=adapter_spec(model)), AdapterOnly(model)
+    else:  # a LoRA policy's merged: the workers' model has no adapter
+        model = plain_weights(model)
     pool, store = make_pool(
         p.backend,
         spec,

@@ -36,6 +36,6 @@ class ModelConfig(Section):
     """Torch device for learner and colocated engine."""
     lora: LoraSettings | None = None
     """Train a LoRA adapter (peft) instead of every weight: {r, alpha, dropout, target_modules}. The
-    reference is the same model with the adapter disabled; rollout workers receive merged weights,
-    colocated vLLM the adapter alone (its LoRA requests); final/ holds the adapter (save_merged:
-    and the model)."""
+    reference is the same model with the adapter disabled; vLLM engines receive the adapter alone
+    (colocated or in local workers without partial rollouts: its LoRA requests), other engines
+    merged weights; final/ holds the adapter (save_merged: and the model)."""

@@ -11,12 +11,16 @@ from (a transport, the learner's own model): that is backend/'s and the builder'
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import cast
 
 import torch
 
-from cadence.engine.base import Engine, WeightOwner
+from cadence.engine.base import Engine, TakesAdapters, WeightOwner
 
 
 @torch.no_grad()
@@ -88,3 +92,45 @@ class EngineWeights:
             return
         _check_names(dict(self.model.named_parameters()), tensors)
         cast(WeightOwner, self.engine).load_weights(tensors, version)
+
+
+class EngineAdapter(EngineWeights):
+    """The weights of an engine that takes a LoRA adapter on its own base weights (vLLM's LoRA
+    requests), when what arrives is the adapter alone (`spec`, a `models.lora.AdapterSpec`):
+    `named_parameters` describes the adapter's tensors (meta: names, shapes, dtypes), and each
+    version loaded is saved with the adapter's config to a directory of its own, which the
+    engine reads before the load returns, and which goes after."""
+
+    def __init__(self, engine: Engine, spec) -> None:
+        super().__init__(engine, torch.nn.Module())
+        self.spec = spec
+        self.meta = {
+            name: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+            for name, shape, dtype in spec.tensors
+        }
+        self._dir = Path(tempfile.mkdtemp(prefix="cadence-adapter-"))
+        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return iter(cast(dict[str, torch.nn.Parameter], self.meta).items())
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        return (p for _, p in self.named_parameters())
+
+    def to(self, device: str | torch.device) -> EngineWeights:
+        return self  # the engine places its own copy
+
+    def load_stream(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
+        self.load(dict(tensors), version)
+
+    def load(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        from cadence.models.lora import save_adapter
+
+        _check_names(self.meta, tensors)
+        path = save_adapter(self._dir / f"version-{version}", self.spec, dict(tensors))
+        try:
+            cast(TakesAdapters, self.engine).load_adapter(str(path), version)
+        finally:
+            shutil.rmtree(path, ignore_errors=True)

@@ -180,3 +180,62 @@ def load_adapter_into(policy, path: str | Path) -> None:
             f"the adapter in {path} does not fit the run's model.lora: missing {missing[:3]}, "
             f"unexpected {list(result.unexpected_keys)[:3]}"
         )
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What a worker needs to rebuild a LoRA adapter from its tensors alone (plain, picklable):
+    peft's `adapter_config.json`, and each tensor's name (as peft saves it), shape and dtype."""
+
+    config_json: str
+    tensors: tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+def adapter_tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
+    """A peft policy's adapter tensors under the names peft saves them with (the parameters
+    themselves: no copy)."""
+    from peft import get_peft_model_state_dict
+
+    yield from get_peft_model_state_dict(policy).items()
+
+
+def adapter_spec(policy) -> AdapterSpec:
+    """The `AdapterSpec` of a peft policy's (only) adapter."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        policy.peft_config[policy.active_adapter].save_pretrained(d)
+        config = (Path(d) / "adapter_config.json").read_text()
+    tensors = tuple(
+        (name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for name, t in adapter_tensors(policy)
+    )
+    return AdapterSpec(config, tensors)
+
+
+def save_adapter(directory: Path, spec: AdapterSpec, tensors: dict[str, torch.Tensor]) -> Path:
+    """`tensors` and `spec`'s config as a peft adapter directory (what vLLM's LoRA loader and
+    `load_adapter_into` read)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_config.json").write_text(spec.config_json)
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    save_file(cpu, str(directory / ADAPTER_WEIGHTS))
+    return directory
+
+
+class AdapterOnly(torch.nn.Module):
+    """What a weight transport publishes for a LoRA policy to engines that take adapters:
+    `named_parameters()` gives the adapter's tensors alone, under the names peft saves them
+    with."""
+
+    def __init__(self, policy) -> None:
+        super().__init__()
+        self.__dict__["policy"] = policy
+
+    def named_parameters(self, *args: Any, **kwargs: Any):  # type: ignore[override]
+        return adapter_tensors(self.policy)
+
+    def parameters(self, *args: Any, **kwargs: Any):  # type: ignore[override]
+        return (t for _, t in adapter_tensors(self.policy))

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from cadence.engine import Engine, EngineWeights, SamplingParams
+from cadence.engine.weights import EngineAdapter
 from cadence.envs import EnvSpec
 from cadence.rollout.worker import PartialRollouts, RolloutWorker
 
 if TYPE_CHECKING:
     from cadence.engine.vllm import VLLMOptions
+    from cadence.models.lora import AdapterSpec
     from cadence.rewards import RewardScorer
 
 
@@ -44,6 +46,7 @@ class WorkerSpec:
     partial: PartialRollouts | None = None  # new weights between decode steps (partial rollouts)
     device: str = "cpu"  # where an engine that decodes a model object holds it ("cuda": the
     # first GPU the worker's process sees; vLLM places itself on that same GPU)
+    adapter: AdapterSpec | None = None  # versions arrive as this LoRA adapter alone (vLLM)
 
 
 def evaluation_spec(spec: WorkerSpec, reward: str) -> WorkerSpec:
@@ -87,6 +90,8 @@ def build_worker(
             device=spec.device,
             vllm=spec.vllm,
         )
+        if spec.adapter is not None:  # the engine keeps its base weights; versions are adapters
+            weights = EngineAdapter(engine, spec.adapter)
     if reward is None and spec.reward:
         reward = load_runner(
             spec.reward, spec.answer_format, spec.reward_timeout_s, spec.reward_concurrency
