@@ -7,6 +7,8 @@ dtypes, no memory) describing them. `EngineWeights` is the one view of both: `na
 says what a transport must deliver (its buffers are shaped from it), `load` refuses tensors whose
 names differ and puts them where the engine reads them. It must not know where the tensors came
 from (a transport, the learner's own model): that is backend/'s and the builder's.
+`EngineAdapter` is the same view where what arrives is a LoRA adapter alone (vLLM's LoRA
+requests).
 """
 
 from __future__ import annotations
