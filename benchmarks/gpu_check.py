@@ -21,7 +21,8 @@ short keeps what it measured:
    seconds per GB and the receiver's extra memory;
 8. vLLM reload, where vLLM is importable (not on the lent machine as it is): new weights loaded
    in place into an in-process vLLM engine (seconds, GB/s), and the log-probs of what it then
-   samples against the learner's model.
+   samples against the learner's model; with sleep mode (on a GPU), the memory vLLM's sleep
+   frees and the seconds to sleep and to wake.
 
 On a machine without CUDA it runs step 0 and writes the reason for every other step; exit 0
 unless a step failed (1). `--device cpu --shape tiny` runs every step on a tiny model on the CPU
@@ -477,7 +478,7 @@ def step_vllm_reload(check: Check) -> dict:
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(dtype)
     tok = _tokenizer()
-    options = VLLMOptions(enforce_eager=True, gpu_memory_utilization=0.3)
+    options = VLLMOptions(enforce_eager=True, gpu_memory_utilization=0.3, sleep_mode=True)
     with tempfile.TemporaryDirectory() as d:
         save_pretrained(model, tok, d)
         engine = VLLMEngine(d, tok, max_num_seqs=16, dtype=str(dtype)[6:], options=options)
@@ -498,6 +499,7 @@ def step_vllm_reload(check: Check) -> dict:
         prompts = [torch.randint(0, vocab, (32,), generator=gen).tolist() for _ in range(4)]
         requests = [Request(p, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
         out = engine.generate(requests, SamplingParams(max_new_tokens=16, temperature=1.0))
+        slept = _sleep_freed(engine) if engine.can_sleep else {"sleep": "unavailable here"}
     finally:
         engine.close()
     diffs = []
@@ -518,6 +520,24 @@ def step_vllm_reload(check: Check) -> dict:
         "tokens": len(diffs),
         "abs_diff_mean": sum(diffs) / len(diffs),
         "abs_diff_max": max(diffs),
+    } | slept
+
+
+def _sleep_freed(engine) -> dict:
+    """GiB of the GPU that vLLM's sleep (level 1, as a colocated run sleeps) frees, and the
+    seconds it takes to sleep and to wake."""
+    import torch
+
+    free = torch.cuda.mem_get_info()[0]
+    start = time.perf_counter()
+    engine.sleep()
+    asleep = time.perf_counter()
+    freed = torch.cuda.mem_get_info()[0] - free
+    engine.wake()
+    return {
+        "sleep_freed_gib": freed / 2**30,
+        "sleep_s": asleep - start,
+        "wake_s": time.perf_counter() - asleep,
     }
 
 

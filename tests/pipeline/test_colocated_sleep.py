@@ -32,17 +32,17 @@ class SleepyEngine:
     def busy(self) -> bool:
         return bool(self._pending)
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         if self.asleep:
             self.log.append("wake")
             self.asleep = False
 
     def load_weights(self, tensors, version=None) -> None:
-        self._wake()
+        self.wake()
         self.log.append(("load", version))
 
     def add(self, key, request: Request, params: SamplingParams) -> None:
-        self._wake()
+        self.wake()
         self.log.append("add")
         self._pending.append((key, request))
 

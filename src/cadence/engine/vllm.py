@@ -124,7 +124,7 @@ class VLLMEngine:
 
         # salted with the weights' load: a prefix-cache block computed under other weights
         # never matches (with requests in flight vLLM cannot empty its cache at a load)
-        self._wake()
+        self.wake()
         prompt = tokens_input(list(request.prompt_ids), cache_salt=f"weights-{self._loads}")
         limit = request.limit(params)  # an episode's turn: the room its budget leaves
         added: list[str] = []
@@ -173,7 +173,7 @@ class VLLMEngine:
         if self.busy and not self.in_flight:
             raise RuntimeError("load_weights while requests decode: one would see two versions")
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
-        self._wake()
+        self.wake()
         self._loads += 1
         if self._tensor_parallel > 1:  # its workers are processes: they read one copy in files
             self._reload_from_files(items)
@@ -213,7 +213,7 @@ class VLLMEngine:
             raise RuntimeError("load_adapter while requests decode: one would see two versions")
         from vllm.lora.request import LoRARequest
 
-        self._wake()
+        self.wake()
         self._loads += 1
         adapter = LoRARequest(f"policy-{self._loads}", self._loads, path)
         if not self.llm.llm_engine.add_lora(adapter):
@@ -232,7 +232,8 @@ class VLLMEngine:
             self.llm.sleep(level=1)
             self.asleep = True
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Take back what `sleep` freed (its weights and KV cache), if asleep."""
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
