@@ -139,20 +139,31 @@ def merged_parameters(policy) -> dict[str, torch.Tensor]:
     return dict(merged_tensors(policy))
 
 
-class MergedWeights(torch.nn.Module):
-    """What a weight transport publishes for a LoRA policy: `named_parameters()` gives the merged
-    weights under the plain model's names (computed at each call from the current adapter, one
-    tensor at a time as the transport takes them)."""
+class _PolicyTensors(torch.nn.Module):
+    """A view of a peft policy whose `named_parameters()` are `tensors(policy)`, computed at each
+    call (the policy held outside the module tree: no parameters of its own)."""
 
     def __init__(self, policy) -> None:
         super().__init__()
         self.__dict__["policy"] = policy
 
+    @staticmethod
+    def tensors(policy) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
     def named_parameters(self, *args: Any, **kwargs: Any):  # type: ignore[override]
-        return merged_tensors(self.policy)
+        return self.tensors(self.policy)
 
     def parameters(self, *args: Any, **kwargs: Any):  # type: ignore[override]
-        return (t for _, t in merged_tensors(self.policy))
+        return (t for _, t in self.tensors(self.policy))
+
+
+class MergedWeights(_PolicyTensors):
+    """What a weight transport publishes for a LoRA policy: `named_parameters()` gives the merged
+    weights under the plain model's names (computed at each call from the current adapter, one
+    tensor at a time as the transport takes them)."""
+
+    tensors = staticmethod(merged_tensors)
 
 
 def plain_weights(model: torch.nn.Module) -> torch.nn.Module:
@@ -225,17 +236,9 @@ def save_adapter(directory: Path, spec: AdapterSpec, tensors: dict[str, torch.Te
     return directory
 
 
-class AdapterOnly(torch.nn.Module):
+class AdapterOnly(_PolicyTensors):
     """What a weight transport publishes for a LoRA policy to engines that take adapters:
     `named_parameters()` gives the adapter's tensors alone, under the names peft saves them
     with."""
 
-    def __init__(self, policy) -> None:
-        super().__init__()
-        self.__dict__["policy"] = policy
-
-    def named_parameters(self, *args: Any, **kwargs: Any):  # type: ignore[override]
-        return adapter_tensors(self.policy)
-
-    def parameters(self, *args: Any, **kwargs: Any):  # type: ignore[override]
-        return (t for _, t in adapter_tensors(self.policy))
+    tensors = staticmethod(adapter_tensors)
