@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import time
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, replace
@@ -26,7 +25,7 @@ from cadence.engine.base import (
     Tensors,
     generate_by_steps,
 )
-from cadence.engine.vllm_files import version_dir, write_shards
+from cadence.engine.vllm_files import reload_from_files
 from cadence.engine.vllm_logprobs import CHECK_PARAMS, check_full_softmax, hook_sampler
 from cadence.engine.vllm_start import (
     INSTALL_HINT,
@@ -176,7 +175,7 @@ class VLLMEngine:
         self.wake()
         self._loads += 1
         if self._tensor_parallel > 1:  # its workers are processes: they read one copy in files
-            self._reload_from_files(items)
+            self.version_bytes = reload_from_files(self.llm, items)
         else:  # consumed as it comes, in this process: a stream of buckets needs no whole copy
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True}
@@ -188,20 +187,6 @@ class VLLMEngine:
             raise RuntimeError("vLLM kept its prefix cache: keys and values of the old weights")
         self._set_version(str(version) if version is not None else f"load-{next(self._ids)}")
         self._number = version if isinstance(version, int) else None
-
-    def _reload_from_files(self, items) -> None:
-        """The version written once as files, which each tensor-parallel worker maps, reading
-        its own shard of each tensor (engine/vllm_files.py); the files go after."""
-        held = sum(self.llm.apply_model(_parameter_bytes))  # an upper bound: some are replicated
-        directory = version_dir(held)
-        try:
-            self.version_bytes = write_shards(items, directory)
-            self.llm.collective_rpc(
-                "reload_weights",
-                kwargs={"weights_path": str(directory), "is_checkpoint_format": True},
-            )
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
 
     def load_adapter(self, path: str, version: int | str | None = None) -> None:
         """Decode every later request with the LoRA adapter saved in `path` (peft's layout) on
@@ -346,10 +331,6 @@ def _finish_reason(out) -> str:
     if out.finish_reason == "stop":
         return "stop" if isinstance(out.stop_reason, str) else "eos"
     raise RuntimeError(f"vLLM ended a sample with finish reason {out.finish_reason!r}")
-
-
-def _parameter_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _repack_output_layers(model: torch.nn.Module) -> None:

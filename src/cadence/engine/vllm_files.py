@@ -51,3 +51,22 @@ def write_shards(
         save_file(shard, str(directory / f"weights-{files:05d}.safetensors"))
         total += held
     return total
+
+
+def reload_from_files(llm, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Load `tensors` into the running `vllm.LLM` through files written once (each worker maps
+    them and reads its own shard of each tensor); the files go after. The bytes written."""
+    held = sum(llm.apply_model(_parameter_bytes))  # an upper bound: some are replicated
+    directory = version_dir(held)
+    try:
+        written = write_shards(tensors, directory)
+        llm.collective_rpc(
+            "reload_weights", kwargs={"weights_path": str(directory), "is_checkpoint_format": True}
+        )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return written
+
+
+def _parameter_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
