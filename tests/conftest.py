@@ -21,20 +21,21 @@ import torch
 from cadence.data import ArithmeticTask
 from cadence.models import init_model, load_model, load_tokenizer
 
-# Modules that start Ray or vLLM (in this process, in workers, or in a `cadence` subprocess).
+# Modules that start Ray or vLLM (in this process, in workers, or in a `cadence` subprocess),
+# on one worker; the vLLM engine modules (vLLM in the test's process, no Ray) on one worker too.
 RAY_OR_VLLM = {
     "tests/backend/test_ray.py",
     "tests/pipeline/test_ranks_e2e.py",
     "tests/pipeline/test_vllm_pipeline.py",
-    "tests/engine/test_vllm.py",
-    "tests/engine/test_vllm_models.py",
 }
+VLLM_ENGINE = {"tests/engine/test_vllm.py", "tests/engine/test_vllm_models.py"}
 
 
 # The units that take longest (minutes each on a busy 2-core machine), longest first: started
 # first, so that the two workers end at about the same time. The rest follow in file order.
 LONGEST_FIRST = [
     "ray-vllm",
+    "vllm-engine",
     "tests/pipeline/test_periodic.py",
     "tests/pipeline/test_resume.py",
     "tests/pipeline/test_end_to_end.py",
@@ -51,8 +52,11 @@ LONGEST_FIRST = [
 
 
 def _unit(nodeid: str) -> str:
-    """What pytest-xdist hands a worker at once: a module, or all the Ray and vLLM modules."""
+    """What pytest-xdist hands a worker at once: a module, all the Ray and vLLM pipeline
+    modules, or the vLLM engine modules."""
     module = nodeid.split("::", 1)[0]
+    if module in VLLM_ENGINE:
+        return "vllm-engine"
     return "ray-vllm" if module in RAY_OR_VLLM else module
 
 
