@@ -141,13 +141,13 @@ def test_vllm_workers_take_each_lora_version_as_the_adapter_alone_and_sample_fro
 ):
     # before, each version reached the workers as the whole model with the adapter merged in
     lora = ("model.lora.r=4", "model.lora.alpha=8.0", "model.lora.target_modules=['q_proj']")
-    extra = (*lora, "train.lr=5e-2", "pipeline.num_workers=2")  # an adapter that moves the policy
+    extra = (*lora, "train.lr=5e-2")  # an adapter that moves the policy
     cfg = load_config(None, _overrides(vllm_dir, "periodic", "separate", *extra))
     run, records, _ = _train(cfg, tmp_path)
     adapter = sum(p.numel() * 4 for n, p in run.trainer.model.named_parameters() if "lora_" in n)
     assert run.source.pool.weights.num_bytes == adapter  # what each version moves
     assert all(r["weight_sync_bytes"] == adapter for r in records)
-    # each worker sampled from the learner's version: the learner recomputes its log-probs
+    # the worker sampled from the learner's version: the learner recomputes its log-probs
     assert max(r["behaviour_logprob_abs_diff_max"] for r in records) <= 1e-4
     trained = run.trainer.model.get_base_model().model.layers[0].self_attn.q_proj
     assert trained.lora_B["default"].weight.abs().max() > 1e-3  # the adapter moved
