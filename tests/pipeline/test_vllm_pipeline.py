@@ -233,3 +233,34 @@ def test_vllm_in_a_ray_actor_makes_the_local_update(vllm_dir, sync_run, tmp_path
     assert_same_update(
         ray_run.trainer.model, sync.trainer.model, ray_grads, sync_grads, grad_rtol=5e-5
     )
+
+
+def test_cadence_eval_decodes_a_lora_runs_adapter_on_vllm_as_the_merged_model(vllm_dir, tmp_path):
+    # vLLM cannot load an adapter directory as a model: `cadence eval` of a LoRA run's final/
+    # with rollout.engine = 'vllm' (configs/math-qwen.toml) failed in vLLM's config parsing
+    import torch
+
+    from cadence.builder.rollout import eval_engine
+    from cadence.models.lora import LoraSpec, apply_lora
+
+    spec = LoraSpec(r=4, alpha=8.0, target_modules=("q_proj",))
+    policy = apply_lora(load_model(vllm_dir), spec, vllm_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    final = tmp_path / "final"
+    policy.save_pretrained(final)
+    load_tokenizer(vllm_dir).save_pretrained(final)  # as a run's final/ holds it
+    tok = load_tokenizer(final)
+    engine, _ = eval_engine(
+        load_config(None, _overrides(vllm_dir, "sync", "colocated")), tok, final
+    )
+    requests = [Request(tok("What is 3 + 4?")["input_ids"], [1, 2])]
+    try:
+        outputs = engine.generate(requests, SamplingParams(max_new_tokens=8, temperature=1.0))
+    finally:
+        engine.close()
+    assert max_logprob_diff(load_model(final), requests, outputs, 1.0) <= 1e-5  # merged on load
+    assert max_logprob_diff(load_model(vllm_dir), requests, outputs, 1.0) > 1e-2  # not the base

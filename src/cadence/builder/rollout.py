@@ -12,16 +12,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 from cadence.backend import RewardProcesses, learner_sync
 from cadence.builder.checks import require_engine
 from cadence.builder.params import reward_spec, sampling_params, vllm_options, worker_spec
 from cadence.builder.tasks import env_error, heldout_set
 from cadence.config import Config
-from cadence.engine import Engine, EngineWeights, keeps_own_copy, open_engine
+from cadence.engine import Engine, EngineWeights, TakesAdapters, keeps_own_copy, open_engine
 from cadence.envs import ChatToolsError
 from cadence.metrics import Tracer
 from cadence.models import load_tokenizer, max_positions
+from cadence.models.lora import adapter_base
 from cadence.rewards import RewardRunner, RewardScorer, load_runner
 from cadence.rollout import Evaluator, RolloutWorker, WorkerSpec, build_worker, evaluation_spec
 from cadence.types import Prompt
@@ -130,11 +132,31 @@ def heldout_evaluator(
     return Evaluator(model, engine, lambda e: _build(cfg, spec, e, tokenizer), prompts, sync)
 
 
+def eval_engine(cfg: Config, tokenizer, model_dir: str | Path) -> tuple[Engine, EngineWeights]:
+    """The engine `cadence eval` decodes the model in `model_dir` with: `open_rollout_engine`'s;
+    for a LoRA run's final/ (an adapter) on an engine that takes adapters (vLLM, which cannot
+    load an adapter directory as a model), its base with the adapter as its LoRA request."""
+    adapter = adapter_base(model_dir) if keeps_own_copy(cfg.rollout.engine) else None
+    if adapter is None:
+        return open_rollout_engine(cfg, tokenizer, model_path=model_dir)
+    base, rank = adapter
+    engine, weights = open_engine(
+        cfg.rollout.engine,
+        base,
+        tokenizer,
+        cfg.rollout.max_num_seqs,
+        dtype=cfg.model.dtype,
+        vllm=replace(vllm_options(cfg), lora_rank=rank),
+    )
+    cast(TakesAdapters, engine).load_adapter(str(model_dir), "adapter")
+    return engine, weights
+
+
 def evaluate_model(cfg: Config, model_dir: str | Path) -> dict[str, float]:
     """`cadence eval`: the held-out accuracy of the model in `model_dir`, evaluated as `cadence
     train` evaluates (its engine, prompts, sampling, environment and reward)."""
     tokenizer = load_tokenizer(model_dir)
-    engine, weights = open_rollout_engine(cfg, tokenizer, model_path=model_dir)
+    engine, weights = eval_engine(cfg, tokenizer, model_dir)
     prompts = heldout_set(cfg, tokenizer, max_positions(weights.model))
     evaluator = heldout_evaluator(
         cfg, weights.model, engine, tokenizer, prompts, model_path=model_dir

@@ -242,3 +242,20 @@ class AdapterOnly(_PolicyTensors):
     with."""
 
     tensors = staticmethod(adapter_tensors)
+
+
+def adapter_base(path: str | Path) -> tuple[str, int] | None:
+    """(the base model's directory, the rank) of the LoRA adapter directory `path` (a LoRA run's
+    final/, peft's layout), or None for a whole model's directory."""
+    import json
+
+    from cadence.models.io import ADAPTER_CONFIG
+
+    config = Path(path) / ADAPTER_CONFIG
+    if (Path(path) / "config.json").is_file() or not config.is_file():
+        return None
+    fields = json.loads(config.read_text())
+    base = fields.get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise LoraError(f"the adapter in {path} names no base model directory here ({base!r})")
+    return str(base), int(fields["r"])
