@@ -382,13 +382,15 @@ def test_partial_rollouts_on_vllm_refuse_asynchronous_scheduling():
     assert load_config(None, sets).pipeline.partial_rollout
 
 
-def test_vllm_runs_score_rewards_in_reward_processes_by_default():
+def test_vllm_runs_on_a_gpu_score_rewards_in_reward_processes_by_default():
     # an in-process vLLM engine shares one GIL with a reward scored beside it: the GPU waited
-    vllm = ["rollout.engine='vllm'"]
+    vllm = ["rollout.engine='vllm'", "model.device='cuda'"]
     assert load_config(None, vllm).reward.stage == "separate"  # colocated: beside the worker
-    assert load_config(None, [*vllm, "pipeline.placement='separate'"]).reward.stage == "separate"
+    separate = ["pipeline.placement='separate'", "pipeline.num_gpus_per_worker=1"]
+    assert load_config(None, [*vllm, *separate]).reward.stage == "separate"
     assert load_config(None, [*vllm, "reward.stage='worker'"]).reward.stage == "worker"
     assert load_config(None, []).reward.stage == "worker"  # cadence's own engine
+    assert load_config(None, vllm[:1]).reward.stage == "worker"  # vLLM on a CPU: no faster
     tools = [*vllm, "env.kind='tool'", "env.tools=['calculator']", "data.chat_template=true"]
     assert load_config(None, tools).reward.stage == "worker"  # episodes score themselves
     colocated = load_config(None, ["reward.stage='separate'"])  # a rule reward, any engine

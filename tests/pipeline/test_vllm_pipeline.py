@@ -7,6 +7,7 @@ import multiprocessing
 
 import pytest
 
+from cadence.backend import RewardProcesses
 from cadence.builder import build_run, checks, train
 from cadence.cli import main
 from cadence.config import ConfigError, load_config
@@ -93,11 +94,14 @@ def test_periodic_with_vllm_workers_makes_the_sync_update(vllm_dir, sync_run, tm
 
 
 def test_colocated_vllm_trains_like_the_workers(vllm_dir, sync_run, tmp_path):
-    # vLLM in the learner's process loads the learner's weights before each iteration
+    # vLLM in the learner's process loads the learner's weights before each iteration; its
+    # groups scored in reward processes, as a vLLM run on a GPU scores them by default
     sync, sync_records, sync_grads = sync_run
+    stage = "reward.stage='separate'"
     col_run, col_records, col_grads = _train(
-        load_config(None, _overrides(vllm_dir, "sync", "colocated")), tmp_path
+        load_config(None, _overrides(vllm_dir, "sync", "colocated", stage)), tmp_path
     )
+    assert isinstance(col_run.source.worker.reward, RewardProcesses)  # not the worker's thread
     assert [r["reward_mean"] for r in col_records] == [r["reward_mean"] for r in sync_records]
     assert_same_update(
         col_run.trainer.model, sync.trainer.model, col_grads, sync_grads, grad_rtol=5e-5

@@ -28,8 +28,9 @@ class RewardConfig(Section):
     with pipeline.placement = 'separate' a stage that scores rows from the sample store as they
     arrive; colocated, rule rewards only, the processes score each group the learner's engine
     finishes while it decodes the others). Default: separate for kind 'model', and for
-    rollout.engine = 'vllm' with env.kind = 'single_turn' (an in-process vLLM shares its GIL
-    with a reward computed beside it, and the GPU waits on it); worker otherwise."""
+    rollout.engine = 'vllm' on a GPU (model.device 'cuda') with env.kind = 'single_turn' (an
+    in-process vLLM shares its GIL with a reward computed beside it, and the GPU waits on it);
+    worker otherwise."""
     num_workers: int = Field(1, ge=1)
     """stage 'separate': reward worker processes."""
     threads_per_worker: int = Field(1, ge=1)
@@ -89,8 +90,13 @@ class RewardConfig(Section):
         return self
 
 
-def default_stage(kind: str | None, engine: str | None, env_kind: str | None) -> str:
-    """reward.stage where unset: 'separate' for a reward model and for single-turn vLLM runs
-    (off the engine's GIL), 'worker' otherwise."""
+def default_stage(
+    kind: str | None, engine: str | None, env_kind: str | None, device: str | None
+) -> str:
+    """reward.stage where unset: 'separate' for a reward model and for single-turn vLLM runs on
+    a GPU (off the engine's GIL), 'worker' otherwise (on a CPU the engine's kernels hold the
+    cores a reward process would take: no faster, measured)."""
     single_turn = env_kind in (None, "single_turn")
-    return "separate" if kind == "model" or (engine == "vllm" and single_turn) else "worker"
+    gpu = (device or "cpu").startswith("cuda")
+    vllm_on_gpu = engine == "vllm" and single_turn and gpu
+    return "separate" if kind == "model" or vllm_on_gpu else "worker"

@@ -84,7 +84,8 @@ class Config(Section):
         reward = data.setdefault("reward", {})
         if "stage" not in reward:
             engine, env_kind = _key(data, "rollout", "engine"), _key(data, "env", "kind")
-            reward["stage"] = default_stage(reward.get("kind"), engine, env_kind)
+            device = _key(data, "model", "device")
+            reward["stage"] = default_stage(reward.get("kind"), engine, env_kind, device)
         return data
 
     @property
