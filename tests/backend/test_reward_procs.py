@@ -1,7 +1,8 @@
 """Reward processes beside a colocated rollout worker (`reward.stage = 'separate'`, placement
-colocated; the default with vLLM): each group is scored in another process, off the engine's
-thread, exactly as the worker scores it itself; a run so scored makes the update of the run
-scored in the worker; a reward process that dies fails every call loudly; none is left behind."""
+colocated; the default with vLLM on a GPU): each group is scored in another process, off the
+engine's thread, exactly as the worker scores it itself; a run so scored makes the update of the
+run scored in the worker; a reward process that dies fails every call loudly; none is left
+behind."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Reward processes for one rollout worker: its groups scored off the engine's thread.
 
-A colocated run with `reward.stage = "separate"` (the default with `rollout.engine = "vllm"`)
-hands each finished group's reward calls here instead of scoring them between decode steps: an
-in-process vLLM engine shares one GIL with whatever else runs in its process, so a reward
-computed there (math-verify: milliseconds to seconds a response) stalls the GPU. Each batch of
-calls goes to a free reward worker (`reward_worker_main`, the reward stage's processes) and comes
-back as a future, as `RewardRunner.submit` gives. A worker that fails or dies fails every future
-in flight and every later call, with its traceback or exit code: never a silent zero.
+A colocated run with `reward.stage = "separate"` (the default with vLLM on a GPU) hands each
+finished group's reward calls here instead of scoring them between decode steps: an in-process
+vLLM engine shares one GIL with whatever else runs in its process, so a reward computed there
+(math-verify: milliseconds to seconds a response) stalls the GPU. Each batch of calls goes to a
+free reward worker (`reward_worker_main`, the reward stage's processes) and comes back as a
+future, as `RewardRunner.submit` gives. A worker that fails or dies fails every future in
+flight and every later call, with its traceback or exit code: never a silent zero.
 
 The design in full: docs/internals.md, `cadence/backend/reward_procs.py`.
 """
