@@ -123,7 +123,8 @@ def test_tensor_parallel_workers_read_one_copy_of_a_version_and_sample_from_it(t
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     requests = [Request(tok("What is 3 + 4?")["input_ids"], [1, 2])]
-    engine = VLLMEngine(path, tok, options=VLLMOptions(enforce_eager=True, tensor_parallel_size=2))
+    tp2 = VLLMOptions(enforce_eager=True, tensor_parallel_size=2)
+    engine = VLLMEngine(path, tok, max_num_seqs=8, options=tp2)
     sent, rpc = [], engine.llm.collective_rpc
     engine.llm.collective_rpc = lambda method, **kw: sent.append((method, kw)) or rpc(method, **kw)
     try:
