@@ -99,7 +99,7 @@ def test_a_lora_adapter_alone_gives_the_policys_logprobs_version_after_version(t
                     if "lora_B" in name:
                         p.normal_(0, 0.3)
             sync(version)
-            assert not any(sync._dir.iterdir())  # vLLM read it before the sync returned
+            assert not any(sync.target._dir.iterdir())  # vLLM read it before the sync returned
             outputs = engine.generate(requests, SamplingParams(max_new_tokens=8, temperature=1.0))
             assert all(c.token_ids for c in outputs[0]) and engine.version == str(version)
             diffs.append(max_logprob_diff(policy, requests, outputs, 1.0))

@@ -13,17 +13,14 @@ version gate's, pipeline/gate.py).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-import weakref
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
-from cadence.engine import EngineWeights, TakesAdapters
-from cadence.models.lora import is_lora, plain_weights
+from cadence.engine import Engine, EngineWeights, TakesAdapters
+from cadence.engine.weights import EngineAdapter
+from cadence.models.lora import adapter_spec, adapter_tensors, is_lora, plain_weights
 
 
 class WeightSync(Protocol):
@@ -119,23 +116,17 @@ class LearnerWeights:
 
 class LearnerAdapter:
     """A LoRA policy's adapter alone for an engine in the learner's process that takes adapters
-    on its own base weights (`TakesAdapters`: colocated vLLM's LoRA requests): each sync saves
-    the adapter (peft's `save_pretrained`, float32 as it trains) to a directory of its own, the
-    engine reads it, and the directory goes. The base weights never move: they do not train."""
+    on its own base weights (`TakesAdapters`: colocated vLLM's LoRA requests): each sync hands
+    the adapter's tensors (float32, as it trains) to the engine's `EngineAdapter`, as a worker's
+    transport does. The base weights never move: they do not train."""
 
     def __init__(self, engine: TakesAdapters, policy) -> None:
-        self.engine, self.policy = engine, policy
-        self.num_bytes = num_bytes(p for n, p in policy.named_parameters() if "lora_" in n)
-        self._dir = Path(tempfile.mkdtemp(prefix="cadence-adapter-"))
-        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+        self.policy = policy
+        self.target = EngineAdapter(cast(Engine, engine), adapter_spec(policy))
+        self.num_bytes = num_bytes(t for _, t in adapter_tensors(policy))
 
     def sync(self, version: int | None = None) -> None:
-        path = self._dir / f"version-{version}"
-        self.policy.save_pretrained(path)
-        try:
-            self.engine.load_adapter(str(path), version)
-        finally:
-            shutil.rmtree(path, ignore_errors=True)
+        self.target.load(dict(adapter_tensors(self.policy)), version)
 
     __call__ = sync
 

@@ -181,13 +181,15 @@ def partial_rollouts(cfg: Config) -> PartialRollouts | None:
     return PartialRollouts(recompute=p.partial_rollout_kv == "recompute", max_lag=lag)
 
 
-def vllm_options(cfg: Config) -> VLLMOptions:
-    """The `[rollout.vllm]` table as the vLLM engine takes it."""
+def vllm_options(cfg: Config, lora_rank: int | None = None) -> VLLMOptions:
+    """The `[rollout.vllm]` table as the vLLM engine takes it; `lora_rank` (None: the run's)
+    sizes its LoRA slots."""
     options = cfg.rollout.vllm.model_dump()
     colocated = cfg.pipeline.placement == "colocated"
     # asleep while the learner trains only beside it: a worker's GPU is its own
     options["sleep_mode"] &= colocated
-    lora_rank = cfg.model.lora.r if ships_adapter(cfg) else 0
+    if lora_rank is None:
+        lora_rank = cfg.model.lora.r if ships_adapter(cfg) else 0
     in_flight = cfg.pipeline.partial_rollout
     return VLLMOptions(**options, in_flight_weights=in_flight, lora_rank=lora_rank)
 

@@ -32,11 +32,17 @@ Sync = Callable[[int | None], None]
 
 
 def open_rollout_engine(
-    cfg: Config, tokenizer, model=None, model_path: str | Path | None = None, kind: str = ""
+    cfg: Config,
+    tokenizer,
+    model=None,
+    model_path: str | Path | None = None,
+    kind: str = "",
+    lora_rank: int | None = None,
 ) -> tuple[Engine, EngineWeights]:
     """Engine `kind` (default `rollout.engine`, set up by `[rollout.vllm]`) over the model in
     `model_path` (default `model.path`), and what new weights load into. An engine that decodes
-    with a model object decodes with `model`, loaded here when None."""
+    with a model object decodes with `model`, loaded here when None. `lora_rank`: vLLM's LoRA
+    slots, where not the run's."""
     kind = kind or cfg.rollout.engine
     require_engine(kind)
     return open_engine(
@@ -46,7 +52,7 @@ def open_rollout_engine(
         cfg.rollout.max_num_seqs,
         dtype=cfg.model.dtype,
         device=cfg.model.device,
-        vllm=vllm_options(cfg),
+        vllm=vllm_options(cfg, lora_rank),
         model=model,
     )
 
@@ -140,14 +146,7 @@ def eval_engine(cfg: Config, tokenizer, model_dir: str | Path) -> tuple[Engine, 
     if adapter is None:
         return open_rollout_engine(cfg, tokenizer, model_path=model_dir)
     base, rank = adapter
-    engine, weights = open_engine(
-        cfg.rollout.engine,
-        base,
-        tokenizer,
-        cfg.rollout.max_num_seqs,
-        dtype=cfg.model.dtype,
-        vllm=replace(vllm_options(cfg), lora_rank=rank),
-    )
+    engine, weights = open_rollout_engine(cfg, tokenizer, model_path=base, lora_rank=rank)
     cast(TakesAdapters, engine).load_adapter(str(model_dir), "adapter")
     return engine, weights
 

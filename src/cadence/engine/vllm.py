@@ -83,12 +83,12 @@ class VLLMEngine:
         self._number: int | None = None  # the version loaded, as a number (partial rollouts)
         self._jobs: dict[str, tuple[_Job, int]] = {}  # vLLM request id -> (job, sample)
         self._loads = 0  # weight loads so far: the prefix cache's salt
-        self._tensor_parallel = (options or VLLMOptions()).tensor_parallel_size
-        self.takes_adapters = bool((options or VLLMOptions()).lora_rank)
+        options = options or VLLMOptions()
+        self._tensor_parallel = options.tensor_parallel_size
+        self.takes_adapters = bool(options.lora_rank)
         self._adapter = None  # the LoRA request later requests decode with (load_adapter)
         self.version_bytes = 0  # tensor parallel: the bytes of the last version's files
         self._ids = itertools.count()
-        options = options or VLLMOptions()
         check_gpu_memory(options.gpu_memory_utilization)
         # vLLM refuses enable_sleep_mode where it has none (CPU): asked there, nothing happens
         options = replace(options, sleep_mode=options.sleep_mode and sleep_mode_available())
@@ -185,8 +185,7 @@ class VLLMEngine:
         # partial rollouts keep their keys and values); later requests' salt never matches them
         if not self.llm.reset_prefix_cache() and not self.busy:
             raise RuntimeError("vLLM kept its prefix cache: keys and values of the old weights")
-        self._set_version(str(version) if version is not None else f"load-{next(self._ids)}")
-        self._number = version if isinstance(version, int) else None
+        self._loaded(version)
 
     def load_adapter(self, path: str, version: int | str | None = None) -> None:
         """Decode every later request with the LoRA adapter saved in `path` (peft's layout) on
@@ -207,6 +206,10 @@ class VLLMEngine:
             self.llm.llm_engine.remove_lora(old)
         self._adapter = adapter
         self.llm.reset_prefix_cache()  # idle: its blocks are the old adapter's
+        self._loaded(version)
+
+    def _loaded(self, version: int | str | None) -> None:
+        """Label the weights just loaded (or the adapter): `version`, or a fresh label."""
         self._set_version(str(version) if version is not None else f"load-{next(self._ids)}")
         self._number = version if isinstance(version, int) else None
 
