@@ -12,36 +12,41 @@ import collections
 from pathlib import Path
 
 import cadence
+from cadence.choices import ENGINE_NAMES, ENV_KIND_NAMES, LOSSES
 
 ROOT = Path(cadence.__file__).parent
 
-# What each top-level part may import of cadence (besides itself): down the layers only.
+# What each top-level part may import of cadence (besides itself): down the layers only. The
+# base modules import nothing of cadence: the records that cross boundaries (types), the choices
+# and their traits that both sides of the config wall read (choices), the error a bad setting
+# raises wherever it is found (errors).
+BASE = {"types", "choices", "errors"}
 ALLOWED = {
     "types": set(),
+    "choices": set(),
+    "errors": set(),
     "imports": set(),  # user code by "module:attribute"
-    # the algorithm's choice lists are cadence.types' names, read by both config/ and algo/
-    "config": {"types"},
-    "algo": {"types"},
-    "data": {"types"},
-    "models": {"types"},
-    "metrics": {"types"},
-    # the vLLM engine loads its model itself: a model it cannot run is a ModelLoadError, an
-    # engine argument vLLM does not know a ConfigError
-    "engine": {"types", "models", "config"},
-    "rewards": {"types", "imports", "data", "models"},
-    "envs": {"types", "imports", "data", "rewards"},
+    "config": BASE,
+    "algo": BASE,
+    "data": BASE,
+    "models": BASE,
+    "metrics": BASE,
+    # the vLLM engine loads its model itself: a model it cannot run is a ModelLoadError
+    "engine": BASE | {"models"},
+    "rewards": BASE | {"imports", "data", "models"},
+    "envs": BASE | {"imports", "data", "rewards"},
     # the sharded learner's driver (learner/driver.py) reaches its ranks through backend's
     # process and actor transports; backend imports nothing of the learner
-    "learner": {"types", "algo", "data", "metrics", "models", "backend"},
-    "dataplane": {"types", "metrics"},
+    "learner": BASE | {"algo", "data", "metrics", "models", "backend"},
+    "dataplane": BASE | {"metrics"},
     # the HTTP face of an engine (`cadence serve`): what a worker lends a verifiers environment;
     # tool calls in the model's chat format are envs' (chat_tools.py)
-    "serve": {"types", "engine", "models", "envs"},
+    "serve": BASE | {"engine", "models", "envs"},
     # the policy acting (workers, episodes, evaluation): above what it acts with, below what
     # carries it to processes (backend) and what runs training (pipeline)
-    "rollout": {"types", "engine", "envs", "metrics", "models", "rewards", "serve"},
+    "rollout": BASE | {"engine", "envs", "metrics", "models", "rewards", "serve"},
     # engines only as what weights load into (EngineWeights); rewards for the reward stage
-    "backend": {"types", "dataplane", "engine", "metrics", "models", "rewards", "rollout"},
+    "backend": BASE | {"dataplane", "engine", "metrics", "models", "rewards", "rollout"},
     # the runtime is config-blind: what it runs is wired by the builder from plain values, and it
     # meets engines, environments and the algorithm only through what the builder hands it
     "pipeline": {
@@ -56,8 +61,8 @@ ALLOWED = {
         "backend",
     },
     # the one place that reads the whole config and wires a run from it
-    "builder": {
-        "types",
+    "builder": BASE
+    | {
         "config",
         "algo",
         "data",
@@ -182,7 +187,7 @@ def test_layers_point_one_way():
 
 
 def test_the_runtime_reads_no_config_nor_what_the_builder_chooses():
-    assert not {"config", "engine", "envs", "algo"} & ALLOWED["pipeline"]
+    assert not {"config", "choices", "engine", "envs", "algo"} & ALLOWED["pipeline"]
     assert "builder" not in ALLOWED["pipeline"]
 
 
@@ -284,54 +289,61 @@ def test_the_class_check_sees_each_way_of_asking(tmp_path):
     assert _class_tests(probe) & ENGINE_CLASSES == {"VLLMEngine", "HFEngine", "ContinuousEngine"}
 
 
-# The environment's kind is asked of its traits (envs.kind_traits) outside the rooms that define
-# the kinds: a comparison with a kind's name elsewhere is a decision taken by name.
-ENV_KINDS = {"single_turn", "tool", "class", "openenv", "verifiers"}
-KIND_ROOMS = ("envs", "config")
+# A choice (an environment kind, an engine, a loss) is asked of its traits (cadence.choices)
+# outside the rooms that describe or implement it: a comparison with its name anywhere else, on
+# either side and whatever the other operand, is a decision taken by name.
+CHOICE_ROOMS = {
+    "environment kind": (set(ENV_KIND_NAMES), ("envs", "config")),
+    "engine": (set(ENGINE_NAMES), ("engine", "config")),
+    "loss": (set(LOSSES), ("algo", "config")),
+}
 
 
-def _kind_literals(path: Path) -> list[int]:
-    """Lines comparing something called `kind` (`cfg.env.kind`, `e.kind`, `kind`) with an
-    environment kind's name, or a tuple of them."""
+def _choice_literals(path: Path, names: set[str]) -> list[int]:
+    """Lines of comparisons (==, !=, in, not in, is) with one of `names` as a literal, alone or
+    in a tuple, list or set, on either side."""
 
-    def is_kind(node: ast.expr) -> bool:
-        return getattr(node, "attr", getattr(node, "id", "")) == "kind"
-
-    def names(node: ast.expr) -> set:
+    def literals(node: ast.expr) -> set:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             return {node.value}
         if isinstance(node, ast.Tuple | ast.List | ast.Set):
-            return set().union(*(names(e) for e in node.elts))
+            return set().union(*(literals(e) for e in node.elts))
         return set()
 
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Compare):
-            sides = [node.left, *node.comparators]
-            if any(map(is_kind, sides)) and any(names(s) & ENV_KINDS for s in sides):
-                found.append(node.lineno)
-    return found
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Compare)
+        and any(literals(side) & names for side in [node.left, *node.comparators])
+    ]
 
 
-def test_no_env_kind_compared_by_name_outside_envs_and_config():
+def test_no_choice_compared_by_name_outside_its_rooms():
     bad = [
-        f"{name}:{line}"
+        f"{name}:{line} ({what})"
+        for what, (names, rooms) in CHOICE_ROOMS.items()
         for name, path in _modules().items()
-        if _top(name) not in KIND_ROOMS
-        for line in _kind_literals(path)
+        if _top(name) not in rooms and name != "cadence.choices"
+        for line in _choice_literals(path, names)
     ]
     assert bad == []
 
 
-def test_the_kind_check_sees_each_way_of_comparing(tmp_path):
+def test_the_choice_check_sees_each_way_of_comparing(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(
         "a = cfg.env.kind == 'verifiers'\n"
-        "b = e.kind in ('tool', 'class')\n"
-        "c = kind != 'single_turn'\n"
-        "d = spec.kind == 'model'\n"  # a reward's kind: not an environment's
+        "b = env in ('tool', 'class')\n"
+        "c = 'single_turn' != e\n"
+        "d = spec.kind == 'model'\n"  # a reward's kind: no environment's
+        "e = cfg.rollout.engine != 'vllm'\n"
+        "f = 'vllm' in engines\n"
+        "g = data.get('loss') == 'gspo'\n"
     )
-    assert _kind_literals(probe) == [1, 2, 3]
+    envs, engines, losses = (names for names, _ in CHOICE_ROOMS.values())
+    assert _choice_literals(probe, envs) == [1, 2, 3]
+    assert _choice_literals(probe, engines) == [5, 6]
+    assert _choice_literals(probe, losses) == [7]
 
 
 MAX_MODULE_LINES = 450

@@ -10,25 +10,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-# The algorithm's choices by name: the config's allowed values (config/algo.py) and the keys of
-# algo/'s registries are these lists, so the two cannot drift apart.
-LOSSES = ("ppo_clip", "pg", "rloo", "online_dpo", "gspo", "cispo")
-ADVANTAGES = ("grpo", "rloo", "reinforce", "reinforce_pp", "reinforce_pp_baseline")
-LOSS_AGGREGATIONS = ("token-mean", "seq-mean", "seq-sum-norm")
-STD_MODES = ("unbiased", "population")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-CORRECTION_MODES = (
-    "none",
-    "token_truncate",
-    "token_mask",
-    "sequence_truncate",
-    "sequence_mask",
-    "geometric_mask",
-    "icepop",
-)
-PROXIMAL_POLICIES = ("decoupled", "bypass")
-DPO_LOSSES = ("sigmoid", "ipo", "ipo_token_mean")
-
 
 @dataclass(frozen=True)
 class Prompt:

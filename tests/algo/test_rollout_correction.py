@@ -25,8 +25,8 @@ from cadence.algo import (
     get_loss,
 )
 from cadence.algo.correction import TRUNCATE_MODES, level_ratio
+from cadence.choices import PROXIMAL_POLICIES
 from cadence.config import AlgoConfig, ConfigError, load_config
-from cadence.types import PROXIMAL_POLICIES
 
 # Two responses of 3 tokens; the second's last token is not trained (loss_mask 0) and carries a
 # log-ratio of 1000 that must change nothing. Token ratios rho = pi_old / pi_behaviour:

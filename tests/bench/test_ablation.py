@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cadence.bench import ablation, trl_peer
+from cadence.bench import ablation, trl_setup
 from cadence.bench.common import interleave, median_row
 from cadence.cli import main
 
@@ -121,7 +121,7 @@ def test_bad_input_exits_2_and_names_the_culprit(model_dir, tmp_path, capsys, ex
 
 
 def test_unavailable_cells_are_refused_with_the_reason(model_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(trl_peer, "available", lambda: False)
+    monkeypatch.setattr(trl_setup, "available", lambda: False)
     assert main(cli_args(model_dir, tmp_path, "--cells", "sync/share/reuse,trl")) == 2
     assert "pip install 'cadence[bench]'" in capsys.readouterr().err
     monkeypatch.setattr(ablation, "offpolicy_support", lambda config, overrides: "no such mode")

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cadence.bench import trl_peer
+from cadence.bench import trl_peer, trl_setup
 from cadence.cli import main
 from cadence.config import ConfigError, load_config
 from cadence.models import load_model
@@ -37,7 +37,7 @@ def test_both_tools_report_positive_figures_and_the_same_settings(model_dir, tmp
         assert row["tpspd"] == pytest.approx(row["num_tokens"] / row["wall_s"], rel=1e-9)
     # what each tool reports it ran with (cadence's config, TRL's trainer.args and state) agrees
     settings = report["settings"]
-    for key in trl_peer.SHARED_SETTINGS:
+    for key in trl_setup.SHARED_SETTINGS:
         assert settings["cadence"][key] == settings["trl"][key], key
     assert settings["trl"]["optimizer_steps"] == 1 and settings["trl"]["group_size"] == 4
     # trained tokens counted the same way: TRL's own count agrees with ours, and both tools saw
@@ -58,14 +58,14 @@ def test_trl_arguments_map_the_workload(model_dir, tmp_path):
     from trl import GRPOConfig
 
     cfg = load_config(None, [*workload(model_dir), "train.iterations=3", "algo.scale_by_std=false"])
-    args = trl_peer.trl_args(cfg, tmp_path)
+    args = trl_setup.trl_args(cfg, tmp_path)
     # 4 prompts x 4 samples per optimizer step, in micro-batches of 2 groups = 8 sequences
     assert args["per_device_train_batch_size"] == 8 and args["gradient_accumulation_steps"] == 2
     assert args["max_steps"] == 3 and args["max_completion_length"] == 12
     assert args["loss_type"] == "dapo" and args["scale_rewards"] == "none"
     assert args["mask_truncated_completions"] is False
     masked = load_config(None, [*workload(model_dir), "algo.mask_truncated=true"])
-    assert trl_peer.trl_args(masked, tmp_path)["mask_truncated_completions"] is True
+    assert trl_setup.trl_args(masked, tmp_path)["mask_truncated_completions"] is True
     config = GRPOConfig(**args)
     assert config.generation_batch_size == 16 and config.steps_per_generation == 2
     assert config.gradient_checkpointing is False and config.optim == "adamw_torch"
@@ -79,19 +79,19 @@ def test_a_lora_workload_trains_the_same_adapter_in_trl(model_dir, model, tmp_pa
 
     lora = "model.lora={r=4, alpha=8.0, dropout=0.05, target_modules=['v_proj', 'q_proj']}"
     cfg = load_config(None, [*workload(model_dir), lora])
-    peft_config = trl_peer.trl_peft_config(cfg)
+    peft_config = trl_setup.trl_peft_config(cfg)
     assert (peft_config.r, peft_config.lora_alpha, peft_config.lora_dropout) == (4, 8.0, 0.05)
     assert set(peft_config.target_modules) == {"q_proj", "v_proj"}
     # read back from the model TRL wraps, from cadence's config and from the model cadence
     # wraps: the same setting (the settings table compares the first two)
-    trl_side = trl_peer.trained_lora(get_peft_model(model, peft_config))
+    trl_side = trl_setup.trained_lora(get_peft_model(model, peft_config))
     assert trl_side == "r=4, alpha=8.0, dropout=0.05, targets=['q_proj', 'v_proj']"
     assert config_lora(cfg) == trl_side
     spec = LoraSpec(4, 8.0, 0.05, ("v_proj", "q_proj"))
-    assert trl_peer.trained_lora(apply_lora(load_model(model_dir), spec)) == trl_side
+    assert trl_setup.trained_lora(apply_lora(load_model(model_dir), spec)) == trl_side
     plain = load_config(None, workload(model_dir))
-    assert trl_peer.trl_peft_config(plain) is None and config_lora(plain) == "off"
-    assert trl_peer.trained_lora(load_model(model_dir)) == "off"
+    assert trl_setup.trl_peft_config(plain) is None and config_lora(plain) == "off"
+    assert trl_setup.trained_lora(load_model(model_dir)) == "off"
 
 
 @pytest.mark.parametrize(
@@ -114,7 +114,7 @@ def test_a_lora_workload_trains_the_same_adapter_in_trl(model_dir, model, tmp_pa
 def test_workloads_trl_cannot_match_are_refused(model_dir, tmp_path, capsys, override, needle):
     cfg = load_config(None, [*workload(model_dir), override])
     with pytest.raises(ConfigError, match=needle):
-        trl_peer.check_workload(cfg)
+        trl_setup.check_workload(cfg)
     assert main(cli_args(model_dir, tmp_path, "--suite", "trl", "--set", override)) == 2
     assert needle in capsys.readouterr().err
 

@@ -173,14 +173,15 @@ def test_partial_rollouts_with_a_vllm_worker(vllm_dir, tmp_path):
 
 
 def test_missing_vllm_exits_2_with_the_install_command(vllm_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(checks, "vllm_available", lambda: False)
+    monkeypatch.setattr(checks, "installed", lambda package: package != "vllm")
     (tmp_path / "run.toml").write_text("")
     args = ["train", str(tmp_path / "run.toml"), "--out", str(tmp_path / "run")]
     for o in _overrides(vllm_dir):
         args += ["--set", o]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "rollout.engine = 'vllm' needs vLLM" in err and "pip install 'cadence[vllm]'" in err
+    assert "rollout.engine = 'vllm' needs the package 'vllm'" in err
+    assert "pip install 'cadence[vllm]'" in err
     with pytest.raises(ConfigError, match="pip install"):
         build_run(load_config(None, _overrides(vllm_dir)))
 

@@ -1,6 +1,7 @@
 """Pure RL algorithm pieces: advantage estimators, policy and preference losses, registry.
 
-Everything here is a function of tensors; it imports only torch, the stdlib and `cadence.types`.
+Everything here is a function of tensors; it imports only torch, the stdlib, `cadence.types` and
+`cadence.choices`.
 """
 
 from cadence.algo.advantages import (
@@ -52,7 +53,7 @@ from cadence.algo.registry import (
     needs_reference,
 )
 from cadence.algo.shaping import overlong_penalty
-from cadence.types import CORRECTION_MODES, DPO_LOSSES, KL_ESTIMATORS, PROXIMAL_POLICIES
+from cadence.choices import CORRECTION_MODES, DPO_LOSSES, KL_ESTIMATORS, PROXIMAL_POLICIES
 
 __all__ = [
     "ADVANTAGES",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cadence.types import STD_MODES
+from cadence.choices import STD_MODES
 
 STD_EPS = 1e-4
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cadence.types import LOSS_AGGREGATIONS
+from cadence.choices import LOSS_AGGREGATIONS
 
 AGG_MODES = LOSS_AGGREGATIONS
 

@@ -11,16 +11,17 @@ from dataclasses import dataclass
 from cadence.algo.advantages import STD_EPS, STD_MODES
 from cadence.algo.aggregation import AGG_MODES
 from cadence.algo.correction import TRUNCATE_MODES
-from cadence.types import (
+from cadence.choices import (
     CORRECTION_MODES,
     DPO_LOSSES,
     KL_ESTIMATORS,
+    LOSS_KINDS,
     PROXIMAL_POLICIES,
 )
 
 # Losses whose per-token term holds the ratio pi / pi_old: under the bypass (old = behaviour) that
 # ratio is already the importance weight, so a rollout correction adds only its mask to them.
-RATIO_LOSSES = frozenset({"ppo_clip", "gspo", "cispo"})
+RATIO_LOSSES = frozenset(name for name, kind in LOSS_KINDS.items() if kind.ratio)
 
 
 @dataclass(frozen=True)

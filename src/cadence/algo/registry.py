@@ -1,8 +1,8 @@
 """Name -> function tables for advantage estimators and losses.
 
 The learner looks its algorithm up here by the config's name and never branches on it; a new
-loss is added by inserting it into `LOSSES` (and into `PAIR_LOSSES` when it is normalised per
-preference pair, like online DPO), a new estimator into `ADVANTAGES` (and into
+loss is added by inserting it into `LOSSES` (its traits, such as being normalised per preference
+pair like online DPO, are its row in `cadence.choices`), a new estimator into `ADVANTAGES` (and into
 `BATCH_ADVANTAGES` when it needs the whole batch's rewards at once). Nothing here holds state.
 """
 
@@ -31,8 +31,9 @@ from cadence.algo.losses import (
     rloo_loss,
 )
 from cadence.algo.params import AlgoParams
-from cadence.types import ADVANTAGES as ADVANTAGE_NAMES
-from cadence.types import LOSSES as LOSS_NAMES
+from cadence.choices import ADVANTAGES as ADVANTAGE_NAMES
+from cadence.choices import LOSS_KINDS
+from cadence.choices import LOSSES as LOSS_NAMES
 
 AdvantageFn = Callable[[Tensor, "AdvantageContext"], Tensor]  # rewards (N, G) -> (N, G)
 LossFn = Callable[[PolicyBatch, AlgoParams], tuple[Tensor, dict[str, Tensor]]]
@@ -94,8 +95,8 @@ LOSSES: dict[str, LossFn] = {
 # Losses over preference pairs rather than tokens: the learner divides their sum by the global
 # batch's number of pairs (their `num_pairs` metric), they need the frozen reference, and they
 # read no old_logprobs (no importance ratio).
-PAIR_LOSSES = frozenset({"online_dpo"})
-# one list of names for the registries and the config's allowed values (cadence.types)
+PAIR_LOSSES = frozenset(name for name, kind in LOSS_KINDS.items() if kind.pairs)
+# one list of names for the registries and the config's allowed values (cadence.choices)
 assert tuple(ADVANTAGES) == ADVANTAGE_NAMES and tuple(LOSSES) == LOSS_NAMES
 
 

@@ -6,7 +6,8 @@ drift hits all of them alike, and reports the median. Suites:
 - `shared-prompt` (bench/shared_prompt.py): one training iteration with each micro-batch layout.
 - `engine` (bench/engine.py): static batching, `model.generate` and continuous batching on a
   long-tailed and a uniform response-length workload.
-- `trl` (bench/trl_peer.py): cadence and TRL's GRPOTrainer on the same workload.
+- `trl` (bench/trl_peer.py, TRL set up by bench/trl_setup.py): cadence and TRL's GRPOTrainer on
+  the same workload.
 - `ablation` (bench/ablation.py): pipeline x shared prompt x old-logprob reuse, plus TRL.
 - `ranks` (bench/ranks.py): one learner process against `learner.ranks` ranks (FSDP, DDP):
   iteration time and memory per process.

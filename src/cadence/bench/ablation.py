@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import cadence.bench.trl_peer as trl_peer
+import cadence.bench.trl_setup as trl_setup
 from cadence.bench.common import interleave, machine, median_row, package_version
 from cadence.bench.runs import FIGURES, run_cadence, workload_config
 from cadence.config import Config, ConfigError, load_config
@@ -88,7 +88,7 @@ def choose_cells(
     """The cells to run (`text`: comma-separated names, or None for the full grid) and why
     off-policy or TRL are left out. Raises ConfigError for an unknown or unavailable cell."""
     offpolicy_reason = offpolicy_support(config, overrides)
-    trl_ok = trl_peer.available()
+    trl_ok = trl_setup.available()
     notes = {
         "offpolicy_available": offpolicy_reason is None,
         "offpolicy_reason": offpolicy_reason,
@@ -105,7 +105,7 @@ def choose_cells(
         if c == TRL:
             if not trl_ok:
                 raise ConfigError(
-                    f"cell '{TRL}' needs trl, which is not installed: {trl_peer.INSTALL_HINT}"
+                    f"cell '{TRL}' needs trl, which is not installed: {trl_setup.INSTALL_HINT}"
                 )
             continue
         try:
@@ -151,11 +151,11 @@ def bench_ablation(
     names, notes = choose_cells(cells, config, overrides)
     configs = {n: _cell_config(config, overrides, n) for n in names}  # fail early on bad input
     if TRL in configs:
-        trl_peer.check_workload(configs[TRL])
+        trl_setup.check_workload(configs[TRL])
     out.mkdir(parents=True, exist_ok=True)
 
     def run_cell(name: str, rep: int) -> dict:
-        run = trl_peer.run_trl if name == TRL else run_cadence
+        run = trl_setup.run_trl if name == TRL else run_cadence
         return run(configs[name], out / "runs" / f"{name.replace('/', '-')}-{rep}")
 
     samples = interleave(names, repeats, run_cell)
@@ -258,7 +258,7 @@ def markdown_report(report: dict) -> str:
     if not report["offpolicy_available"]:
         parts.append(f"offpolicy-1 not run: {report['offpolicy_reason']}")
     if not report["trl_available"]:
-        parts.append(f"TRL not run: trl is not installed ({trl_peer.INSTALL_HINT}).")
+        parts.append(f"TRL not run: trl is not installed ({trl_setup.INSTALL_HINT}).")
     return "\n".join(parts)
 
 

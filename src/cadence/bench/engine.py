@@ -130,13 +130,15 @@ class _VLLM:
 
 
 RUNNERS = {"static": _static, "generate": _generate, "continuous": _continuous}
+OWN_COPY = {"vllm": _VLLM}  # engines that load their own copy of the model, started once
+BASELINE = "static"  # every row's speed is given against this engine's on its workload
 
 
 def default_engines() -> tuple[str, ...]:
     """Cadence's engines, and vLLM where it is installed."""
     from cadence.engine.vllm import vllm_available
 
-    return (*ENGINES, "vllm") if vllm_available() else ENGINES
+    return (*ENGINES, *OWN_COPY) if vllm_available() else ENGINES
 
 
 def bench_engine(
@@ -161,18 +163,19 @@ def bench_engine(
             init_model("tiny", path, ArithmeticTask(difficulty=2).corpus(5000), seed=0)
         model, tokenizer = load_model(path), load_tokenizer(path)
         runners = dict(RUNNERS)
-        if "vllm" in engines:  # it loads the directory itself
-            runners["vllm"] = _VLLM(str(path), tokenizer, max_num_seqs)
+        own = set(engines) & set(OWN_COPY)  # they load the directory themselves
+        for name in own:
+            runners[name] = OWN_COPY[name](str(path), tokenizer, max_num_seqs)
         try:
             requests = _requests(tokenizer, num_prompts, group_size)
             rows = _measure(
                 model, tokenizer, runners, engines, workloads, repeats, requests, max_num_seqs
             )
         finally:
-            if "vllm" in engines:
-                runners["vllm"].engine.close()
+            for name in own:
+                runners[name].engine.close()
     for row in rows:
-        base = next(r for r in rows if r["workload"] == row["workload"] and r["engine"] == "static")
+        base = next(r for r in rows if (r["workload"], r["engine"]) == (row["workload"], BASELINE))
         row["vs_static"] = round(row["new_tokens_per_s"] / base["new_tokens_per_s"], 2)
     (out / "bench.json").write_text(json.dumps(rows, indent=2))
     (out / "bench.md").write_text(markdown_table(rows))

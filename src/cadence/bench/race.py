@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cadence.bench.common import machine, package_version
 from cadence.bench.runs import workload_config
-from cadence.bench.trl_peer import INSTALL_HINT, Meter, available, check_workload, trl_trainer
+from cadence.bench.trl_setup import INSTALL_HINT, Meter, available, check_workload, trl_trainer
 from cadence.config import Config, ConfigError
 from cadence.metrics import binomial_stderr
 from cadence.metrics.tables import markdown_table as table

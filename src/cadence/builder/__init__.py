@@ -18,6 +18,7 @@ from cadence.builder.checks import (
 )
 from cadence.builder.params import (
     algo_params,
+    engine_options,
     learner_params,
     learner_threads,
     loop_params,
@@ -70,6 +71,7 @@ __all__ = [
     "check_before_loading",
     "check_group_size",
     "check_sharded",
+    "engine_options",
     "env_spec",
     "evaluate_model",
     "heldout_evaluator",

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from cadence.algo import ADVANTAGES, AdvantageContext, get_advantage, is_pair_loss
+from cadence.choices import engine_kind
 from cadence.config import Config, ConfigError
-from cadence.engine.vllm import INSTALL_HINT, vllm_available
+from cadence.engine.vllm import INSTALL_HINT
 from cadence.pipeline.checkpoint import Checkpoint, CheckpointError
 
 
@@ -60,11 +61,19 @@ def learns_from_one_sample(advantage: str) -> bool:
 
 
 def require_engine(kind: str) -> None:
-    """`rollout.engine = 'vllm'` without vLLM installed is a config error naming the install."""
-    if kind == "vllm" and not vllm_available():
+    """An engine whose package is not installed (`rollout.engine = 'vllm'` without vLLM) is a
+    config error naming the install."""
+    extra = engine_kind(kind).extra
+    if extra and not installed(extra):
         raise ConfigError(
-            f"rollout.engine = 'vllm' needs vLLM, which is not installed: {INSTALL_HINT}"
+            f"rollout.engine = '{kind}' needs the package '{extra}', which is not installed: "
+            f"{INSTALL_HINT}"
         )
+
+
+def installed(package: str) -> bool:
+    """Whether `package` can be imported (without importing it)."""
+    return importlib.util.find_spec(package) is not None
 
 
 def max_prompt_tokens(cfg: Config, max_positions: int | None) -> int:

@@ -17,6 +17,7 @@ from cadence.algo import AlgoParams
 from cadence.backend.placement import Placement, PlacementError, place, visible_gpus
 from cadence.builder.checks import check_trackers, require_ray
 from cadence.builder.tasks import env_spec
+from cadence.choices import engine_kind
 from cadence.config import Config, ConfigError, PipelineConfig, to_toml
 from cadence.engine import SamplingParams
 from cadence.engine.vllm import VLLMOptions
@@ -29,6 +30,7 @@ from cadence.rewards import RewardSpec
 from cadence.rollout import PartialRollouts, WorkerSpec
 
 T = TypeVar("T")
+EngineOptions = VLLMOptions  # the options of each engine that takes some (choices.ENGINES)
 
 
 def from_sections(cls: type[T], *sections: Any, **given: Any) -> T:
@@ -161,7 +163,7 @@ def worker_spec(cfg: Config, sampling: SamplingParams) -> WorkerSpec:
         threads=cfg.pipeline.threads_per_worker,
         max_num_seqs=cfg.rollout.max_num_seqs,
         engine=cfg.rollout.engine,
-        vllm=vllm_options(cfg),  # read by an engine that takes them (vllm) only
+        engine_options=engine_options(cfg),
         reward_timeout_s=cfg.reward.timeout_s,
         reward_concurrency=cfg.reward.concurrency,
         answer_format=cfg.reward.answer_format,
@@ -181,6 +183,15 @@ def partial_rollouts(cfg: Config) -> PartialRollouts | None:
     return PartialRollouts(recompute=p.partial_rollout_kv == "recompute", max_lag=lag)
 
 
+def engine_options(
+    cfg: Config, kind: str = "", lora_rank: int | None = None
+) -> EngineOptions | None:
+    """The options of engine `kind` (default `rollout.engine`) from its own section under
+    `[rollout]` (`choices.ENGINES`), None for an engine that takes none."""
+    section = engine_kind(kind or cfg.rollout.engine).options
+    return ENGINE_OPTIONS[section](cfg, lora_rank) if section else None
+
+
 def vllm_options(cfg: Config, lora_rank: int | None = None) -> VLLMOptions:
     """The `[rollout.vllm]` table as the vLLM engine takes it; `lora_rank` (None: the run's)
     sizes its LoRA slots."""
@@ -194,12 +205,15 @@ def vllm_options(cfg: Config, lora_rank: int | None = None) -> VLLMOptions:
     return VLLMOptions(**options, in_flight_weights=in_flight, lora_rank=lora_rank)
 
 
+ENGINE_OPTIONS = {"vllm": vllm_options}  # an options section -> what builds the engine's options
+
+
 def ships_adapter(cfg: Config) -> bool:
     """Whether a LoRA policy's versions reach its vLLM engines as the adapter alone (their LoRA
     requests): beside the learner, and in local worker processes without partial rollouts
     (which would keep requests of several adapters in flight); else as merged whole weights
     (Ray's transports are not tested with adapters)."""
-    if cfg.model.lora is None or cfg.rollout.engine != "vllm":
+    if cfg.model.lora is None or not engine_kind(cfg.rollout.engine).adapters:
         return False
     p = cfg.pipeline
     return p.placement == "colocated" or (p.backend == "local" and not p.partial_rollout)
@@ -225,7 +239,7 @@ def tasks_in_flight(cfg: Config) -> int:
     p, r = cfg.pipeline, cfg.rollout
     if p.tasks_in_flight:
         return p.tasks_in_flight
-    if r.engine == "static":  # a task is its batch: more queued adds no parallelism
+    if not engine_kind(r.engine).streams:  # a task is its batch: more queued adds no parallelism
         return 2
     fill = math.ceil(r.max_num_seqs / (p.prompts_per_task * r.group_size))
     held = cfg.train.prompts_per_iteration * (1 + max_staleness(cfg))

@@ -16,7 +16,7 @@ from typing import cast
 
 from cadence.backend import RewardProcesses, learner_sync
 from cadence.builder.checks import require_engine
-from cadence.builder.params import reward_spec, sampling_params, vllm_options, worker_spec
+from cadence.builder.params import engine_options, reward_spec, sampling_params, worker_spec
 from cadence.builder.tasks import env_error, heldout_set
 from cadence.config import Config
 from cadence.engine import Engine, EngineWeights, TakesAdapters, keeps_own_copy, open_engine
@@ -39,7 +39,7 @@ def open_rollout_engine(
     kind: str = "",
     lora_rank: int | None = None,
 ) -> tuple[Engine, EngineWeights]:
-    """Engine `kind` (default `rollout.engine`, set up by `[rollout.vllm]`) over the model in
+    """Engine `kind` (default `rollout.engine`, set up by its own options) over the model in
     `model_path` (default `model.path`), and what new weights load into. An engine that decodes
     with a model object decodes with `model`, loaded here when None. `lora_rank`: vLLM's LoRA
     slots, where not the run's."""
@@ -52,7 +52,7 @@ def open_rollout_engine(
         cfg.rollout.max_num_seqs,
         dtype=cfg.model.dtype,
         device=cfg.model.device,
-        vllm=vllm_options(cfg, lora_rank),
+        options=engine_options(cfg, kind, lora_rank),
         model=model,
     )
 

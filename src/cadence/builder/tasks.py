@@ -2,7 +2,7 @@
 start's segments.
 
 Whether the environment brings its own tasks, renders its own prompts, fits its own prompt
-lengths or has reference answers is asked of its kind (`envs.kind_traits`), never compared by
+lengths or has reference answers is asked of its kind (`choices.env_kind`), never compared by
 name. Only the builder and the CLI call these; they read the config tree, nothing else does.
 """
 
@@ -12,6 +12,7 @@ from itertools import islice
 from pathlib import Path
 
 from cadence.builder.checks import max_prompt_tokens
+from cadence.choices import env_kind
 from cadence.config import Config, ConfigError
 from cadence.data import (
     ChatRender,
@@ -28,7 +29,6 @@ from cadence.envs import (
     EnvSpec,
     check_env,
     demonstration,
-    kind_traits,
 )
 from cadence.pipeline.prompts import PromptFilter, heldout_prompts
 from cadence.types import Prompt
@@ -40,7 +40,7 @@ def make_task(cfg: Config):
     split by `data.seed`. A reasoning-gym mix builds each of its datasets here, so a bad name or
     config key stops the run before it trains (a `DataError`, exit code 2)."""
     d = cfg.data
-    if kind_traits(cfg.env.kind).own_tasks:
+    if env_kind(cfg.env.kind).own_tasks:
         return verifiers_tasks(cfg)
     if d.task == "reasoning_gym" and d.reasoning_gym is not None:
         rg = d.reasoning_gym
@@ -99,7 +99,7 @@ def prompt_render(cfg: Config, tokenizer) -> Render:
     """How every prompt of the run is rendered: `data.prompt_template`, or a chat template (a
     verifiers environment renders its own: the prompt's text is the task's, as it is)."""
     d = cfg.data
-    if kind_traits(cfg.env.kind).own_tasks:
+    if env_kind(cfg.env.kind).own_tasks:
         return PlainRender("{question}")
     if d.chat_template is False:
         return PlainRender(d.prompt_template)
@@ -122,7 +122,7 @@ def prompt_filter(cfg: Config, tokenizer, max_positions: int | None = None) -> P
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    if kind_traits(cfg.env.kind).own_tasks:  # it refuses a rendered prompt that cannot fit
+    if env_kind(cfg.env.kind).own_tasks:  # it refuses a rendered prompt that cannot fit
         return PromptFilter(None)
     limit = max_prompt_tokens(cfg, max_positions)
     return PromptFilter(encode, limit, cfg.rollout.on_long_prompt)
@@ -132,7 +132,7 @@ def env_spec(cfg: Config) -> EnvSpec:
     """The episode settings workers build their environment from; tools or environment classes
     that cannot be loaded, or break their contract, are a config error here, before any worker
     starts. The chat kinds carry `data.chat_template`'s Jinja text when it names a file."""
-    e, kind = cfg.env, kind_traits(cfg.env.kind)
+    e, kind = cfg.env, env_kind(cfg.env.kind)
     if not kind.answers:
         return EnvSpec()
     if kind.own_tasks:
@@ -177,7 +177,7 @@ def sft_segments(cfg: Config):
     """How the warm start splits an answer into (text, trained) pieces: with the calculator among
     the tools, each worked step becomes a call (trained) and its result (not trained); else the
     whole answer is trained. A verifiers taskset has no reference answers to train on."""
-    kind = kind_traits(cfg.env.kind)
+    kind = env_kind(cfg.env.kind)
     if not kind.reference_answers:
         raise ConfigError(
             "cadence sft trains on a task's reference answers, and a verifiers taskset has none: "
@@ -194,7 +194,7 @@ def tokenizer_corpus(cfg: Config, n: int) -> list[str]:
     demonstrations too (so the call syntax gets tokens of its own)."""
     task = make_task(cfg)
     corpus = task.corpus(n)
-    if kind_traits(cfg.env.kind).syntax_tools:
+    if env_kind(cfg.env.kind).syntax_tools:
         split = sft_segments(cfg)
         examples: list[Example] = list(islice(task.train_iter(), n))
         template = cfg.data.prompt_template

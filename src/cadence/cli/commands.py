@@ -82,7 +82,7 @@ def cmd_init_reward_model(args: argparse.Namespace) -> int:
 
 def cmd_sft(args: argparse.Namespace) -> int:
     from cadence.builder import make_task, prompt_render, set_threads, sft_segments
-    from cadence.envs import kind_traits
+    from cadence.choices import env_kind
     from cadence.learner.sft import cache_key, is_cached, run_sft
     from cadence.models import load_tokenizer
     from cadence.models.io import check_model_dir
@@ -92,7 +92,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     base, out = Path(s.base), Path(s.out)
     check_model_dir(base)
     data = cfg.data.model_dump()
-    if kind_traits(cfg.env.kind).answers:  # the demonstrations differ (single-turn keys stay)
+    if env_kind(cfg.env.kind).answers:  # the demonstrations differ (single-turn keys stay)
         data["env"] = cfg.env.model_dump()
     key = cache_key(s.model_dump(), data, cfg.train.seed, base)
     if is_cached(out, key) and not args.force:

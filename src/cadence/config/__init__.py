@@ -11,7 +11,7 @@ read the whole config; components take plain keyword arguments.
 from cadence.config.algo import AlgoConfig
 from cadence.config.base import ConfigError, Section, check_custom_resources
 from cadence.config.data import DataConfig, ReasoningGymConfig, ReasoningGymDataset
-from cadence.config.env import ENV_KEYS, EPISODES, EnvConfig
+from cadence.config.env import EnvConfig
 from cadence.config.files import apply_overrides, load_config, to_toml
 from cadence.config.model import LoraSettings, ModelConfig
 from cadence.config.reward import RewardConfig
@@ -27,8 +27,6 @@ from cadence.config.train import (
 )
 
 __all__ = [
-    "ENV_KEYS",
-    "EPISODES",
     "RAY_ONLY",
     "VLLM_RESERVED_ARGS",
     "AlgoConfig",

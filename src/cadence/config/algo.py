@@ -1,4 +1,4 @@
-"""`[algo]`: the RL objective. Its choices are the algorithm's own names (cadence.types), which
+"""`[algo]`: the RL objective. Its choices are the algorithm's own names (cadence.choices), which
 algo/'s registries hold too: one list for both."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from cadence.config.base import Section, changed
-from cadence.types import (
+from cadence.choices import (
     ADVANTAGES,
     CORRECTION_MODES,
     DPO_LOSSES,
@@ -17,7 +16,9 @@ from cadence.types import (
     LOSSES,
     PROXIMAL_POLICIES,
     STD_MODES,
+    loss_kind,
 )
+from cadence.config.base import Section, changed
 
 
 class AlgoConfig(Section):
@@ -94,20 +95,26 @@ class AlgoConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _gspo_aggregation(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("loss") == "gspo":
-            data.setdefault("loss_agg", "seq-mean")  # GSPO's objective: the mean over sequences
+        if isinstance(data, dict) and data.get("loss") in LOSSES:
+            own = loss_kind(data["loss"]).aggregation  # GSPO's objective: the mean over sequences
+            if own:
+                data.setdefault("loss_agg", own)
         return data
 
     @model_validator(mode="before")
     @classmethod
     def _rloo_advantage(cls, data: Any) -> Any:
-        if not isinstance(data, dict) or data.get("loss") != "rloo":
+        if not isinstance(data, dict) or data.get("loss") not in LOSSES:
             return data
-        advantage = data.setdefault("advantage", "rloo")
-        if advantage != "rloo":
+        own = loss_kind(data["loss"]).advantage
+        if not own:
+            return data
+        advantage = data.setdefault("advantage", own)
+        if advantage != own:
             raise ValueError(
-                f"algo.loss = 'rloo' computes leave-one-out advantages itself; "
-                f"algo.advantage = {advantage!r} would be ignored: set it to 'rloo' or leave it out"
+                f"algo.loss = '{data['loss']}' computes its advantages itself ('{own}'); "
+                f"algo.advantage = {advantage!r} would be ignored: set it to '{own}' or leave it "
+                "out"
             )
         return data
 
@@ -119,11 +126,10 @@ class AlgoConfig(Section):
                 f"on-policy tokens); got {self.tis_cap}"
             )
         corrects = self.tis_cap > 0 or self.rollout_correction != "none"
-        if self.loss == "online_dpo" and (
-            self.kl_coef > 0 or corrects or self.correction_proximal != "decoupled"
-        ):
+        pairs = loss_kind(self.loss).pairs
+        if pairs and (self.kl_coef > 0 or corrects or self.correction_proximal != "decoupled"):
             raise ValueError(
-                "algo.loss = 'online_dpo' takes no algo.kl_coef or algo.tis_cap, nor a rollout "
+                f"algo.loss = '{self.loss}' takes no algo.kl_coef or algo.tis_cap, nor a rollout "
                 "correction (dpo_beta pulls towards the reference; there is no importance ratio): "
                 "set both to 0, algo.rollout_correction = 'none' and algo.correction_proximal = "
                 "'decoupled'"
@@ -134,14 +140,14 @@ class AlgoConfig(Section):
                 f"algo.clip_ratio_c must be 0 (off) or > 1 (the dual clip bounds the loss of a "
                 f"negative advantage at -A * clip_ratio_c); got {self.clip_ratio_c}"
             )
-        if self.clip_ratio_c > 0 and self.loss != "ppo_clip":
+        if self.clip_ratio_c > 0 and not loss_kind(self.loss).dual_clip:
             raise ValueError(
                 f"algo.clip_ratio_c is dual-clip PPO: it applies to algo.loss = 'ppo_clip' only, "
                 f"not '{self.loss}'; set algo.clip_ratio_c = 0"
             )
-        if self.mask_truncated and self.loss == "online_dpo":
+        if self.mask_truncated and pairs:
             raise ValueError(
-                "algo.mask_truncated would leave online_dpo pairs with an empty response: "
+                f"algo.mask_truncated would leave {self.loss} pairs with an empty response: "
                 "set algo.mask_truncated = false (or reward.overlong_buffer to penalise length)"
             )
         return self
@@ -167,7 +173,7 @@ class AlgoConfig(Section):
                 "without it would cut or shrink every on-policy token"
             )
         truncate = self.rollout_correction in ("token_truncate", "sequence_truncate")
-        ratio_loss = self.loss in ("ppo_clip", "gspo", "cispo")
+        ratio_loss = loss_kind(self.loss).ratio
         if self.correction_proximal == "bypass" and truncate and ratio_loss:
             raise ValueError(
                 f"algo.rollout_correction = '{self.rollout_correction}' with "

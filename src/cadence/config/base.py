@@ -7,9 +7,9 @@ from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict
 
+from cadence.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message names the key."""
+__all__ = ["RAY_BUILTIN_RESOURCES", "ConfigError", "Section", "changed", "check_custom_resources"]
 
 
 class Section(BaseModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from cadence.choices import CHAT_KINDS, ENGINES, engine_kind, env_kind
 from cadence.config.algo import AlgoConfig
 from cadence.config.base import changed, check_custom_resources
 from cadence.config.data import DataConfig
@@ -44,7 +45,7 @@ def check_reasoning_gym_rows(cfg: Sections) -> None:
 
 
 def check_chat_environments_need_a_chat_template(cfg: Sections) -> None:
-    if cfg.env.kind in ("class", "openenv") and cfg.data.chat_template is False:
+    if env_kind(cfg.env.kind).chat and cfg.data.chat_template is False:
         raise ValueError(
             f"env.kind = '{cfg.env.kind}' writes tool calls and replies in the model's chat "
             "template: set data.chat_template = true (the tokenizer's, if it renders tools) "
@@ -73,7 +74,7 @@ def check_reward_stage_needs_workers(cfg: Sections) -> None:
             "reward.kind = 'model' scores in a reward stage beside the rollout workers: set "
             "pipeline.placement = 'separate'"
         )
-    if placement == "separate" and env in ("class", "openenv"):
+    if placement == "separate" and env in CHAT_KINDS:  # their rewards come with the episode
         raise ValueError(
             f"reward.stage = 'separate' with pipeline.placement = 'separate' scores every "
             f"response with reward.function, and env.kind = '{env}' gives rewards of its own, "
@@ -111,7 +112,7 @@ def check_overlong_buffer_fits(cfg: Sections) -> None:
         )
     if buffer > longest:
         what = "rollout.max_new_tokens"
-        if cfg.env.kind != "single_turn":
+        if env_kind(cfg.env.kind).answers:
             what = "the episode's cap (env.max_turns x rollout.max_new_tokens, at most "
             what += "env.max_total_tokens)"
         raise ValueError(
@@ -181,26 +182,29 @@ def check_partial_rollout_engine(cfg: Sections) -> None:
     each token's version, and responses of one turn."""
     if not cfg.pipeline.partial_rollout:
         return
-    engine = cfg.rollout.engine
-    if engine == "vllm" and cfg.rollout.vllm.engine_args.get("async_scheduling"):
+    engine, kv = cfg.rollout.engine, cfg.pipeline.partial_rollout_kv
+    offered = engine_kind(engine).in_flight
+    if not offered:
+        takers = " or ".join(f"'{n}'" for n, k in ENGINES.items() if k.in_flight)
+        raise ValueError(
+            f"pipeline.partial_rollout = true with rollout.engine = '{engine}': it decodes a "
+            "whole batch in one call, with no step between tokens to load weights at; use "
+            f"rollout.engine = {takers}"
+        )
+    if cfg.rollout.vllm.engine_args.get("async_scheduling"):
         raise ValueError(
             "pipeline.partial_rollout = true with rollout.vllm.engine_args.async_scheduling = "
             "true: a step scheduled before a weight load would compute under the old weights and "
             "be stamped with the new version; leave async_scheduling out (cadence turns it off)"
         )
-    if engine == "vllm" and cfg.pipeline.partial_rollout_kv == "recompute":
+    if kv not in offered:
+        takers = " or ".join(f"'{n}'" for n, k in ENGINES.items() if kv in k.in_flight)
         raise ValueError(
-            "pipeline.partial_rollout_kv = 'recompute' with rollout.engine = 'vllm': the "
-            "vLLM engine keeps the keys and values of requests in flight; use "
-            "partial_rollout_kv = 'keep', or rollout.engine = 'continuous' to recompute"
+            f"pipeline.partial_rollout_kv = '{kv}' with rollout.engine = '{engine}': the engine "
+            f"keeps the keys and values of requests in flight as {' or '.join(offered)} only; "
+            f"use partial_rollout_kv = '{offered[0]}', or rollout.engine = {takers} to {kv}"
         )
-    if engine == "static":
-        raise ValueError(
-            "pipeline.partial_rollout = true with rollout.engine = 'static': static batches "
-            "decode a whole batch in one call, with no step between tokens to load weights "
-            "at; use rollout.engine = 'continuous' (or 'vllm')"
-        )
-    if cfg.env.kind != "single_turn":
+    if env_kind(cfg.env.kind).answers:
         raise ValueError(
             f"pipeline.partial_rollout = true with env.kind = '{cfg.env.kind}': partial "
             "rollouts load weights between decode steps of single responses, not inside "
@@ -265,7 +269,8 @@ def check_tensor_parallel(cfg: Sections) -> None:
     """A vLLM worker splits its model over the GPUs it holds: tensor parallel N needs N of
     them, and a colocated engine's N GPUs beside one learner process is refused."""
     tp, p = cfg.rollout.vllm.tensor_parallel_size, cfg.pipeline
-    if tp == 1 or cfg.rollout.engine != "vllm" or not cfg.model.device.startswith("cuda"):
+    splits = engine_kind(cfg.rollout.engine).tensor_parallel
+    if tp == 1 or not splits or not cfg.model.device.startswith("cuda"):
         return
     if p.placement == "separate" and p.num_gpus_per_worker < tp:
         raise ValueError(

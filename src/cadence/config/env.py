@@ -8,11 +8,12 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from cadence.choices import ENV_KEYS, ENV_KIND_NAMES, env_kind
 from cadence.config.base import Section, changed
 
 
 class EnvConfig(Section):
-    kind: Literal["single_turn", "tool", "class", "openenv", "verifiers"] = "single_turn"
+    kind: Literal[ENV_KIND_NAMES] = "single_turn"
     """single_turn: one prompt, one response; tool: multi-turn episodes in which the policy calls
     tools with <call>NAME: ARGUMENT</call> and reads <result>...</result>
     (src/cadence/envs/syntax.py); a turn without a call is the final answer; class: an
@@ -88,22 +89,10 @@ class EnvConfig(Section):
             )
         if self.kind == "class" and self.factories == {}:
             raise ValueError("env.factories is empty: name at least one environment class")
-        if self.kind == "openenv" and not self.factory:
-            raise ValueError("env.kind = 'openenv' needs env.factory = 'package.module:Class'")
+        own = env_kind(self.kind).factory
+        if own and not self.factory and not self.factories:
+            raise ValueError(f"env.kind = '{self.kind}' needs env.factory = '{own}'")
         return self
-
-
-EPISODES = ("tool", "class", "openenv")  # the kinds whose samples are multi-turn episodes
-
-
-ENV_KEYS = {  # key -> the kinds it applies to
-    "tools": ("tool",),
-    "factory": ("class", "openenv", "verifiers"),
-    "factories": ("class",),
-    "max_turns": (*EPISODES, "verifiers"),  # verifiers: the environment's own, stated
-    "max_total_tokens": (*EPISODES, "verifiers"),
-    "tool_timeout_s": EPISODES,
-}
 
 
 _FACTORY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from cadence.choices import ENGINES, ENV_KINDS
 from cadence.config.base import Section
 
 
@@ -96,7 +97,8 @@ def default_stage(
     """reward.stage where unset: 'separate' for a reward model and for single-turn vLLM runs on
     a GPU (off the engine's GIL), 'worker' otherwise (on a CPU the engine's kernels hold the
     cores a reward process would take: no faster, measured)."""
-    single_turn = env_kind in (None, "single_turn")
+    # read before the sections validate: an unknown name is refused by its own key later
+    single_turn = env_kind not in ENV_KINDS or not ENV_KINDS[env_kind].answers
     gpu = (device or "cpu").startswith("cuda")
-    vllm_on_gpu = engine == "vllm" and single_turn and gpu
-    return "separate" if kind == "model" or vllm_on_gpu else "worker"
+    holds_gil = engine in ENGINES and ENGINES[engine].gil_on_gpu
+    return "separate" if kind == "model" or (holds_gil and single_turn and gpu) else "worker"

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from cadence.choices import ENGINE_NAMES, engine_kind
 from cadence.config.base import Section
 
 # vLLM arguments cadence sets itself (engine/vllm.py): not for rollout.vllm.engine_args
@@ -80,7 +81,7 @@ class RolloutConfig(Section):
     max_prompt_tokens tokens; counted as prompts_skipped / prompts_truncated in metrics.jsonl."""
     max_num_seqs: int = Field(256, ge=1)
     """Most sequences an engine decodes at once (its slots)."""
-    engine: Literal["continuous", "static", "vllm"] = "continuous"
+    engine: Literal[ENGINE_NAMES] = "continuous"
     """continuous: a finished sequence's slot is refilled at once and each group leaves as soon as
     it is complete; static: batches that end with their slowest sequence; vllm: vLLM's engine
     (paged attention, CUDA graphs, prefix cache, tensor parallelism), set up by [rollout.vllm];
@@ -97,7 +98,7 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _vllm_keys_for_vllm(self) -> RolloutConfig:
-        if self.engine != "vllm" and self.vllm != VLLMConfig():
+        if engine_kind(self.engine).options != "vllm" and self.vllm != VLLMConfig():
             raise ValueError(
                 f"rollout.vllm applies to rollout.engine = 'vllm' only, not '{self.engine}': "
                 "set the engine or leave [rollout.vllm] out"

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from cadence.choices import env_kind
 from cadence.config.algo import AlgoConfig
 from cadence.config.base import Section
 from cadence.config.checks import check_all
@@ -97,7 +98,7 @@ class Config(Section):
         verifiers, which enforces its own limits, the two as stated: check_overlong_buffer_fits
         asks for them before a penalty shapes its episodes)."""
         r, e = self.rollout, self.env
-        if e.kind == "single_turn":
+        if not env_kind(e.kind).answers:
             return r.max_new_tokens
         return min(e.max_turns * r.max_new_tokens, e.max_total_tokens)
 
@@ -105,7 +106,7 @@ class Config(Section):
     def response_budget(self) -> tuple[int, str]:
         """(the most tokens after the prompt, the key that sets them): rollout.max_new_tokens, or
         with an environment the whole episode (env.max_total_tokens: turns and tool replies)."""
-        if self.env.kind != "single_turn":
+        if env_kind(self.env.kind).answers:
             return self.env.max_total_tokens, "env.max_total_tokens"
         return self.rollout.max_new_tokens, "rollout.max_new_tokens"
 

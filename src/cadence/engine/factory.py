@@ -2,11 +2,11 @@
 
 'continuous' (cadence's slot engine; falls back to 'static', with a warning, where
 `check_continuous` finds it does not reproduce the model), 'static' (batches that end with their
-slowest sequence) and 'vllm' (its own copy of the model, loaded from the model directory).
-`open_engine` also answers what new weights load into (`EngineWeights`): the model the engine
-decodes with, or a skeleton of the engine's own copy. Everything else asks an engine what it is
-through the Engine Protocol (`owns_weights`); nothing outside this module tests an engine's class
-or name.
+slowest sequence) and 'vllm' (its own copy of the model, loaded from the model directory, set up
+by its options). What each engine brings is its row in `cadence.choices.ENGINES`; `open_engine`
+also answers what new weights load into (`EngineWeights`): the model the engine decodes with, or
+a skeleton of the engine's own copy. Everything else asks an engine what it is through the Engine
+Protocol (`owns_weights`) or its kind's traits; nothing outside this module tests its class.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from cadence.choices import ENGINE_NAMES, engine_kind
 from cadence.engine.base import Engine, Request, SamplingParams
 from cadence.engine.continuous import ContinuousEngine, UnsupportedModel
 from cadence.engine.hf import HFEngine
@@ -24,7 +25,9 @@ from cadence.engine.weights import EngineWeights
 if TYPE_CHECKING:
     from cadence.engine.vllm import VLLMOptions
 
-KINDS = ("continuous", "static", "vllm")
+    EngineOptions = VLLMOptions  # the options of each engine that takes some (choices.ENGINES)
+
+KINDS = ENGINE_NAMES
 
 
 def make_engine(
@@ -35,17 +38,21 @@ def make_engine(
     *,
     model_path: str | None = None,
     dtype: str = "float32",
-    vllm: VLLMOptions | None = None,
+    options: EngineOptions | None = None,
 ) -> Engine:
     """'continuous' (falls back to 'static', with a warning, where the check fails), 'static',
-    or 'vllm' (its own copy of the model in `model_path`, as `dtype`; `model` is not used)."""
-    if kind == "vllm":
+    or 'vllm' (its own copy of the model in `model_path`, as `dtype`; `model` is not used).
+    `options`: the engine's own settings, for an engine that takes some (None: its defaults)."""
+    traits = engine_kind(kind)
+    if options is not None and not traits.options:
+        raise ValueError(f"engine {kind!r} takes no options; got {type(options).__name__}")
+    if traits.own_copy:
         from cadence.engine.vllm import VLLMEngine
 
         if model_path is None:
-            raise ValueError("the 'vllm' engine loads its own model: pass model_path")
+            raise ValueError(f"the {kind!r} engine loads its own model: pass model_path")
         return VLLMEngine(
-            model_path, tokenizer, max_num_seqs=max_num_seqs, dtype=dtype, options=vllm
+            model_path, tokenizer, max_num_seqs=max_num_seqs, dtype=dtype, options=options
         )
     if kind == "continuous":
         reason = check_continuous(model, tokenizer)
@@ -56,17 +63,13 @@ def make_engine(
             "using static batches (rollout.engine = 'static')",
             stacklevel=2,
         )
-    elif kind != "static":
-        raise ValueError(f"unknown engine {kind!r}; use {', '.join(repr(k) for k in KINDS)}")
     return HFEngine(model, tokenizer, max_num_seqs=max_num_seqs)
 
 
 def keeps_own_copy(kind: str) -> bool:
     """Whether engine `kind` loads its own copy of the model (so none is loaded for it): what its
     instances answer as `owns_weights`, known before one is built."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown engine {kind!r}; use {', '.join(repr(k) for k in KINDS)}")
-    return kind == "vllm"
+    return engine_kind(kind).own_copy
 
 
 def open_engine(
@@ -77,7 +80,7 @@ def open_engine(
     *,
     dtype: str = "float32",
     device: str = "cpu",
-    vllm: VLLMOptions | None = None,
+    options: EngineOptions | None = None,
     model=None,
 ) -> tuple[Engine, EngineWeights]:
     """Engine `kind` over the model in `model_path`, and its weights as new ones load into them.
@@ -90,7 +93,7 @@ def open_engine(
 
     if keeps_own_copy(kind):
         engine = make_engine(
-            kind, None, tokenizer, max_num_seqs, model_path=model_path, dtype=dtype, vllm=vllm
+            kind, None, tokenizer, max_num_seqs, model_path=model_path, dtype=dtype, options=options
         )
         return engine, EngineWeights(engine, load_skeleton(model_path, DTYPES[dtype]))
     if model is None:

@@ -102,7 +102,7 @@ class VLLMOptions:
             # partial step, which vLLM's CPU runner cannot ("CPU Generator does not use
             # offset"): every batch of more prompt tokens than a step takes crashed the engine
             if self.engine_args.get("enable_chunked_prefill"):
-                from cadence.config import ConfigError
+                from cadence.errors import ConfigError
 
                 raise ConfigError(
                     "rollout.vllm.engine_args.enable_chunked_prefill = true: vLLM on a CPU "
@@ -136,7 +136,7 @@ def check_gpu_memory(utilization: float, free_total: tuple[int, int] | None = No
     free, total = free_total
     if utilization * total <= free:
         return
-    from cadence.config import ConfigError
+    from cadence.errors import ConfigError
 
     fits = max(int((free / total - 0.02) * 100) / 100, 0.0)
     raise ConfigError(
@@ -170,7 +170,7 @@ def start_llm(model_path: str, kwargs: dict):
 
         unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineArgs)})
         if unknown:
-            from cadence.config import ConfigError
+            from cadence.errors import ConfigError
 
             raise ConfigError(
                 f"rollout.vllm.engine_args.{unknown[0]}: vLLM {vllm_version()} has no engine "

@@ -5,7 +5,7 @@ contract, OpenEnv environments in-process, and deterministic fakes.
 The design in full: docs/internals.md, `cadence/envs/__init__.py`.
 """
 
-from cadence.envs.base import KINDS, Budget, Environment, EnvReply, Episode
+from cadence.envs.base import Budget, Environment, EnvReply, Episode
 from cadence.envs.calculator import Calculator, CalculatorError, calculator, demonstration
 from cadence.envs.chat_tools import (
     ChatFormat,
@@ -23,9 +23,8 @@ from cadence.envs.classes import (
     reset_row,
 )
 from cadence.envs.fake import ScriptedEnv, SingleTurnEnv, replies
-from cadence.envs.kinds import KindTraits, kind_traits
 from cadence.envs.openenv import OpenEnvEnv, load_openenv, observation_text
-from cadence.envs.spec import CHAT_KINDS, EnvSpec, VerifiersEnv, check_env, make_env
+from cadence.envs.spec import EnvSpec, VerifiersEnv, check_env, make_env
 from cadence.envs.syntax import (
     CALL_END,
     CALL_START,
@@ -53,8 +52,6 @@ __all__ = [
     "BUILTIN",
     "CALL_END",
     "CALL_START",
-    "CHAT_KINDS",
-    "KINDS",
     "RESULT_END",
     "RESULT_START",
     "Budget",
@@ -70,7 +67,6 @@ __all__ = [
     "Factory",
     "FactoryError",
     "InstancePool",
-    "KindTraits",
     "MalformedCall",
     "MalformedToolCall",
     "OpenEnvEnv",
@@ -90,7 +86,6 @@ __all__ = [
     "check_env",
     "demonstration",
     "error_text",
-    "kind_traits",
     "load_factory",
     "load_openenv",
     "load_tool",

@@ -18,9 +18,6 @@ from typing import Protocol
 
 from cadence.types import Prompt
 
-# "single_turn" needs no environment; the others are built by envs/spec.py's `make_env`
-KINDS = ("single_turn", "tool", "class", "openenv", "verifiers")
-
 
 @dataclass(frozen=True)
 class Budget:

@@ -13,19 +13,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cadence.envs.base import KINDS, Budget, Environment
-from cadence.envs.kinds import TRAITS
+from cadence.choices import env_kind
+from cadence.envs.base import Budget, Environment
 from cadence.envs.tool_env import ToolEnv
 from cadence.envs.tools import load_tools
-
-CHAT_KINDS = tuple(k for k, t in TRAITS.items() if t.chat)  # calls and replies in a chat template
 
 
 @dataclass(frozen=True)
 class EnvSpec:
     """Plain, picklable settings a worker process builds its environment from (`make_env`)."""
 
-    kind: str = "single_turn"  # one of KINDS
+    kind: str = "single_turn"  # one of cadence.choices.ENV_KINDS
     tools: tuple[str, ...] = ()  # "tool": "calculator" or "package.module:function"
     max_turns: int = 4
     max_total_tokens: int = 256
@@ -36,8 +34,7 @@ class EnvSpec:
     renderer: str = "plain"  # "verifiers": "plain" (cadence's) or "model" (the chat template's)
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"env kind {self.kind!r} is unknown; allowed: {', '.join(KINDS)}")
+        env_kind(self.kind)  # a kind it does not know raises, naming those it does
         if self.kind == "class" and bool(self.factory) == bool(self.factories):
             raise ValueError("env kind 'class' needs a factory or factories, not both")
         if self.kind == "openenv" and not self.factory:

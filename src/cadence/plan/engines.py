@@ -41,7 +41,7 @@ class Simulation(Protocol):
     def group_ready(self, k: int, i: int) -> None: ...
 
 
-class ContinuousEngine:
+class ContinuousBatching:
     """Up to `sim.slots` sequences; a finished sequence's slot is refilled at once."""
 
     def __init__(self, sim: Simulation) -> None:
@@ -117,7 +117,7 @@ class ContinuousEngine:
         self.wake()
 
 
-class StaticEngine:
+class StaticBatching:
     """One task at a time, as a local worker process runs them (engine/hf.py, worker.py)."""
 
     def __init__(self, sim: Simulation) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cadence.choices import engine_kind
 from cadence.config import ConfigError
 from cadence.plan.costs import DeviceSpec, ModelShape, Profile, from_hardware
 from cadence.plan.lengths import LengthsError, ResponseLengths, load_empirical
@@ -212,7 +213,7 @@ def plan_cluster(
     measured, most = spec.plan.iterations, _max_staleness(spec)
     for name in spec.plan.modes:
         mode, placement, n, partial = parse_mode(name)
-        if partial and work.batching != "continuous":
+        if partial and not engine_kind(work.batching).streams:
             note = f"{name}: partial rollouts need continuous batching; skipped"
             if note not in notes:
                 notes.append(note)

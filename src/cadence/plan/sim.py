@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from cadence.choices import engine_kind
 from cadence.plan.costs import Throughput
-from cadence.plan.engines import ContinuousEngine, StaticEngine
+from cadence.plan.engines import ContinuousBatching, StaticBatching
 
 MODES = ("sync", "periodic", "offpolicy")
 PARTIAL_KV = ("", "keep", "recompute")  # "": no partial rollouts
@@ -126,7 +127,7 @@ def _check(shape: Shape, work: Workload, lengths: np.ndarray) -> None:
         raise ValueError(f"unknown batching {work.batching!r}; allowed: {BATCHING}")
     if shape.partial not in PARTIAL_KV:
         raise ValueError(f"unknown partial {shape.partial!r}; allowed: keep, recompute, ''")
-    if shape.partial and (shape.mode != "offpolicy" or work.batching != "continuous"):
+    if shape.partial and (shape.mode != "offpolicy" or not engine_kind(work.batching).streams):
         raise ValueError("partial rollouts need offpolicy mode and continuous batching")
     if shape.placement == "colocated" and shape.mode != "sync":
         raise ValueError("colocated placement runs only in sync mode")
@@ -177,7 +178,7 @@ class Simulation:
         self.left = [[G] * work.prompts_per_iteration for _ in range(self.iterations)]
         self.ready: list[list[int]] = [[] for _ in range(self.iterations)]
         num_engines = shape.num_inference // work.devices_per_engine(shape.placement)
-        engine = ContinuousEngine if work.batching == "continuous" else StaticEngine
+        engine = ContinuousBatching if engine_kind(work.batching).streams else StaticBatching
         self.engines = [engine(self) for _ in range(num_engines)]
         self.learner = _Learner(self)
 
@@ -215,7 +216,7 @@ class Simulation:
 
     def _items(self, k: int) -> list:
         n, G = self.work.prompts_per_iteration, self.work.group_size
-        if self.work.batching == "continuous":
+        if engine_kind(self.work.batching).streams:
             return [(k, i, j) for i in range(n) for j in range(G)]
         per_task = self.work.prompts_per_task
         if self.shape.placement == "colocated":  # the colocated source runs one batch per engine

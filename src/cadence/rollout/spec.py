@@ -21,6 +21,8 @@ from cadence.rollout.worker import PartialRollouts, RolloutWorker
 
 if TYPE_CHECKING:
     from cadence.engine.vllm import VLLMOptions
+
+    EngineOptions = VLLMOptions  # the options of each engine that takes some (choices.ENGINES)
     from cadence.models.lora import AdapterSpec
     from cadence.rewards import RewardScorer
 
@@ -42,7 +44,7 @@ class WorkerSpec:
     reward_concurrency: int | None = None  # reward calls in flight at once (None: its default)
     answer_format: str = "auto"  # reward.answer_format of the "math" reward
     env: EnvSpec = field(default_factory=EnvSpec)  # single turn unless told otherwise
-    vllm: VLLMOptions | None = None  # engine 'vllm': the [rollout.vllm] settings
+    engine_options: EngineOptions | None = None  # the engine's own settings, if it takes some
     partial: PartialRollouts | None = None  # new weights between decode steps (partial rollouts)
     device: str = "cpu"  # where an engine that decodes a model object holds it ("cuda": the
     # first GPU the worker's process sees; vLLM places itself on that same GPU)
@@ -88,7 +90,7 @@ def build_worker(
             spec.max_num_seqs,
             dtype=spec.dtype,
             device=spec.device,
-            vllm=spec.vllm,
+            options=spec.engine_options,
         )
         if spec.adapter is not None:  # the engine keeps its base weights; versions are adapters
             weights = EngineAdapter(engine, spec.adapter)
