@@ -406,7 +406,7 @@ def step_broadcast(check: Check) -> dict:
 
     import torch
 
-    from cadence.backend.ray_weights import BroadcastReceiver, BroadcastWeights, num_bytes
+    from cadence.backend.ray.weights import BroadcastReceiver, BroadcastWeights, num_bytes
     from cadence.engine import EngineWeights, ScriptedEngine
 
     send_dev, recv_dev = _gpus_or_cpu(check, 2)

@@ -70,7 +70,7 @@ def make_models(root: Path, names: list[str]) -> dict[str, Path]:
 def make_pool(method: str, spec: WorkerSpec, model, workers: int):
     if method == "local-shm":
         return LocalPool(spec, SharedWeights(model), workers)
-    from cadence.backend.ray_pool import RayPool
+    from cadence.backend.ray.pool import RayPool
 
     weight_sync = "object_store" if method == "ray-object-store" else "broadcast"
     return RayPool(spec, model, workers, num_cpus_per_worker=0.5, weight_sync=weight_sync)
@@ -176,7 +176,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/ray-weight-sync")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from cadence.backend.ray_pool import start_ray
+    from cadence.backend.ray.pool import start_ray
 
     start_ray(None, num_cpus=2)  # one local Ray for every Ray measurement
     meta = {

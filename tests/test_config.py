@@ -408,3 +408,14 @@ def test_a_reward_stage_that_would_drop_an_environments_own_rewards_is_refused(k
     ]
     with pytest.raises(ConfigError, match=f"env.kind = '{kind}' gives rewards of its own"):
         load_config(None, sets)
+
+
+def test_periodic_with_dynamic_sampling_and_several_steps_is_refused_not_run_unlike_sync():
+    # which groups fill a step would follow the order they finish in: periodic would not make
+    # sync's update, so the pair is refused; one step, or sync, is accepted
+    sampling = ["pipeline.filter_groups='zero_variance'", "train.mini_batches=2"]
+    periodic = ["pipeline.placement='separate'", "pipeline.mode='periodic'"]
+    with pytest.raises(ConfigError, match=r"train\.mini_batches = 2: dynamic sampling"):
+        load_config(None, [*sampling, *periodic])
+    load_config(None, sampling)  # sync
+    load_config(None, [*periodic, "pipeline.filter_groups='zero_variance'"])  # one step

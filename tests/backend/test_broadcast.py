@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cadence.backend.ray_weights import (
+from cadence.backend.ray.weights import (
     BroadcastReceiver,
     BroadcastWeights,
     num_bytes,
@@ -146,7 +146,7 @@ def test_the_object_store_copies_a_version_twice_into_the_engine(monkeypatch):
 
     import numpy as np
 
-    from cadence.backend.ray_weights import ObjectStoreReceiver, ObjectStoreWeights
+    from cadence.backend.ray.weights import ObjectStoreReceiver, ObjectStoreWeights
 
     store = _Store()
     monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(put=store.put, get=store.get))

@@ -25,8 +25,8 @@ from updates import assert_same_update, capture_grads, max_relative_diff
 def test_importing_cadence_does_not_import_ray():
     code = (
         "import sys, cadence, cadence.cli, cadence.pipeline, cadence.builder, "
-        "cadence.backend, cadence.backend.ray_pool, cadence.backend.ray_store, "
-        "cadence.backend.ray_weights, cadence.backend.ray_ranks, cadence.backend.ray_cluster, "
+        "cadence.backend, cadence.backend.ray.pool, cadence.backend.ray.store, "
+        "cadence.backend.ray.weights, cadence.backend.ray.ranks, cadence.backend.ray.cluster, "
         "cadence.learner.driver; "
         "assert 'ray' not in sys.modules, sorted(m for m in sys.modules if m.startswith('ray'))"
     )
@@ -38,7 +38,7 @@ def test_a_ray_imported_before_the_run_starts_one_it_can_join():
     # authentication for the Ray it starts, and the run could not join its own Ray
     # ("InvalidAuthToken ... RAY_AUTH_MODE is currently 'disabled'")
     code = (
-        "import ray; from cadence.backend.ray_pool import shutdown_ray, start_ray; "
+        "import ray; from cadence.backend.ray.pool import shutdown_ray, start_ray; "
         "start_ray(None, num_cpus=1); assert ray.get(ray.put(7)) == 7; shutdown_ray()"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
@@ -47,7 +47,7 @@ def test_a_ray_imported_before_the_run_starts_one_it_can_join():
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from cadence.backend.ray_pool import shutdown_ray, start_ray
+    from cadence.backend.ray.pool import shutdown_ray, start_ray
 
     started = start_ray(None, num_cpus=2)
     import ray
@@ -234,7 +234,7 @@ def test_killed_actor_is_replaced_and_the_update_equals_sync(
 @pytest.mark.slow
 def test_worker_exception_reaches_the_driver_with_its_traceback(ray_cluster, model_dir, tmp_path):
     from cadence.backend import WorkerError, WorkerSpec
-    from cadence.backend.ray_pool import RayPool
+    from cadence.backend.ray.pool import RayPool
     from cadence.engine import SamplingParams
 
     spec = WorkerSpec(
@@ -317,7 +317,7 @@ def test_a_sigkilled_learner_leaves_no_ray_process_behind(model_dir, tmp_path):
 
 
 def test_the_reaper_stops_the_processes_of_its_ray_session_and_no_other(tmp_path):
-    from cadence.backend import ray_reaper
+    from cadence.backend.ray import reaper as ray_reaper
 
     session = tmp_path / "session_1"
     (session / "logs").mkdir(parents=True)
@@ -366,7 +366,7 @@ def test_rank_actors_wait_on_silence_not_on_the_work_queued(ray_cluster):
     # Before: RayRanks.wait gave every reply of a wait one deadline: four queued 1-s calls
     # under a 2.5-s limit timed out though nothing hung. A hung rank is still named.
     import fixtures_ranks
-    from cadence.backend.ray_ranks import RayRanks
+    from cadence.backend.ray.ranks import RayRanks
 
     # the actors unpickle the factory before they can see the tests' folder: ship it by value
     ray_cluster.cloudpickle.register_pickle_by_value(fixtures_ranks)
@@ -387,7 +387,7 @@ def test_rank_actors_wait_on_silence_not_on_the_work_queued(ray_cluster):
 
 
 def test_the_store_lives_in_an_actor_with_the_same_behaviour(ray_cluster):
-    from cadence.backend.ray_store import ActorStore
+    from cadence.backend.ray.store import ActorStore
     from cadence.dataplane import StaleRowError, StoreClosed
     from cadence.types import SampleRow
 
@@ -411,7 +411,7 @@ def test_the_store_lives_in_an_actor_with_the_same_behaviour(ray_cluster):
 
 @pytest.mark.slow
 def test_a_ray_run_keeps_its_sample_store_in_an_actor(ray_periodic_run):
-    from cadence.backend.ray_store import ActorStore
+    from cadence.backend.ray.store import ActorStore
 
     run, records, _ = ray_periodic_run
     assert isinstance(run.source.store, ActorStore)

@@ -82,7 +82,7 @@ def _ray_reads_the_environment(env: pytest.MonkeyPatch | None) -> None:
         return
     from ray._private import ray_constants
 
-    from cadence.backend.ray_cluster import reload_ray_auth
+    from cadence.backend.ray.cluster import reload_ray_auth
 
     reload_ray_auth()
     if env is not None:
@@ -207,7 +207,7 @@ _RANKS_ON_TRAINER = "learner.ray_rank_resources={ trainer = 1 }"
 
 
 def test_a_worker_whose_resource_no_live_node_offers_stops_at_once_naming_it(cluster, model_dir):
-    from cadence.backend.ray_pool import RayPool
+    from cadence.backend.ray.pool import RayPool
     from cadence.builder import sampling_params, worker_spec
     from cadence.models import load_tokenizer
 

@@ -15,7 +15,7 @@ from cadence.learner import BadStepsError
 from cadence.metrics import MemorySink
 from cadence.models import load_model, load_tokenizer
 from cadence.pipeline import prompts as prompts_module
-from cadence.pipeline.checkpoint import list_checkpoints
+from cadence.pipeline.checkpoint_files import list_checkpoints
 from cadence.pipeline.prompts import PromptFilter, PromptStream
 
 TEMPLATE = "Question: {question}\nAnswer: "

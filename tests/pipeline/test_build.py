@@ -1,7 +1,11 @@
 import math
+from dataclasses import dataclass
+
+import pytest
 
 from cadence.algo import AlgoParams
 from cadence.builder import algo_params, build_run, train
+from cadence.builder import params as builder_params
 from cadence.config import load_config
 
 CAP = {"max_policy_tokens": 48}  # the default rollout.max_new_tokens, single-turn
@@ -36,6 +40,29 @@ def test_algo_params_carry_the_loss_and_shaping_keys():
     ]
     algo = algo_params(load_config(None, shaping))
     assert algo == AlgoParams(overlong_buffer=8, overlong_penalty=0.5, mask_truncated=True, **CAP)
+
+
+def test_every_field_a_translation_copies_is_fed_by_a_key_or_given():
+    # each parameter object the builder makes by name is complete on the default config, every
+    # field from a key of the same name or given by hand (from_sections refuses a field neither
+    # feeds), whatever the mode
+    for overrides in ([], ["pipeline.placement='separate'", "pipeline.mode='offpolicy'"]):
+        cfg = load_config(None, overrides)
+        builder_params.algo_params(cfg)
+        builder_params.learner_params(cfg)
+        builder_params.producer_params(cfg)
+        builder_params.loop_params(cfg)
+        builder_params.reward_spec(cfg)
+
+    @dataclass(frozen=True)
+    class Probe:
+        lr: float  # train.lr
+        made_up: int = 3  # no key feeds it
+
+    train_section = load_config(None, []).train
+    with pytest.raises(TypeError, match=r"Probe: .* feeds \['made_up'\]"):
+        builder_params.from_sections(Probe, train_section)
+    assert builder_params.from_sections(Probe, train_section, made_up=4).made_up == 4
 
 
 def test_online_dpo_run_builds_a_reference_without_kl_and_trains(model_dir, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cadence.cli import main
-from cadence.pipeline.checkpoint import MANIFEST, list_checkpoints
+from cadence.pipeline.checkpoint_files import MANIFEST, list_checkpoints
 
 pytestmark = pytest.mark.slow
 

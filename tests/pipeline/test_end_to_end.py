@@ -8,9 +8,10 @@ from safetensors.torch import load_file
 from cadence.builder import build_run, train
 from cadence.cli import main
 from cadence.config import load_config
+from cadence.dataplane import StaleRowError
 from cadence.engine import ScriptedEngine
 from cadence.metrics import MemorySink
-from cadence.pipeline import StaleGroupError, on_policy
+from cadence.pipeline.loop import within_staleness
 
 METRIC_FIELDS = [
     "iteration",
@@ -95,10 +96,10 @@ def test_groups_of_another_version_are_refused(model_dir):
     run = build_run(cfg)
     run.source.worker.engine = ScriptedEngine(lambda ids, seed: [5, 6])
     run.source.start_iteration(iteration=0, version=3)  # a producer from the future
-    with pytest.raises(StaleGroupError, match="policy_version 3"):
-        list(on_policy(run.source.groups(), version=0, seen=[]))
+    with pytest.raises(StaleRowError, match="policy_version 3"):  # on-policy: refused
+        list(within_staleness(run.source.groups(), 0, 0, [], []))
     run.source.start_iteration(iteration=1, version=0)
-    assert len(list(on_policy(run.source.groups(), version=0, seen=[]))) == 4
+    assert len(list(within_staleness(run.source.groups(), 0, 0, [], []))) == 4
 
 
 @pytest.mark.parametrize(

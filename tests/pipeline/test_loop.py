@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from cadence.algo import AlgoParams
+from cadence.dataplane import StaleRowError
 from cadence.learner import FakeTrainer, Scorer
 from cadence.metrics import Tracer
 from cadence.pipeline.checkpoint import (
-    MANIFEST,
-    CheckpointError,
     RunState,
     find_checkpoint,
     restore_scorer,
@@ -22,7 +21,8 @@ from cadence.pipeline.checkpoint import (
     rng_state,
     save_checkpoint,
 )
-from cadence.pipeline.loop import LoopParams, Run, StaleGroupError, run_iteration
+from cadence.pipeline.checkpoint_files import MANIFEST, CheckpointError
+from cadence.pipeline.loop import LoopParams, Run, run_iteration
 from cadence.rewards import RewardErrorBudget
 from cadence.types import Completion, Group, Prompt, SourceStats
 
@@ -86,7 +86,7 @@ def test_a_stale_group_never_reaches_the_scorer_or_the_trainer():
     trainer.version = 1
     source = ListSource([[], [_group("old", [1.0, 0.0], 0)]])
     run = _run(source, trainer, Scorer(AlgoParams()))
-    with pytest.raises(StaleGroupError):
+    with pytest.raises(StaleRowError):
         run_iteration(run, 1, RewardErrorBudget(0.1))
     assert trainer.trained == []
 

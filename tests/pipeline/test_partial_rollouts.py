@@ -21,7 +21,7 @@ from cadence.builder import build_run, train
 from cadence.engine import load_into
 from cadence.metrics import MemorySink
 from cadence.models import load_model
-from cadence.pipeline.checkpoint import list_checkpoints
+from cadence.pipeline.checkpoint_files import list_checkpoints
 from inflight import kept_cache_logprobs, learner_logprobs
 from partial_runs import PUBLISHED, publish_when_idle, thread_workers
 from runs import Cadence, in_process, run_config, train_run

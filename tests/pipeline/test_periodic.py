@@ -8,8 +8,9 @@ import pytest
 
 from cadence.backend import WorkerDied, WorkerError
 from cadence.builder import build_run, train
+from cadence.dataplane import StaleRowError
 from cadence.models import load_model
-from cadence.pipeline import StaleGroupError, WorkerSource
+from cadence.pipeline import WorkerSource
 from runs import TWO_WORKERS, pids_alive, run_config, train_run
 from updates import assert_same_update, max_relative_diff
 
@@ -110,7 +111,7 @@ class EagerProducer(WorkerSource):
 def test_producer_that_skips_the_barrier_is_caught(model_dir, tmp_path):
     run = build_run(_cfg(model_dir, "periodic", "pipeline.num_workers=1"))
     run.source.__class__ = EagerProducer
-    with pytest.raises(StaleGroupError, match="policy_version -1, learner is at 0"):
+    with pytest.raises(StaleRowError, match="policy_version -1, learner is at 0"):
         train(run, tmp_path)
     assert not multiprocessing.active_children()
 

@@ -23,7 +23,8 @@ from cadence.learner.driver import RankedLearner, split_round
 from cadence.learner.rank import RoundReply
 from cadence.metrics import Tracer
 from cadence.pipeline import WorkerSource
-from cadence.pipeline.checkpoint import Checkpoint, CheckpointError
+from cadence.pipeline.checkpoint import Checkpoint
+from cadence.pipeline.checkpoint_files import CheckpointError
 from cadence.pipeline.producer import ProducerParams
 from cadence.rollout import RolloutWorker
 from cadence.types import Completion, Group, Prompt

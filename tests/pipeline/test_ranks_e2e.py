@@ -111,7 +111,7 @@ def test_two_ranks_make_the_one_process_update(one_process, ranked, model_dir, s
 
 
 def test_ranks_on_ray_end_with_the_local_ranks_parameters(ranked):
-    from cadence.backend.ray_cluster import shutdown_ray, start_ray
+    from cadence.backend.ray.cluster import shutdown_ray, start_ray
 
     started = start_ray(None, num_cpus=3)  # a worker and two ranks, one CPU each
     try:

@@ -12,7 +12,7 @@ import torch
 
 from cadence.cli import main
 from cadence.models import load_model
-from cadence.pipeline.checkpoint import list_checkpoints
+from cadence.pipeline.checkpoint_files import list_checkpoints
 from runs import Cadence, in_process, session_alive
 
 pytestmark = pytest.mark.slow

@@ -220,7 +220,7 @@ def test_vllm_in_a_ray_actor_makes_the_local_update(vllm_dir, sync_run, tmp_path
     # the driver). The object store's path is the Ray runs' of tests/backend/test_ray.py, and a
     # whole version into vLLM the local workers' here: one Ray + vLLM run pays for both.
     weight_sync = "broadcast"
-    from cadence.backend.ray_pool import start_ray
+    from cadence.backend.ray.pool import start_ray
 
     sync, sync_records, sync_grads = sync_run
     started = start_ray(None, num_cpus=2)

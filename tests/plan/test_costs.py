@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from cadence.backend.ray_weights import BUCKET_BYTES
+from cadence.backend.ray.weights import BUCKET_BYTES
 from cadence.plan.costs import (
     SYNC_BUCKET_BYTES,
     DeviceSpec,

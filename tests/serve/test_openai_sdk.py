@@ -71,9 +71,13 @@ def test_top_logprobs_are_the_likeliest_tokens_under_the_sampling_distribution(s
 def test_a_streamed_chat_answer_is_the_unstreamed_one_in_chunks(served):
     url, _, _ = served
     whole = _ask(url, seed=11, n=2, max_tokens=12)
+    usage = {"include_usage": True}
     chunks = list(
-        _ask(url, seed=11, n=2, max_tokens=12, stream=True, stream_options={"include_usage": True})
+        _ask(url, seed=11, n=2, max_tokens=12, stream=True, stream_options=usage, logprobs=True)
     )
+    plain = list(_ask(url, seed=11, n=2, max_tokens=12, stream=True))
+    assert not any(c.choices[0].logprobs for c in plain if c.choices)  # not asked: none
+    assert [c.choices[0].delta for c in plain] == [c.choices[0].delta for c in chunks[:-1]]
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert len({c.id for c in chunks}) == 1
     for j, choice in enumerate(whole.choices):

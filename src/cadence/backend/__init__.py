@@ -1,7 +1,7 @@
 """How work reaches processes and machines, and how weights travel to them.
 
 Rollout workers (`cadence.rollout`, each run by a `WorkerLoop`) in slots of a `Pool`: spawned
-processes (`LocalPool`), Ray actors (`RayPool`, `backend.ray_pool`) or threads
+processes (`LocalPool`), Ray actors (`RayPool`, `backend.ray.pool`) or threads
 (`backend.fake.ThreadPool`, the test double); reward workers (`RewardStage`) on the same process
 machinery (`procs`); weight transports behind `WeightSync` (shared memory, Ray's object store, a
 torch.distributed broadcast; `InMemoryWeights` the fake), each with its receiving half, and
@@ -60,8 +60,8 @@ def make_pool(
         return pool, SampleStore()
     if backend != "ray":
         raise ValueError(f"unknown backend {backend!r}; choose 'local' or 'ray'")
-    from cadence.backend.ray_pool import RayPool
-    from cadence.backend.ray_store import ActorStore
+    from cadence.backend.ray.pool import RayPool
+    from cadence.backend.ray.store import ActorStore
 
     ray_pool = RayPool(spec, model, num_workers, timeout_s=timeout_s, **ray_options)
     try:

@@ -8,7 +8,7 @@ version gate's, pipeline/gate.py).
 - `LearnerWeights`: an engine with its own copy in the learner's process (colocated vLLM,
   evaluation), loaded straight from the learner's model, a LoRA adapter merged in;
   `LearnerAdapter`: the adapter alone, for such an engine that takes adapters.
-- The Ray transports (object store, broadcast) are in ray_weights.py.
+- The Ray transports (object store, broadcast) are in ray/weights.py.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from cadence.algo import ADVANTAGES, AdvantageContext, get_advantage, is_pair_lo
 from cadence.choices import engine_kind
 from cadence.config import Config, ConfigError
 from cadence.engine.vllm import INSTALL_HINT
-from cadence.pipeline.checkpoint import Checkpoint, CheckpointError
+from cadence.pipeline.checkpoint import Checkpoint
+from cadence.pipeline.checkpoint_files import CheckpointError
 
 
 def check_before_loading(cfg: Config) -> None:

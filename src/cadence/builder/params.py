@@ -36,13 +36,24 @@ EngineOptions = VLLMOptions  # the options of each engine that takes some (choic
 def from_sections(cls: type[T], *sections: Any, **given: Any) -> T:
     """Dataclass `cls` with each field the config `sections` have a key of the same name for
     (the first that has it), and the fields `given` (which win): a translation written once
-    where the names agree, and by hand where a key means something under another name."""
+    where the names agree, and by hand where a key means something under another name. A field
+    that neither a key nor `given` feeds is refused (TypeError): a parameter no config key can
+    set would otherwise keep its default unnoticed."""
     same: dict[str, Any] = {}
+    unfed = []
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         for section in sections:
             if f.name in type(section).model_fields:
                 same[f.name] = getattr(section, f.name)
                 break
+        else:
+            if f.name not in given:
+                unfed.append(f.name)
+    if unfed:
+        raise TypeError(
+            f"{cls.__name__}: no config key of {[type(s).__name__ for s in sections]} feeds "
+            f"{unfed}, and they are not given: name a key after each, or pass it"
+        )
     return cls(**(same | given))
 
 

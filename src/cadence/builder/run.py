@@ -146,7 +146,8 @@ def build_source(
 def step_groups(cfg: Config) -> int:
     """Periodic with several optimizer steps an iteration: the prompts of one step, released
     together in prompt order (pipeline/steporder.py), so each step trains what sync's would;
-    0 otherwise (one step sums everything; off-policy and dynamic sampling do not equal sync)."""
+    0 otherwise (one step sums everything; off-policy does not equal sync, and periodic with
+    dynamic sampling and several steps is refused: config/checks.py)."""
     t, p = cfg.train, cfg.pipeline
     if p.mode != "periodic" or t.mini_batches == 1 or p.filter_groups != "none":
         return 0

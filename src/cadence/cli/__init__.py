@@ -32,7 +32,7 @@ def _run(args: argparse.Namespace) -> int:
     from cadence.learner import BadStepsError
     from cadence.metrics.files import device_of
     from cadence.models import ModelLoadError
-    from cadence.pipeline.checkpoint import CheckpointError
+    from cadence.pipeline.checkpoint_files import CheckpointError
     from cadence.rewards import RewardBudgetExceeded, RewardLoadError
 
     try:

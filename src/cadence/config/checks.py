@@ -212,6 +212,20 @@ def check_partial_rollout_engine(cfg: Sections) -> None:
         )
 
 
+def check_periodic_steps_with_dynamic_sampling(cfg: Sections) -> None:
+    """Periodic makes sync's update: with dynamic sampling, which groups fill the iteration
+    depends on the order they finish in, so several optimizer steps could not be cut as sync's
+    are; the combination is refused rather than run unlike sync."""
+    p, steps = cfg.pipeline, cfg.train.mini_batches
+    if p.mode == "periodic" and p.filter_groups != "none" and steps > 1:
+        raise ValueError(
+            f"pipeline.mode = 'periodic' with pipeline.filter_groups = '{p.filter_groups}' and "
+            f"train.mini_batches = {steps}: dynamic sampling keeps groups in the order they "
+            "finish, so the groups of each optimizer step would not be sync's; set "
+            "train.mini_batches = 1, or pipeline.mode = 'sync'"
+        )
+
+
 def check_broadcast_devices(cfg: Sections) -> None:
     p = cfg.pipeline
     on_gpu = cfg.model.device.startswith("cuda")
@@ -306,6 +320,7 @@ CHECKS = (
     check_learner_ranks,
     check_verifiers_env,
     check_partial_rollout_engine,
+    check_periodic_steps_with_dynamic_sampling,
     check_broadcast_devices,
     check_local_gpus,
     check_tensor_parallel,

@@ -162,8 +162,10 @@ class PipelineConfig(Section):
     """Dynamic sampling (DAPO): zero_variance trains no group whose rewards are all equal and draws
     one more prompt for each such group, until the iteration has train.prompts_per_iteration
     informative groups (or max_oversample extra prompts were drawn; then the earliest filtered
-    groups fill the iteration). Periodic still equals sync. Counted as filtered_groups and
-    oversampled_prompts in metrics.jsonl."""
+    groups fill the iteration). Periodic still equals sync, with one optimizer step an iteration
+    (train.mini_batches = 1; with more, the groups of each step would depend on the order they
+    finish in, and the pair is refused). Counted as filtered_groups and oversampled_prompts in
+    metrics.jsonl."""
     max_oversample: int = Field(128, ge=0)
     """filter_groups: most prompts drawn beyond train.prompts_per_iteration in one iteration."""
     worker_timeout_s: float = Field(300.0, gt=0)

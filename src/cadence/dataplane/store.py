@@ -29,7 +29,7 @@ class StoreClosed(RuntimeError):
 
 class Store(Protocol):
     """What stages call on a sample store: `SampleStore` in this process, or the same class in a
-    Ray actor behind a forwarding handle (`backend.ray_store.ActorStore`)."""
+    Ray actor behind a forwarding handle (`backend.ray.store.ActorStore`)."""
 
     def put(self, rows: Sequence[SampleRow], fields: Mapping[str, Sequence[Any]]) -> None: ...
 

@@ -303,7 +303,7 @@ def start_ray_ranks(
     """`spec.world_size` rank actors in a placement group of `resources` per rank, meeting over
     TCP at rank 0's node (loopback on a Ray started for the run); rank 0 returns the gathered
     weights as numpy arrays. With GPUs in `resources` each rank trains on its own."""
-    from cadence.backend.ray_ranks import RayRanks
+    from cadence.backend.ray.ranks import RayRanks
 
     ranks = RayRanks(
         build_rank,

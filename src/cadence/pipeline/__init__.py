@@ -6,7 +6,7 @@ sources the learner reads (`source`), the data cursor (`prompts`) and checkpoint
 the config: the builder (`cadence.builder`) wires it from plain values.
 """
 
-from cadence.pipeline.loop import StaleGroupError, on_policy, run_iteration, train
+from cadence.pipeline.loop import run_iteration, train
 from cadence.pipeline.run import LoopParams, Run
 from cadence.pipeline.source import ColocatedSource, GroupSource, WorkerSource
 
@@ -15,9 +15,7 @@ __all__ = [
     "GroupSource",
     "LoopParams",
     "Run",
-    "StaleGroupError",
     "WorkerSource",
-    "on_policy",
     "run_iteration",
     "train",
 ]

@@ -22,15 +22,12 @@ from cadence.metrics.timeline import draw_timeline, write_chrome_trace
 from cadence.metrics.trackers import MlflowSink, WandbSink
 from cadence.models import save_pretrained
 from cadence.models.lora import save_merged
-from cadence.pipeline.checkpoint import (
+from cadence.pipeline.checkpoint import RunState, rng_state, save_checkpoint, set_rng_state
+from cadence.pipeline.checkpoint_files import (
     CHECKPOINTS,
     CheckpointError,
-    RunState,
     list_checkpoints,
     remove_stale_temporaries,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
 )
 from cadence.pipeline.run import LoopParams, Run
 

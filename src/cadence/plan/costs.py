@@ -215,7 +215,7 @@ def train_flops_per_token(
     return forward * (3 + (1 if reference_model else 0) + (1 if checkpointing else 0))
 
 
-SYNC_BUCKET_BYTES = 64 << 20  # backend/ray_weights.BUCKET_BYTES: a broadcast's unit
+SYNC_BUCKET_BYTES = 64 << 20  # backend/ray/weights.BUCKET_BYTES: a broadcast's unit
 TRANSPORTS = ("broadcast", "object_store", "shm")
 
 

@@ -353,15 +353,16 @@ def build_server(model_dir: str, max_num_seqs: int = 64, max_tokens: int = MAX_T
     """Load a Hugging Face causal-LM directory behind a continuous-batching engine."""
     from pathlib import Path
 
-    from cadence.engine import open_engine
+    from cadence.engine import StreamingEngine, make_engine, open_engine
     from cadence.models import load_tokenizer, max_positions, stop_token_ids
 
     tokenizer = load_tokenizer(model_dir)
     engine, weights = open_engine("continuous", str(model_dir), tokenizer, max_num_seqs)
     model = weights.model.eval()
-    # after a step that raised, the loop starts a fresh engine of the class the factory chose
-    # (ContinuousEngine or HFEngine, which take these arguments) over the same weights
-    renew = partial(type(engine), model, tokenizer, max_num_seqs=max_num_seqs)
+    # after a step that raised, the loop asks the factory for a fresh engine of the kind it
+    # chose (continuous, or static where continuous batching does not reproduce the model)
+    kind = "continuous" if isinstance(engine, StreamingEngine) else "static"
+    renew = partial(make_engine, kind, model, tokenizer, max_num_seqs)
     return Server(
         EngineLoop(engine, renew),
         tokenizer,

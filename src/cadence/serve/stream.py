@@ -38,6 +38,7 @@ def chat_chunks(
     """The chat.completion.chunk objects of `full` (the non-streamed answer)."""
     head = {"id": full["id"], "object": "chat.completion.chunk", "created": full["created"]}
     head["model"] = full["model"]
+    asked = bool(request.logprobs) or bool(request.top_logprobs)
 
     def chunk(j: int, delta: dict[str, Any], **fields: Any) -> dict[str, Any]:
         choice = {"index": j, "delta": delta, "logprobs": None, "finish_reason": None}
@@ -51,7 +52,9 @@ def chat_chunks(
         yield chunk(j, {"role": "assistant", "content": ""})
         entries = choice["logprobs"]["content"]
         for token_id, entry, delta in zip(c.token_ids, entries, deltas, strict=True):
-            yield chunk(j, {"content": delta}, logprobs={"content": [entry]}, token_ids=[token_id])
+            # a chunk carries log-probs only when asked, as OpenAI's and vLLM's do
+            logprobs = {"content": [entry]} if asked else None
+            yield chunk(j, {"content": delta}, logprobs=logprobs, token_ids=[token_id])
         calls = choice["message"].get("tool_calls") or []
         if calls:
             yield chunk(j, {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]})

@@ -24,7 +24,8 @@ def train_or_resume(config: str | None, overrides: list[str], out: Path) -> dict
 
     from cadence.builder import build_run, train
     from cadence.config import load_config
-    from cadence.pipeline.checkpoint import find_checkpoint, list_checkpoints
+    from cadence.pipeline.checkpoint import find_checkpoint
+    from cadence.pipeline.checkpoint_files import list_checkpoints
 
     cfg = load_config(config, overrides)
     if (out / "summary.json").exists():

@@ -1,6 +1,6 @@
 """Ray backend: the same inference workers as Ray actors, on this machine or across a cluster.
 
-The design in full: docs/internals.md, `cadence/backend/ray_pool.py`.
+The design in full: docs/internals.md, `cadence/backend/ray/pool.py`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 
 from cadence.backend.pool import InFlight, Lost, TaskResult
 from cadence.backend.procs import WorkerDied, WorkerError
-from cadence.backend.ray_cluster import missing, ray_request, shutdown_ray, start_ray
-from cadence.backend.ray_weights import (
+from cadence.backend.ray.cluster import missing, ray_request, shutdown_ray, start_ray
+from cadence.backend.ray.weights import (
     BroadcastReceiver,
     BroadcastWeights,
     ObjectStoreReceiver,

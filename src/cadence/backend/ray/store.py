@@ -1,7 +1,7 @@
 """The run's sample store in a Ray actor, for the Ray backend: the same `SampleStore` class,
 constructed by the actor, behind a handle with the methods the pipeline calls. Nothing of the
 store is written twice. The actor lives on the driver's node, whatever custom resources pin the
-workers elsewhere. Ray is imported only inside methods (see `ray_cluster`)."""
+workers elsewhere. Ray is imported only inside methods (see `ray.cluster`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class ActorStore:
     def __init__(self, **kwargs: Any) -> None:
         import ray
 
-        from cadence.backend.ray_cluster import on_driver_node
+        from cadence.backend.ray.cluster import on_driver_node
         from cadence.dataplane import SampleStore
 
         # on the learner's node: a worker node that is lost must not take the store with it

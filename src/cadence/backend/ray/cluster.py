@@ -1,7 +1,7 @@
 """The Ray a run uses: one it starts on this machine, or a cluster it joins, and where actors
 may run on it.
 
-The design in full: docs/internals.md, `cadence/backend/ray_cluster.py`.
+The design in full: docs/internals.md, `cadence/backend/ray/cluster.py`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import sys
 import tempfile
 from typing import Any, cast
 
-import cadence.backend.ray_reaper as ray_reaper
+import cadence.backend.ray.reaper as ray_reaper
 
-_reaper: subprocess.Popen | None = None  # of the Ray this process started (ray_reaper.py)
+_reaper: subprocess.Popen | None = None  # of the Ray this process started (ray/reaper.py)
 
 
 def local_ray_env() -> None:

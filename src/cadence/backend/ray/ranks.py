@@ -1,6 +1,6 @@
 """Rank processes as Ray actors, one per bundle of a placement group, so ranks span machines.
 
-The design in full: docs/internals.md, `cadence/backend/ray_ranks.py`.
+The design in full: docs/internals.md, `cadence/backend/ray/ranks.py`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from cadence.backend.procs import WorkerDied, WorkerError
 from cadence.backend.ranks import BUILD, Calls, Factory
-from cadence.backend.ray_cluster import missing, shutdown_ray, start_ray
+from cadence.backend.ray.cluster import missing, shutdown_ray, start_ray
 
 _KEYS = "learner.num_cpus_per_rank, learner.num_gpus_per_rank, learner.ray_rank_resources"
 

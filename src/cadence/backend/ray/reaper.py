@@ -4,9 +4,9 @@ A process of that Ray is one running the Python interpreter or a binary of the R
 file open in the session's directory (its logs): the agents rename themselves (`ray::...`) and
 overwrite their environment, but keep their logs open, and the session directory is unique to
 one `ray.init`. Linux only (it reads /proc); elsewhere no reaper is started. This module must not
-import Ray or anything of cadence: it runs as a script, `python .../ray_reaper.py SESSION RAY_DIR`.
+import Ray or anything of cadence: it runs as a script, `python .../reaper.py SESSION RAY_DIR`.
 
-The design in full: docs/internals.md, `cadence/backend/ray_reaper.py`.
+The design in full: docs/internals.md, `cadence/backend/ray/reaper.py`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,9 @@
+"""The Ray wing of the backend: the same workers, learner ranks, sample store and weight
+transports as the local backend, as Ray actors on a cluster (docs/ray.md).
+
+`cluster` starts or joins Ray and places by resources, `pool` runs rollout workers as actors,
+`ranks` learner ranks, `store` the sample store, `weights` the object-store and broadcast
+transports, `reaper` what cleans up after a killed driver. Ray is imported inside these modules
+only, on use: importing cadence never imports Ray. What the local backend shares with this wing
+(the worker loop, the transports' Protocol, placement) stays beside it in `backend/`.
+"""
