@@ -91,11 +91,12 @@ def local_pids(run, cfg: Config) -> list[int]:
         return []
     pids = [d["pid"] for d in run.trainer.described] if cfg.learner.ranks > 1 else []
     colocated_reward = getattr(getattr(run.source, "worker", None), "reward", None)
-    pids += [p.process.pid for p in getattr(colocated_reward, "procs", [])]
+    processes = getattr(colocated_reward, "processes", None)
+    pids += [p.process.pid for p in getattr(processes, "procs", [])]
     if cfg.pipeline.placement == "separate":
         source = run.source
-        stage = source.reward_stage.procs if source.reward_stage is not None else []
-        pids += [p.process.pid for p in source.pool.procs + stage]
+        stage = source.reward_stage.processes.procs if source.reward_stage is not None else []
+        pids += [p.process.pid for p in source.pool.processes.procs + stage]
     return pids
 
 

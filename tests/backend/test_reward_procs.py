@@ -37,7 +37,7 @@ def _worker(reward) -> RolloutWorker:
 def test_groups_scored_in_reward_processes_equal_those_the_worker_scores_itself():
     prompts = [Prompt(f"u{i}", f"question {i}", str(i), i) for i in range(6)]
     procs = RewardProcesses(RewardSpec("rule", "fixtures_rewards:flaky"), 2)
-    pids = [p.process.pid for p in procs.procs]
+    pids = [p.process.pid for p in procs.processes.procs]
     worker = _worker(procs)
     try:
         groups = worker.rollout(prompts, iteration=0, version=0)
@@ -52,7 +52,7 @@ def test_groups_scored_in_reward_processes_equal_those_the_worker_scores_itself(
 
 def test_a_reward_process_that_dies_fails_the_calls_in_flight_and_every_later_one():
     procs = RewardProcesses(RewardSpec("rule", "fixtures_rewards:exit_in_reward_worker"), 1)
-    pid = procs.procs[0].process.pid
+    pid = procs.processes.procs[0].process.pid
     calls = [RewardCall("p", "x" * n, "1") for n in range(4)]  # the third call exits
     try:
         with pytest.raises(WorkerDied, match=r"reward worker 0 \(pid \d+\) exited with code 3"):

@@ -124,7 +124,7 @@ def test_a_worker_that_keeps_dying_stops_the_run_and_leaves_no_process(model_dir
         "pipeline.max_worker_restarts=1",
     )
     run = build_run(cfg)
-    pids = [p.process.pid for p in run.source.pool.procs]
+    pids = [p.process.pid for p in run.source.pool.processes.procs]
     with pytest.raises(
         WorkerDied,
         match=r"worker \d \(pid \d+\) exited with code 3; prompts in flight: .*; restarted 1 "

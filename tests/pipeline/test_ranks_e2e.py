@@ -129,7 +129,7 @@ def test_a_killed_rank_stops_the_run_naming_it_and_leaves_no_process(model_dir, 
     cfg = _cfg(model_dir, "periodic", "learner.ranks=2", "train.iterations=6")
     run = build_run(cfg)
     pids = [d["pid"] for d in run.trainer.described]
-    workers = [p.process.pid for p in run.source.pool.procs]
+    workers = [p.process.pid for p in run.source.pool.processes.procs]
     killed_at = []
 
     class KillRankOne(MemorySink):

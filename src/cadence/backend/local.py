@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from cadence.backend.pool import InFlight, Lost
-from cadence.backend.procs import Processes, ProcessSlots, Sender, WorkerDied, WorkerError
+from cadence.backend.procs import Processes, Sender, WorkerDied, WorkerError
 from cadence.backend.weights import SharedReceiver, SharedWeights
 from cadence.backend.worker_loop import WorkerLoop
 from cadence.rollout import WorkerSpec, build_worker
@@ -46,7 +46,7 @@ def worker_main(wid: int, spec: WorkerSpec, tensors: dict, inbox, results) -> No
         outbox.report_error(wid)
 
 
-class LocalPool(ProcessSlots):
+class LocalPool:
     """`num_workers` spawned worker processes in fixed slots; a dead one can be `replace`d."""
 
     def __init__(
@@ -62,19 +62,23 @@ class LocalPool(ProcessSlots):
         self.weights = weights
         self.timeout_s = timeout_s
         self._pending: collections.deque = collections.deque()  # received, not yet handed out
-        self._procs = Processes("worker", worker_main, self._args, timeout_s, env=env)
+        self.processes = Processes("worker", worker_main, self._args, timeout_s, env=env)
         self._in_flight = [InFlight() for _ in range(num_workers)]
-        self._keep(self._procs.start(num_workers))
+        self._keep(self.processes.start(num_workers))
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.processes)
 
     def _args(self, wid: int) -> tuple:
         return (self.spec, self.weights.tensors)
 
     def submit(self, wid: int, task_id: int, prompts: list[Prompt], iteration: int) -> None:
         self._in_flight[wid].add(task_id, prompts, iteration)
-        self._procs.send(wid, ("rollout", (task_id, prompts, iteration)))
+        self.processes.send(wid, ("rollout", (task_id, prompts, iteration)))
 
     def send_sync_to(self, wid: int, version: int) -> None:
-        self._procs.send(wid, ("sync", version))
+        self.processes.send(wid, ("sync", version))
 
     def has_in_flight(self) -> bool:
         return any(self._in_flight)
@@ -90,7 +94,7 @@ class LocalPool(ProcessSlots):
                     return None
         kind, wid, payload = self._pending.popleft()
         if kind == "error":
-            raise self._procs.failed(wid, payload)
+            raise self.processes.failed(wid, payload)
         if kind not in ("groups", "ack"):
             raise WorkerError(f"worker {wid} sent '{kind}' while tasks were running")
         return kind, wid, payload
@@ -98,20 +102,20 @@ class LocalPool(ProcessSlots):
     def replace(self, wid: int) -> Lost:
         """Start a fresh worker in slot `wid` (it loads no version until sent a sync); return
         the tasks the old one still held, by id, with only the prompts it had not returned."""
-        self._procs.stop(wid)
+        self.processes.stop(wid)
         while self._receive(0.0):  # whatever the old worker sent before it died is here now
             pass
         self._pending = collections.deque(  # a dead worker's acknowledgements mean nothing
             m for m in self._pending if not (m[0] == "ack" and m[1] == wid)
         )
         lost, self._in_flight[wid] = self._in_flight[wid].tasks, InFlight()
-        self._procs.respawn(wid)
-        self._keep(self._procs.await_ready({wid}))
+        self.processes.respawn(wid)
+        self._keep(self.processes.await_ready({wid}))
         return lost
 
     def _receive(self, timeout_s: float) -> bool:
         """Keep every message that arrives within `timeout_s`; False if none."""
-        messages = self._procs.receive(timeout_s)
+        messages = self.processes.receive(timeout_s)
         self._keep(messages)
         return bool(messages)
 
@@ -123,15 +127,15 @@ class LocalPool(ProcessSlots):
             self._pending.append(message)
 
     def _check_alive(self) -> None:
-        wid = self._procs.dead()
+        wid = self.processes.dead()
         if wid is None:
             return
         while self._receive(0.0):  # its last results are in flight no more
             pass
         raise WorkerDied(
-            f"{self._procs.exited(wid)}; prompts in flight: {self._in_flight[wid].shown()}", wid
+            f"{self.processes.exited(wid)}; prompts in flight: {self._in_flight[wid].shown()}", wid
         )
 
     def close(self) -> None:
         """Stop every worker; terminate, then kill, any that does not exit in time."""
-        self._procs.close()
+        self.processes.close()

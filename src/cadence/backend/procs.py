@@ -118,21 +118,6 @@ def owner_gone() -> bool:
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")  # ended, not yet reaped
 
 
-class ProcessSlots:
-    """`procs` and `num_workers` of a holder of one `Processes` (its `_procs`)."""
-
-    _procs: Processes
-
-    @property
-    def procs(self) -> list:
-        """The slots (`.process` of each is its `multiprocessing.Process`)."""
-        return self._procs.procs
-
-    @property
-    def num_workers(self) -> int:
-        return len(self._procs)
-
-
 @dataclass
 class Proc:
     process: Any

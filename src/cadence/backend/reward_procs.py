@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-from cadence.backend.procs import Processes, ProcessSlots, WorkerDied
+from cadence.backend.procs import Processes, WorkerDied
 from cadence.backend.reward_stage import ScoreResult, reward_worker_main
 from cadence.metrics.trace import Span, Tracer
 from cadence.rewards import RewardCall, RewardResult, RewardSpec
@@ -27,7 +27,7 @@ from cadence.rewards import RewardCall, RewardResult, RewardSpec
 _Batch = tuple[list[RewardCall], "cf.Future[list[RewardResult]]"]  # one submit's calls
 
 
-class RewardProcesses(ProcessSlots):
+class RewardProcesses:
     """`num_workers` reward worker processes behind `submit(calls)` and `score(calls)`.
 
     Started and their scorers built at construction (a reward that cannot load fails before any
@@ -46,10 +46,10 @@ class RewardProcesses(ProcessSlots):
             raise ValueError("reward processes beside a rollout worker score rule rewards only")
         self.batch_size, self.timeout_s, self.tracer = batch_size, timeout_s, tracer
         self.failure: BaseException | None = None
-        self._procs = Processes(
+        self.processes = Processes(
             "reward worker", reward_worker_main, lambda wid: (spec,), timeout_s, tag="reward"
         )
-        self._procs.start(num_workers)
+        self.processes.start(num_workers)
         self._free = list(range(num_workers))
         self._waiting: deque[_Batch] = deque()
         self._jobs: dict[int, tuple[int, list[_Batch]]] = {}  # job -> (worker, its batches)
@@ -79,7 +79,7 @@ class RewardProcesses(ProcessSlots):
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
-        self._procs.close()
+        self.processes.close()
         self._fail(RuntimeError("the reward processes were closed"))
 
     def _dispatch(self) -> None:
@@ -94,7 +94,7 @@ class RewardProcesses(ProcessSlots):
                 size += len(batches[-1][0])
             wid = self._free.pop(0)
             calls = [call for batch, _ in batches for call in batch]
-            self._procs.send(wid, ("calls", (self._next_job, calls)))
+            self.processes.send(wid, ("calls", (self._next_job, calls)))
             self._jobs[self._next_job] = (wid, batches)
             self._next_job += 1
 
@@ -110,10 +110,10 @@ class RewardProcesses(ProcessSlots):
             self._fail(e)
 
     def _collect(self, timeout_s: float) -> bool:
-        messages = self._procs.receive(timeout_s)
+        messages = self.processes.receive(timeout_s)
         for kind, wid, payload in messages:
             if kind == "error":
-                raise self._procs.failed(wid, payload)
+                raise self.processes.failed(wid, payload)
             result: ScoreResult = payload
             with self._lock:
                 _, batches = self._jobs.pop(result.job)
@@ -129,9 +129,9 @@ class RewardProcesses(ProcessSlots):
                 origin = self.tracer.origin
                 span = Span("score", f"reward-{wid}", result.start - origin, result.end - origin)
                 self.tracer.add(span)
-        if (gone := self._procs.dead()) is not None:
+        if (gone := self.processes.dead()) is not None:
             held = len(self._jobs)
-            raise WorkerDied(f"{self._procs.exited(gone)}; batches in flight: {held}", gone)
+            raise WorkerDied(f"{self.processes.exited(gone)}; batches in flight: {held}", gone)
         return bool(messages)
 
     def _fail(self, error: BaseException) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cadence.backend.procs import Processes, ProcessSlots, Sender, WorkerDied, owner_gone
+from cadence.backend.procs import Processes, Sender, WorkerDied, owner_gone
 from cadence.dataplane import SCORER, Store, StoreClosed, record_depths
 from cadence.metrics.trace import Span, Tracer
 from cadence.rewards import RewardSpec, build_batch_scorer
@@ -63,7 +63,7 @@ def reward_worker_main(wid: int, spec: RewardSpec, inbox, results) -> None:
         outbox.report_error(wid)
 
 
-class RewardStage(ProcessSlots):
+class RewardStage:
     """`num_workers` reward worker processes and the driver thread that feeds them from `store`.
 
     Built (processes started, scorers loaded) at construction, so a broken reward fails before
@@ -87,11 +87,15 @@ class RewardStage(ProcessSlots):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._jobs: dict[int, tuple[int, list[SampleRow]]] = {}  # job -> (worker, rows)
-        self._procs = Processes(
+        self.processes = Processes(
             "reward worker", reward_worker_main, lambda wid: (spec,), timeout_s, tag="reward"
         )
-        self._procs.start(num_workers)
+        self.processes.start(num_workers)
         self._free = list(range(num_workers))
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.processes)
 
     def start(self) -> None:
         if self._thread is None:
@@ -124,7 +128,7 @@ class RewardStage(ProcessSlots):
                 )
                 if batch.rows:
                     wid = self._free.pop(0)
-                    self._procs.send(wid, ("score", (job, batch.data)))
+                    self.processes.send(wid, ("score", (job, batch.data)))
                     self._jobs[job] = (wid, batch.rows)
                     job += 1
                     record_depths(self.store, self.tracer, reward_stage=True)
@@ -136,10 +140,10 @@ class RewardStage(ProcessSlots):
     def _collect(self, timeout_s: float) -> bool:
         """Put the scores of the micro-batches finished within `timeout_s` into the store;
         False if none came. A reward worker that is gone raises `WorkerDied`."""
-        messages = self._procs.receive(timeout_s)
+        messages = self.processes.receive(timeout_s)
         for kind, wid, payload in messages:
             if kind == "error":
-                raise self._procs.failed(wid, payload)
+                raise self.processes.failed(wid, payload)
             result: ScoreResult = payload
             _, rows = self._jobs.pop(result.job)
             self.store.put(rows, {"reward": result.rewards, "reward_error": result.errors})
@@ -149,9 +153,9 @@ class RewardStage(ProcessSlots):
             start, end = result.start - origin, result.end - origin
             self.tracer.add(Span("score", f"reward-{wid}", start, end))
             record_depths(self.store, self.tracer, reward_stage=True)
-        if (gone := self._procs.dead()) is not None:
+        if (gone := self.processes.dead()) is not None:
             held = sum(len(rows) for w, rows in self._jobs.values() if w == gone)
-            raise WorkerDied(f"{self._procs.exited(gone)}; rows in flight: {held}", gone)
+            raise WorkerDied(f"{self.processes.exited(gone)}; rows in flight: {held}", gone)
         return bool(messages)
 
     def close(self) -> None:
@@ -160,4 +164,4 @@ class RewardStage(ProcessSlots):
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
-        self._procs.close()
+        self.processes.close()

@@ -145,19 +145,6 @@ class TakesAdapters(Protocol):
         ...
 
 
-class ModelEngine:
-    """What cadence's own engines share: they decode with `model` itself, padding with the
-    tokenizer's pad id, at most `max_num_seqs` sequences at a time."""
-
-    owns_weights = False  # it decodes with `model`: whatever changes that model changes it
-
-    def __init__(self, model, tokenizer, max_num_seqs: int = 256) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.max_num_seqs = max_num_seqs
-        self.pad_id = tokenizer.pad_token_id
-
-
 class BatchStepper:
     """A batch-only Engine seen as a StreamingEngine: one step generates everything added."""
 

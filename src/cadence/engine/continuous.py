@@ -19,7 +19,6 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from cadence.engine.base import (
-    ModelEngine,
     Request,
     SamplingParams,
     eval_mode,
@@ -131,7 +130,7 @@ class _Slot:
     versions: list[int] = field(default_factory=list)
 
 
-class ContinuousEngine(ModelEngine):
+class ContinuousEngine:
     """Slot-based continuous batching over any Hugging Face causal LM with full attention.
 
     Streaming use: `add(key, request, params)` any time, then `step()` until `busy` is False;
@@ -139,8 +138,11 @@ class ContinuousEngine(ModelEngine):
     Protocol) does that for a list of requests and returns them in order.
     """
 
+    owns_weights = False  # it decodes with `model`: whatever changes that model changes it
+
     def __init__(self, model, tokenizer, max_num_seqs: int = 256) -> None:
-        super().__init__(model, tokenizer, max_num_seqs)
+        self.model, self.tokenizer, self.max_num_seqs = model, tokenizer, max_num_seqs
+        self.pad_id = tokenizer.pad_token_id
         self.params: SamplingParams | None = None
         self.waiting: deque[_Job] = deque()
         self.slots: list[_Slot] = []  # active slots, in slot order

@@ -17,7 +17,6 @@ from collections.abc import Iterator
 import torch
 
 from cadence.engine.base import (
-    ModelEngine,
     Request,
     SamplingParams,
     eval_mode,
@@ -27,7 +26,16 @@ from cadence.engine.base import (
 from cadence.types import Completion
 
 
-class HFEngine(ModelEngine):
+class HFEngine:
+    """Static batches: `model.generate`-style decoding of up to `max_num_seqs` sequences at a
+    time, each batch ending with its slowest sequence."""
+
+    owns_weights = False  # it decodes with `model`: whatever changes that model changes it
+
+    def __init__(self, model, tokenizer, max_num_seqs: int = 256) -> None:
+        self.model, self.tokenizer, self.max_num_seqs = model, tokenizer, max_num_seqs
+        self.pad_id = tokenizer.pad_token_id
+
     def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
         out: list[list[Completion]] = []
         with eval_mode(self.model):  # no dropout, whatever mode its trainer left it in
