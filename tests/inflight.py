@@ -67,8 +67,8 @@ def learner_logprobs(model, group, pad_id: int, temperature: float) -> list[torc
     params = LearnerParams(temperature=temperature)
     learner = Learner(copy.deepcopy(model), params, algo, pad_id)
     seen = []
-    inner = learner.loss_fn
-    learner.loss_fn = lambda batch, p: (seen.append(batch), inner(batch, p))[1]
+    inner = learner.forward.loss_fn
+    learner.forward.loss_fn = lambda batch, p: (seen.append(batch), inner(batch, p))[1]
     learner.version = group.policy_version  # the learner's code takes the group as fresh
     learner.train_iteration(iter(score([group], algo)), 1)
     (batch,) = seen

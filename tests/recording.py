@@ -11,8 +11,8 @@ class Recorder:
     """Wraps the learner's loss: keeps each micro-batch's PolicyBatch, its log-probs' grads."""
 
     def __init__(self, learner):
-        self.inner, self.batches = learner.loss_fn, []
-        learner.loss_fn = self
+        self.inner, self.batches = learner.forward.loss_fn, []
+        learner.forward.loss_fn = self
 
     def __call__(self, batch, params):
         batch.logprobs.retain_grad()

@@ -131,7 +131,7 @@ def test_mask_truncated_drops_cut_responses_from_the_loss_not_from_advantages(mo
     torch.testing.assert_close(batch.advantages, grpo_advantages(rewards).flatten())
     # a dropped response is an empty one to the loss: seq-mean still divides by all 16 (TRL's
     # mask_truncated_completions under its "grpo" loss)
-    loss_sum, _ = learner.loss_fn.inner(batch, learner.algo)
+    loss_sum, _ = learner.forward.loss_fn.inner(batch, learner.algo)
     assert stats["loss"] == pytest.approx(loss_sum.item() / 16, rel=1e-5)
     assert stats["truncated_frac"] == pytest.approx(4 / 16)
 

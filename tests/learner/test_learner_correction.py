@@ -80,7 +80,7 @@ def test_bypass_takes_the_behaviour_logprobs_as_old_for_every_row_without_an_old
         g.policy_version = 1  # fresh rows too take the behaviour log-probs
     params = LearnerParams(lr=1e-2, micro_batch_groups=2, mini_batches=2)
     learner = _learner(model, tokenizer, params, correction_proximal="bypass")
-    assert learner.old_model is None  # a second step needs no frozen old copy
+    assert learner.forward.old_model is None  # a second step needs no frozen old copy
     rec = Recorder(learner)
     stats = train(learner, groups)
     for batch in rec.batches:
@@ -90,7 +90,7 @@ def test_bypass_takes_the_behaviour_logprobs_as_old_for_every_row_without_an_old
     # before the first step, so the largest ratio is at least that
     assert stats["rollout_is_max"] >= math.exp(0.3) * (1 - 1e-5)
     decoupled = _learner(model, tokenizer, params, rollout_correction="token_mask")
-    assert decoupled.old_model is not None  # the decoupled correction does need it
+    assert decoupled.forward.old_model is not None  # the decoupled correction does need it
 
 
 def test_an_idle_pass_records_the_correction_sums_and_maxima_as_zero(model, tokenizer):

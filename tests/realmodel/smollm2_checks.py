@@ -93,11 +93,11 @@ def recorded_batch(learner: Learner, scored: list[Scored]) -> PolicyBatch:
         seen.append(batch)
         return loss_fn(batch, params)
 
-    loss_fn, learner.loss_fn = learner.loss_fn, recording
+    loss_fn, learner.forward.loss_fn = learner.forward.loss_fn, recording
     try:
         learner.forward_backward(scored, StepSums())
     finally:
-        learner.loss_fn = loss_fn
+        learner.forward.loss_fn = loss_fn
         learner.model.zero_grad(set_to_none=True)
         learner.model.eval()
     (batch,) = seen

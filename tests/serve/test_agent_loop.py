@@ -36,8 +36,8 @@ def test_an_external_agent_loop_makes_token_exact_trainable_episodes(served):
     seen = []
     params, algo = LearnerParams(shared_prompt_impl="prefix"), AlgoParams(max_policy_tokens=24)
     learner = Learner(copy.deepcopy(model), params, algo, tokenizer.pad_token_id)
-    inner = learner.loss_fn
-    learner.loss_fn = lambda batch, p: (seen.append(batch), inner(batch, p))[1]
+    inner = learner.forward.loss_fn
+    learner.forward.loss_fn = lambda batch, p: (seen.append(batch), inner(batch, p))[1]
     learner.train_iteration(iter(score([group], algo)), 1)
     (batch,) = seen
     mask = batch.loss_mask.bool()

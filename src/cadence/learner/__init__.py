@@ -7,7 +7,8 @@ The design in full: docs/internals.md, `cadence/learner/__init__.py`.
 """
 
 from cadence.learner.fake import FakeTrainer
-from cadence.learner.learner import Collective, Learner, LearnerParams
+from cadence.learner.learner import Learner
+from cadence.learner.params import Collective, LearnerParams
 from cadence.learner.scorer import Scored, Scorer, reward_figures, score
 from cadence.learner.steps import BadStepsError
 from cadence.learner.sums import StepSums, iteration_stats

@@ -17,7 +17,7 @@ import torch
 from cadence.algo import is_pair_loss
 from cadence.backend.placement import Placement
 from cadence.backend.ranks import BUILD, LocalRanks, Ranks
-from cadence.learner.learner import LearnerParams
+from cadence.learner.params import LearnerParams
 from cadence.learner.rank import Rank, RankSpec, Rendezvous, RoundReply, build_rank
 from cadence.learner.scorer import Scored
 from cadence.learner.steps import BadSteps, step_chunks, token_chunks

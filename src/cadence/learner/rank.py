@@ -18,8 +18,9 @@ import torch
 
 from cadence.algo import AlgoParams, needs_reference
 from cadence.learner.checkpointing import checkpoint_layers
-from cadence.learner.learner import Collective, Learner, LearnerParams
+from cadence.learner.learner import Learner
 from cadence.learner.packing import install_checked_head
+from cadence.learner.params import Collective, LearnerParams
 from cadence.learner.precision import Masters
 from cadence.learner.scorer import Scored
 from cadence.learner.sharded_state import load_sharded, save_sharded
