@@ -16,8 +16,6 @@ import time
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, replace
 
-import torch
-
 from cadence.engine.base import (
     Request,
     RequestRefused,
@@ -25,7 +23,6 @@ from cadence.engine.base import (
     Tensors,
     generate_by_steps,
 )
-from cadence.engine.vllm_files import reload_from_files
 from cadence.engine.vllm_logprobs import CHECK_PARAMS, check_full_softmax, hook_sampler
 from cadence.engine.vllm_start import (
     INSTALL_HINT,
@@ -36,6 +33,7 @@ from cadence.engine.vllm_start import (
     start_llm,
     vllm_available,
 )
+from cadence.engine.vllm_weights import VLLMWeights
 from cadence.types import Completion
 
 __all__ = ["INSTALL_HINT", "VLLMEngine", "VLLMOptions", "check_gpu_memory", "vllm_available"]
@@ -82,24 +80,23 @@ class VLLMEngine:
         self.in_flight = False  # new weights may arrive while requests decode (partial rollouts)
         self._number: int | None = None  # the version loaded, as a number (partial rollouts)
         self._jobs: dict[str, tuple[_Job, int]] = {}  # vLLM request id -> (job, sample)
-        self._loads = 0  # weight loads so far: the prefix cache's salt
         options = options or VLLMOptions()
-        self._tensor_parallel = options.tensor_parallel_size
-        self.takes_adapters = bool(options.lora_rank)
-        self._adapter = None  # the LoRA request later requests decode with (load_adapter)
-        self.version_bytes = 0  # tensor parallel: the bytes of the last version's files
         self._ids = itertools.count()
         check_gpu_memory(options.gpu_memory_utilization)
         # vLLM refuses enable_sleep_mode where it has none (CPU): asked there, nothing happens
         options = replace(options, sleep_mode=options.sleep_mode and sleep_mode_available())
-        self.can_sleep = options.sleep_mode
-        self.asleep = False
         cpu = on_cpu()
         if cpu and options.tensor_parallel_size > 1:  # vLLM binds each worker to a NUMA node
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         kwargs = options.engine_kwargs(model_path, dtype, max_num_seqs, cpu=cpu)
         self.llm = start_llm(model_path, kwargs)
         VLLMEngine._open = True
+        self.weights = VLLMWeights(
+            self.llm,
+            tensor_parallel=options.tensor_parallel_size,
+            lora_rank=options.lora_rank,
+            can_sleep=options.sleep_mode,
+        )
         self.runners: list[str] = []  # the model runner of each vLLM worker: "v1" or "v2"
         self._set_version(self.version)
         self._warm_up(model_path)
@@ -107,6 +104,23 @@ class VLLMEngine:
     @property
     def busy(self) -> bool:
         return bool(self._jobs)
+
+    @property
+    def takes_adapters(self) -> bool:
+        return self.weights.takes_adapters
+
+    @property
+    def can_sleep(self) -> bool:
+        return self.weights.can_sleep
+
+    @property
+    def asleep(self) -> bool:
+        return self.weights.asleep
+
+    @property
+    def version_bytes(self) -> int:
+        """Tensor parallel: the bytes of the last version's files."""
+        return self.weights.version_bytes
 
     @property
     def max_model_len(self) -> int:
@@ -124,14 +138,15 @@ class VLLMEngine:
         # salted with the weights' load: a prefix-cache block computed under other weights
         # never matches (with requests in flight vLLM cannot empty its cache at a load)
         self.wake()
-        prompt = tokens_input(list(request.prompt_ids), cache_salt=f"weights-{self._loads}")
+        prompt = tokens_input(list(request.prompt_ids), cache_salt=self.weights.cache_salt)
         limit = request.limit(params)  # an episode's turn: the room its budget leaves
         added: list[str] = []
         try:
             for seed in request.seeds:
                 rid = str(next(self._ids))
                 vparams = _vllm_params(params, seed, limit)
-                self.llm.llm_engine.add_request(rid, prompt, vparams, lora_request=self._adapter)
+                adapter = self.weights.adapter
+                self.llm.llm_engine.add_request(rid, prompt, vparams, lora_request=adapter)
                 added.append(rid)
         except BaseException as e:
             if added:
@@ -172,40 +187,16 @@ class VLLMEngine:
         if self.busy and not self.in_flight:
             raise RuntimeError("load_weights while requests decode: one would see two versions")
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
-        self.wake()
-        self._loads += 1
-        if self._tensor_parallel > 1:  # its workers are processes: they read one copy in files
-            self.version_bytes = reload_from_files(self.llm, items)
-        else:  # consumed as it comes, in this process: a stream of buckets needs no whole copy
-            self.llm.collective_rpc(
-                "reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True}
-            )
-        self.llm.apply_model(_repack_output_layers)
-        # busy, the blocks of the requests in flight are kept (they carry on with them, as
-        # partial rollouts keep their keys and values); later requests' salt never matches them
-        if not self.llm.reset_prefix_cache() and not self.busy:
-            raise RuntimeError("vLLM kept its prefix cache: keys and values of the old weights")
+        self.weights.load(items, self.busy)
         self._loaded(version)
 
     def load_adapter(self, path: str, version: int | str | None = None) -> None:
         """Decode every later request with the LoRA adapter saved in `path` (peft's layout) on
         the base weights the engine holds: vLLM reads it before this returns, and the adapter
         before it is dropped. Only while idle, as `load_weights`; needs `options.lora_rank`."""
-        if not self.takes_adapters:
-            raise RuntimeError("a LoRA adapter for a vLLM engine started without lora_rank")
         if self.busy:
             raise RuntimeError("load_adapter while requests decode: one would see two versions")
-        from vllm.lora.request import LoRARequest
-
-        self.wake()
-        self._loads += 1
-        adapter = LoRARequest(f"policy-{self._loads}", self._loads, path)
-        if not self.llm.llm_engine.add_lora(adapter):
-            raise RuntimeError(f"vLLM did not take the LoRA adapter in {path}")
-        for old in self.llm.llm_engine.list_loras() - {adapter.lora_int_id}:
-            self.llm.llm_engine.remove_lora(old)
-        self._adapter = adapter
-        self.llm.reset_prefix_cache()  # idle: its blocks are the old adapter's
+        self.weights.load_adapter(path)
         self._loaded(version)
 
     def _loaded(self, version: int | str | None) -> None:
@@ -216,15 +207,12 @@ class VLLMEngine:
     def sleep(self) -> None:
         """While idle and where vLLM can (a GPU, `sleep_mode`): level 1, its weights to host
         memory and its KV cache freed, until the next `load_weights` or `add` wakes it."""
-        if self.can_sleep and not self.asleep and not self.busy:
-            self.llm.sleep(level=1)
-            self.asleep = True
+        if not self.busy:
+            self.weights.sleep()
 
     def wake(self) -> None:
         """Take back what `sleep` freed (its weights and KV cache), if asleep."""
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+        self.weights.wake()
 
     def take_weights_in_flight(self, recompute: bool) -> None:
         """Allow new weights between two steps while requests decode, keeping their keys and
@@ -334,14 +322,3 @@ def _finish_reason(out) -> str:
     if out.finish_reason == "stop":
         return "stop" if isinstance(out.stop_reason, str) else "eos"
     raise RuntimeError(f"vLLM ended a sample with finish reason {out.finish_reason!r}")
-
-
-def _repack_output_layers(model: torch.nn.Module) -> None:
-    """Run the output layer's post-load step again. Tied to the input embedding, it loads no
-    weight of its own in a reload, so vLLM skips it, and on CPU it multiplies by a copy packed
-    at start-up; re-packing reads the reloaded embedding (elsewhere the step does nothing)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
-    for module in model.modules():
-        if isinstance(module, ParallelLMHead):
-            module.quant_method.process_weights_after_loading(module)

@@ -1,0 +1,93 @@
+"""What an in-process vLLM engine holds of the policy: its weights, reloaded in place (or through
+files across tensor-parallel workers), a LoRA adapter beside them, and whether they are asleep.
+
+The engine's requests (engine/vllm.py) ask this for the prefix cache's salt (a block computed
+under other weights never matches) and the adapter to decode with; everything that changes the
+weights goes through here, and each change counts as a load. It never labels a version (the
+engine stamps tokens with labels) and never loads while requests decode unless the engine allowed
+it (partial rollouts). docs/engines.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from cadence.engine.vllm_files import reload_from_files
+
+
+class VLLMWeights:
+    """The weights of `llm`, vLLM's `LLM` started with `options` (engine/vllm_start.py)."""
+
+    def __init__(self, llm, *, tensor_parallel: int, lora_rank: int, can_sleep: bool) -> None:
+        self.llm = llm
+        self.tensor_parallel = tensor_parallel
+        self.takes_adapters = bool(lora_rank)
+        self.can_sleep = can_sleep
+        self.asleep = False
+        self.adapter = None  # the LoRA request later requests decode with (load_adapter)
+        self.loads = 0  # weight (or adapter) loads so far: the prefix cache's salt
+        self.version_bytes = 0  # tensor parallel: the bytes of the last version's files
+
+    @property
+    def cache_salt(self) -> str:
+        """The prefix-cache salt of requests added now: blocks of other weights never match."""
+        return f"weights-{self.loads}"
+
+    def load(self, items: Iterable[tuple[str, torch.Tensor]], busy: bool) -> None:
+        """New weights (Hugging Face names) into the running model, in place. `busy`: requests
+        decode meanwhile (their blocks are kept, as partial rollouts keep their keys and values;
+        later requests' salt never matches them)."""
+        self.wake()
+        self.loads += 1
+        if self.tensor_parallel > 1:  # its workers are processes: they read one copy in files
+            self.version_bytes = reload_from_files(self.llm, items)
+        else:  # consumed as it comes, in this process: a stream of buckets needs no whole copy
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": items, "is_checkpoint_format": True}
+            )
+        self.llm.apply_model(_repack_output_layers)
+        if not self.llm.reset_prefix_cache() and not busy:
+            raise RuntimeError("vLLM kept its prefix cache: keys and values of the old weights")
+
+    def load_adapter(self, path: str) -> None:
+        """Later requests decode with the LoRA adapter saved in `path` (peft's layout) on the
+        base weights: vLLM reads it before this returns, and the older adapter is dropped."""
+        if not self.takes_adapters:
+            raise RuntimeError("a LoRA adapter for a vLLM engine started without lora_rank")
+        from vllm.lora.request import LoRARequest
+
+        self.wake()
+        self.loads += 1
+        adapter = LoRARequest(f"policy-{self.loads}", self.loads, path)
+        if not self.llm.llm_engine.add_lora(adapter):
+            raise RuntimeError(f"vLLM did not take the LoRA adapter in {path}")
+        for old in self.llm.llm_engine.list_loras() - {adapter.lora_int_id}:
+            self.llm.llm_engine.remove_lora(old)
+        self.adapter = adapter
+        self.llm.reset_prefix_cache()  # idle: its blocks are the old adapter's
+
+    def sleep(self) -> None:
+        """Where vLLM can (a GPU, `sleep_mode`): level 1, its weights to host memory and its KV
+        cache freed, until the next load or request wakes it."""
+        if self.can_sleep and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        """Take back what `sleep` freed (its weights and KV cache), if asleep."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+
+def _repack_output_layers(model: torch.nn.Module) -> None:
+    """Run the output layer's post-load step again. Tied to the input embedding, it loads no
+    weight of its own in a reload, so vLLM skips it, and on CPU it multiplies by a copy packed
+    at start-up; re-packing reads the reloaded embedding (elsewhere the step does nothing)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead):
+            module.quant_method.process_weights_after_loading(module)
