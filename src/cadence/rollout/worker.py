@@ -11,10 +11,7 @@ The design in full: docs/internals.md, `cadence/rollout/worker.py`.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import math
 import time
-from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -30,9 +27,10 @@ from cadence.engine import (
     derive_seed,
 )
 from cadence.envs import Environment, VerifiersEnv
-from cadence.rewards import RewardCall, RewardFn, RewardResult, RewardScorer, as_runner
+from cadence.rewards import RewardFn, RewardScorer, as_runner
 from cadence.rollout.episodes import Finished
 from cadence.rollout.runners import make_episodes
+from cadence.rollout.scoring import Job, ScoringLine
 from cadence.types import Completion, Group, Prompt
 
 
@@ -62,16 +60,6 @@ def prompt_ids(prompt: Prompt, tokenizer) -> list[int]:
     return tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
 
 
-@dataclass
-class _Job:
-    task: Hashable
-    prompt: Prompt
-    prompt_ids: list[int]
-    iteration: int
-    version: int
-    submitted: float
-
-
 SCORE_WAIT_S = 0.05  # longest wait on scores while the engine has nothing to decode
 
 
@@ -87,16 +75,6 @@ class PartialRollouts:
 
     recompute: bool = False
     max_lag: int | None = None
-
-
-@dataclass
-class _Scoring:
-    """A generated group whose rewards are being computed."""
-
-    job: _Job
-    completions: list[Completion]
-    scored: list[int]  # positions of the completions the reward function scores
-    results: cf.Future[list[RewardResult]] | None  # None: nothing to score
 
 
 class RolloutWorker:
@@ -115,8 +93,9 @@ class RolloutWorker:
         env: Environment | VerifiersEnv | None = None,
         partial: PartialRollouts | None = None,
     ) -> None:
-        self._jobs: dict[Hashable, _Job] = {}  # by (task, position in task)
-        self._scoring: deque[_Scoring] = deque()  # in the order the groups finished
+        self._jobs: dict[Hashable, Job] = {}  # by (task, position in task)
+        self.reward = as_runner(reward) if reward is not None else None
+        self._scoring = ScoringLine(self.reward)  # groups generated, in the order they finished
         self.episodes: Episodes | None = None
         if partial is not None and env is not None:
             raise ValueError(
@@ -130,7 +109,6 @@ class RolloutWorker:
             sampling = replace(sampling, stop=sampling.stop + missing)
         self.engine = engine
         self.tokenizer = tokenizer
-        self.reward = as_runner(reward) if reward is not None else None
         self.sampling = sampling
         self.group_size = group_size
         self.run_seed = run_seed
@@ -217,7 +195,7 @@ class RolloutWorker:
             else:
                 self.engine.add((task, pos), Request(ids, seeds), self.sampling)
             # only once the engine took it: a refused prompt must not leave the worker busy
-            self._jobs[(task, pos)] = _Job(task, prompt, ids, iteration, version, now)
+            self._jobs[(task, pos)] = Job(task, prompt, ids, iteration, version, now)
 
     def poll(self) -> list[tuple[Hashable, Group]]:
         """One engine step (or, with nothing to decode, a short wait on scores); the (task,
@@ -226,13 +204,15 @@ class RolloutWorker:
             for done in self.episodes.step():
                 if done.prompt_ids is not None:  # the environment rendered the prompt itself
                     self._jobs[done.key].prompt_ids = done.prompt_ids
-                self._scoring.append(self._start_scoring(done.key, done.completions, done.rewards))
+                self._scoring.add(
+                    self._finished(done.key, done.completions), done.completions, done.rewards
+                )
         elif self._jobs:
             for key, completions in self.engine.step():
-                self._scoring.append(self._start_scoring(key, completions))
-        if not self._jobs and self._scoring and (head := self._scoring[0].results) is not None:
-            cf.wait([head], timeout=SCORE_WAIT_S)
-        return self._scored()
+                self._scoring.add(self._finished(key, completions), completions)
+        if not self._jobs:
+            self._scoring.wait(SCORE_WAIT_S)
+        return self._scoring.done()
 
     def rest(self) -> None:
         """Between generations: an engine that can free the GPU for the learner (vLLM's sleep
@@ -261,8 +241,8 @@ class RolloutWorker:
         return samples
 
     def task_done(self, task: Hashable) -> bool:
-        return not any(job.task == task for job in self._jobs.values()) and not any(
-            s.job.task == task for s in self._scoring
+        return not any(job.task == task for job in self._jobs.values()) and not (
+            self._scoring.holds(task)
         )
 
     def rollout(self, prompts: list[Prompt], iteration: int, version: int) -> list[Group]:
@@ -276,26 +256,12 @@ class RolloutWorker:
                 done[group.prompt.index] = group
         return [done[p.index] for p in prompts]
 
-    def _start_scoring(
-        self, key: Hashable, completions: list[Completion], env_rewards: list | None = None
-    ) -> _Scoring:
-        """Rewards: an environment's own where it gave one, else the reward function's, whose
-        calls start now."""
+    def _finished(self, key: Hashable, completions: list[Completion]) -> Job:
+        """The job of a group just generated, every token of it stamped with its version."""
         job = self._jobs.pop(key)
         for c in completions:
             self._stamp(c, job.version)
-        scored = []
-        for i, c in enumerate(completions):
-            if env_rewards is not None and env_rewards[i] is not None:
-                c.reward = env_rewards[i]
-                if not math.isfinite(c.reward):  # never into the advantages: a counted error
-                    c.reward, c.reward_error = 0.0, f"environment: non-finite reward {c.reward}"
-            elif self.reward is not None:
-                scored.append(i)
-        p = job.prompt
-        calls = [RewardCall(p.text, completions[i].text, p.answer, p.metadata) for i in scored]
-        results = self.reward.submit(calls) if calls and self.reward is not None else None
-        return _Scoring(job, completions, scored, results)
+        return job
 
     def _stamp(self, c: Completion, version: int) -> None:
         """Every token's version: the engine's stamps, which must lie between the version the
@@ -312,20 +278,3 @@ class RolloutWorker:
                 f"tokens stamped with versions {sorted(set(c.token_versions))}, outside the "
                 f"versions {version}..{newest} loaded while the group was generated"
             )
-
-    def _scored(self) -> list[tuple[Hashable, Group]]:
-        """The groups at the head of the line whose scores are in, as (task, group)."""
-        out = []
-        while self._scoring and (
-            self._scoring[0].results is None or self._scoring[0].results.done()
-        ):
-            s = self._scoring.popleft()
-            results = s.results.result() if s.results is not None else []
-            for i, result in zip(s.scored, results, strict=True):
-                s.completions[i].reward = result.value
-                s.completions[i].reward_error = result.error
-            job = s.job
-            group = Group(job.prompt, job.prompt_ids, s.completions, job.version, job.iteration)
-            group.gen_s = time.perf_counter() - job.submitted
-            out.append((job.task, group))
-        return out
