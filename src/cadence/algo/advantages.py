@@ -1,6 +1,6 @@
 """Advantage estimators: one scalar advantage per sampled response, from its group's rewards.
 
-The design in full: docs/internals.md, `cadence/algo/advantages.py`.
+Read on: docs/algorithms.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ proximal policy (its old log-probs, "decoupled") or the policy itself ("bypass";
 `AlgoParams.correction_proximal`), each mode turns rho into a weight w_t that multiplies the
 token's policy-gradient term:
 
-The design in full: docs/internals.md, `cadence/algo/correction.py`.
+Read on: docs/corrections.md.
 """
 
 from __future__ import annotations

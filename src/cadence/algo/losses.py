@@ -6,7 +6,7 @@ each token's policy-gradient term (not the KL term) by a weight; `rloo_loss` rea
 response's reward and group.
 This module must not know about models, optimisers or configs.
 
-The design in full: docs/internals.md, `cadence/algo/losses.py`.
+Read on: docs/algorithms.md.
 """
 
 from __future__ import annotations

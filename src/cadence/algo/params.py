@@ -1,7 +1,7 @@
 """Every algorithm setting in one record: what the loss, the advantage estimator and the reward
 shaping are, and their hyper-parameters.
 
-The design in full: docs/internals.md, `cadence/algo/params.py`.
+Read on: docs/algorithms.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ killed while writing would leave a shared queue locked, or half a message in it,
 process. The owner keeps only the read end, so a dead process's pipe ends in end-of-file, never
 in a read that waits forever.
 
-The design in full: docs/internals.md, `cadence/backend/procs.py`.
+Read on: docs/pipeline.md#how-it-is-built.
 """
 
 from __future__ import annotations

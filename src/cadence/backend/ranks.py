@@ -1,6 +1,6 @@
 """Rank processes: N copies of one object, each in a process of its own, driven by calls.
 
-The design in full: docs/internals.md, `cadence/backend/ranks.py`.
+Read on: docs/ranks.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ free reward worker (`reward_worker_main`, the reward stage's processes) and come
 future, as `RewardRunner.submit` gives. A worker that fails or dies fails every future in
 flight and every later call, with its traceback or exit code: never a silent zero.
 
-The design in full: docs/internals.md, `cadence/backend/reward_procs.py`.
+Read on: docs/pipeline.md#how-it-is-built.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ while scoring or exits makes the driver stop with `WorkerError` (with the worker
 `WorkerDied`, close the store (which wakes the learner, who re-raises it) and leave no process.
 A dead reward worker is not replaced. This module must not import transformers at import time.
 
-The design in full: docs/internals.md, `cadence/backend/reward_stage.py`.
+Read on: docs/pipeline.md#the-sample-store-and-the-reward-stage.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A rollout worker's life in any process: its message loop (the worker itself is built from a
 `WorkerSpec` by `cadence.rollout.build_worker`, before the loop starts).
 
-The design in full: docs/internals.md, `cadence/backend/worker_loop.py`.
+Read on: docs/pipeline.md#how-it-is-built.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`cadence bench --suite ablation`: where the speed comes from, on one workload, in one command.
 
-The design in full: docs/internals.md, `cadence/bench/ablation.py`.
+Read on: docs/benchmarks.md.
 """
 
 from __future__ import annotations

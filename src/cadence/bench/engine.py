@@ -1,6 +1,6 @@
 """`cadence bench --suite engine`: static batching, `model.generate`, continuous batching and vLLM.
 
-The design in full: docs/internals.md, `cadence/bench/engine.py`.
+Read on: docs/benchmarks.md.
 """
 
 from __future__ import annotations

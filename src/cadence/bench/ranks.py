@@ -1,6 +1,6 @@
 """`cadence bench --suite ranks`: one learner process against learner ranks, side by side.
 
-The design in full: docs/internals.md, `cadence/bench/ranks.py`.
+Read on: docs/benchmarks.md.
 """
 
 from __future__ import annotations

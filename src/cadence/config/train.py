@@ -81,9 +81,11 @@ class LearnerConfig(Section):
     on GPU memory."""
     disable_dropout: bool = True
     """Turn dropout off in the policy and its reference (every Dropout module, a LoRA adapter's
-    among them, and the attention's rate), as TRL does for RL: with it on, a token's log-prob
-    changes from pass to pass and the first micro-batch's importance ratio is not 1. Engines decode
-    in eval mode either way."""
+    among them, and the attention's rate), as TRL does for RL: with it on, each pass draws its
+    own mask, so the learner's log-probs differ from the engine's (engines decode in eval mode)
+    and from any other pass over the same tokens (an old-policy or reference pass), and the
+    importance ratios and KL carry that noise. (Before an iteration's first step the old log-probs
+    are the policy pass's own, detached: that ratio is 1 whether dropout is on or not.)"""
     shared_prompt: bool = True
     """Pack each group as [prompt | r1 | ... | rG] so its prompt is computed once for its G
     responses (same log-probs as the unpacked forward)."""

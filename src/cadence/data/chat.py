@@ -1,7 +1,7 @@
 """How an example's prompt becomes the text the model continues: a plain template, or the
 tokenizer's chat template (`data.chat_template`).
 
-The design in full: docs/internals.md, `cadence/data/chat.py`.
+Read on: docs/data.md.
 """
 
 from __future__ import annotations

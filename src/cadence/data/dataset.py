@@ -3,7 +3,7 @@
 Nothing here touches the network: the hub is kept offline, and a path that does not exist but
 looks like a hub id is answered with how to download it first. JSON is parsed, never unpickled.
 
-The design in full: docs/internals.md, `cadence/data/dataset.py`.
+Read on: docs/data.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ rows shifted by the difference (seeds 1 and 2, as its own TRL example draws trai
 share all rows but one). Any training row whose question is held out is dropped all the same, so
 held-out questions never reach training, whatever the seeds.
 
-The design in full: docs/internals.md, `cadence/data/reasoning_gym.py`.
+Read on: docs/data.md.
 """
 
 from __future__ import annotations

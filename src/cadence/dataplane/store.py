@@ -7,7 +7,7 @@ One class serves in-process and in a Ray actor: the actor constructs it (give th
 condition variable, which pickling leaves out and unpickling rebuilds. Values are stored by
 reference: a consumer must not mutate what it gets. This module must not import Ray or torch.
 
-The design in full: docs/internals.md, `cadence/dataplane/store.py`.
+Read on: docs/pipeline.md#how-it-is-built.
 """
 
 from __future__ import annotations

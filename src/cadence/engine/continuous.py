@@ -5,7 +5,7 @@ the last active one into it), so a step reads a view, never a gather. Sampling i
 engine/base.py (seed and decoding step), so a sample's tokens do not depend on its slot, on when it
 was admitted, or on its batch companions.
 
-The design in full: docs/internals.md, `cadence/engine/continuous.py`.
+Read on: docs/engines.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ it as tensors in memory, not pickled through a pipe. vLLM is imported here only,
 functions: `import cadence` never imports it. How it starts (its options, the checks before, a
 start that leaves the process as it found it): engine/vllm_start.py.
 
-The design in full: docs/internals.md, `cadence/engine/vllm.py`.
+Read on: docs/engines.md.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ directory (host memory, /dev/shm, where it has room), the version is one copy: e
 the files and reads only its own shard of each tensor (vLLM's `reload_weights(weights_path=)`).
 It must not hold more than one shard of CPU copies at a time, nor leave the directory behind.
 
-The design in full: docs/internals.md, `cadence/engine/vllm.py`.
+Read on: docs/engines.md.
 """
 
 from __future__ import annotations

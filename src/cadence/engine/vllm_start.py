@@ -4,7 +4,7 @@ that leaves the process as it found it: torch's thread count and `torch.set_num_
 CPU worker replaces it), and the global RNG states (vLLM seeds them).
 
 vLLM is imported here only inside functions: `import cadence` never imports it. The engine that
-runs on what starts here: engine/vllm.py. The design in full: docs/internals.md.
+runs on what starts here: engine/vllm.py. Read on: docs/engines.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 environment with its call syntax and the `calculator` tool, environment classes on TRL's
 contract, OpenEnv environments in-process, and deterministic fakes.
 
-The design in full: docs/internals.md, `cadence/envs/__init__.py`.
+Read on: docs/envs.md.
 """
 
 from cadence.envs.base import Budget, Environment, EnvReply, Episode

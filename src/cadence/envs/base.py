@@ -8,7 +8,7 @@ the episode, holds the tokens and enforces the `Budget` (turns, and tokens after
 However the episode ended, the worker then calls its `finish` once: the episode lets go of what
 it holds and may give its reward there (an environment class's `get_reward`).
 
-The design in full: docs/internals.md, `cadence/envs/base.py`.
+Read on: docs/envs.md.
 """
 
 from __future__ import annotations

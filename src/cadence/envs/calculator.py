@@ -1,6 +1,6 @@
 """The `calculator` tool: arithmetic evaluated by parsing, never by `eval`.
 
-The design in full: docs/internals.md, `cadence/envs/calculator.py`.
+Read on: docs/envs.md.
 """
 
 from __future__ import annotations

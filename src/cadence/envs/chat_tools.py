@@ -5,7 +5,7 @@ Text only: the rollout worker tokenises what this renders, once, and appends it 
 policy's own tokens are never re-rendered. Imports no model library (the template engine is
 reached through the tokenizer).
 
-The design in full: docs/internals.md, `cadence/envs/chat_tools.py`.
+Read on: docs/envs.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Environment classes (`env.kind = "class"`): TRL's `environment_factory` contract, so that an
 environment written for TRL's GRPOTrainer runs here unchanged.
 
-The design in full: docs/internals.md, `cadence/envs/classes.py`.
+Read on: docs/envs.md.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 `env.factory = "module:Class"`, runs inside the rollout worker: its `reset()` and
 `step(Action)` are called directly, with no server, no container and no network.
 
-The design in full: docs/internals.md, `cadence/envs/openenv.py`.
+Read on: docs/envs.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The call syntax of tool environments: how the policy calls a tool and how the tool answers.
 
-The design in full: docs/internals.md, `cadence/envs/syntax.py`.
+Read on: docs/envs.md.
 """
 
 from __future__ import annotations

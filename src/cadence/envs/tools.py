@@ -1,6 +1,6 @@
 """Tools: loading them by name, and calling one so that nothing it does can stop the run.
 
-The design in full: docs/internals.md, `cadence/envs/tools.py`.
+Read on: docs/envs.md.
 """
 
 from __future__ import annotations

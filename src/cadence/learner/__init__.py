@@ -3,7 +3,7 @@
 The driver is not imported here: it pulls in the rank transports (backend/), which the
 one-process learner and the ranks' own processes never need.
 
-The design in full: docs/internals.md, `cadence/learner/__init__.py`.
+Read on: docs/learner.md#how-it-is-built.
 """
 
 from cadence.learner.fake import FakeTrainer

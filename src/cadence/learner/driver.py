@@ -1,6 +1,6 @@
 """The sharded learner's driver: `learner.ranks = N` ranks behind the Trainer seam.
 
-The design in full: docs/internals.md, `cadence/learner/driver.py`.
+Read on: docs/ranks.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Micro-batch layouts: how a list of groups becomes model inputs, and how log-probs come back.
 
-The design in full: docs/internals.md, `cadence/learner/packing.py`.
+Read on: docs/learner.md#how-it-is-built.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The learner as one of N torch.distributed ranks, FSDP2 or DDP: what runs inside each rank.
 
-The design in full: docs/internals.md, `cadence/learner/rank.py`.
+Read on: docs/ranks.md.
 """
 
 from __future__ import annotations

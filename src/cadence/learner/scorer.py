@@ -2,7 +2,7 @@
 the trainer (pipeline/loop.py). Shaped rewards, advantages and the `reinforce` baseline live here
 and nowhere else; trainers, one process or ranks, take the scored groups as they are.
 
-The design in full: docs/internals.md, `cadence/learner/scorer.py`.
+Read on: docs/learner.md#how-it-is-built.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A sharded learner's state on disk, with torch.distributed.checkpoint (DCP).
 
-The design in full: docs/internals.md, `cadence/learner/sharded_state.py`.
+Read on: docs/ranks.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ it normalises (learner/rank.py), and the figures below come out the same whateve
 that is a largest value is kept apart (`StepSums.maxima`): across micro-batches and ranks it is
 the largest, never a sum.
 
-The design in full: docs/internals.md, `cadence/learner/sums.py`.
+Read on: docs/learner.md#how-it-is-built.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Trainer seam: all the run loop, checkpoints and recipes know of a learner.
 
-The design in full: docs/internals.md, `cadence/learner/trainer.py`.
+Read on: docs/learner.md#how-it-is-built.
 """
 
 from __future__ import annotations

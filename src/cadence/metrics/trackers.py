@@ -1,6 +1,6 @@
 """Experiment trackers: Weights & Biases (`metrics.wandb`) and MLflow (`metrics.mlflow`).
 
-The design in full: docs/internals.md, `cadence/metrics/trackers.py`.
+Read on: docs/data.md#trackers-metricswandb-metricsmlflow.
 """
 
 from __future__ import annotations

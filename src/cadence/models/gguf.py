@@ -3,7 +3,7 @@
 It must not keep quantised weights (the learner trains dense float32), touch the network, or
 replace a directory that is not a model.
 
-The design in full: docs/internals.md, `cadence/models/gguf.py`.
+Read on: docs/smollm2.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """LoRA adapters (`model.lora`, through `peft`): what trains, what the reference and the rollout
 workers see, and what is saved.
 
-The design in full: docs/internals.md, `cadence/models/lora.py`.
+Read on: docs/data.md#lora-modellora.
 """
 
 from __future__ import annotations

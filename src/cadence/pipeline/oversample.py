@@ -1,7 +1,7 @@
 """Dynamic sampling (DAPO, Yu et al. 2025, arXiv 2503.14476, Sec. 3.2): train only on groups
 whose rewards differ, and draw more prompts until the iteration has enough of them.
 
-The design in full: docs/internals.md, `cadence/pipeline/oversample.py`.
+Read on: docs/pipeline.md#how-it-is-built.
 """
 
 from __future__ import annotations

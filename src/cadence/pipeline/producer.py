@@ -1,7 +1,7 @@
 """The producer: a thread that hands each iteration's prompts to the workers and puts their groups
 in the sample store. The learner's side of it is `source.WorkerSource`, a `GroupSource`.
 
-The design in full: docs/internals.md, `cadence/pipeline/producer.py`.
+Read on: docs/pipeline.md#how-it-is-built.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`cadence plan --calibrate`: this machine's throughput, measured with the real engine and learner.
 
-The design in full: docs/internals.md, `cadence/plan/calibrate.py`.
+Read on: docs/planner.md.
 """
 
 from __future__ import annotations

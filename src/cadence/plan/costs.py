@@ -1,6 +1,6 @@
 """What each piece of work costs on one device: the planner's throughput model and its formulas.
 
-The design in full: docs/internals.md, `cadence/plan/costs.py`.
+Read on: docs/planner.md.
 """
 
 from __future__ import annotations

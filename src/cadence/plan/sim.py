@@ -1,6 +1,6 @@
 """Discrete-event simulation of the cadence pipeline, one mode on one split of the devices.
 
-The design in full: docs/internals.md, `cadence/plan/sim.py`.
+Read on: docs/planner.md.
 """
 
 from __future__ import annotations

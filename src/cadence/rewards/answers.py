@@ -1,6 +1,6 @@
 """Which part of a text is its final answer: `reward.answer_format`.
 
-The design in full: docs/internals.md, `cadence/rewards/answers.py`.
+Read on: docs/data.md#rewards.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ placement, held-out evaluation, the reward stage).
 An exception that is not an `Exception` (KeyboardInterrupt, SystemExit) is not a score: it
 reaches the caller, as `safe_reward` lets it. This module must not import torch.
 
-The design in full: docs/internals.md, `cadence/rewards/concurrent.py`.
+Read on: docs/data.md#rewards.
 """
 
 from __future__ import annotations

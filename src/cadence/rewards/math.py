@@ -3,7 +3,7 @@
 This module must not hand-write a math checker (math-verify is the verifier) and holds no state
 beyond the parse cache.
 
-The design in full: docs/internals.md, `cadence/rewards/math.py`.
+Read on: docs/data.md#rewards.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The one stateful reward: it holds a model, so it is imported from here and not from
 `cadence.rewards`, which stays free of torch. It never downloads anything.
 
-The design in full: docs/internals.md, `cadence/rewards/model.py`.
+Read on: docs/data.md#rewards.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The embedded default's reward model: a tiny classifier trained on the task's own answers.
 
-The design in full: docs/internals.md, `cadence/rewards/model_recipe.py`.
+Read on: docs/data.md#rewards.
 """
 
 from __future__ import annotations

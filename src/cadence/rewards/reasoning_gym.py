@@ -5,7 +5,7 @@ reads its config (decimal places, word length, board formats) grades as the rows
 reasoning-gym (1-5 s to import) is imported when the reward is built, in each process that
 scores, never inside a timed call. This module holds no state beyond one grader per dataset.
 
-The design in full: docs/internals.md, `cadence/rewards/reasoning_gym.py`.
+Read on: docs/data.md#rewards.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A reward that never returns (a sleep, a stuck sandbox, a pathological parse) mus
 run. A call past `timeout_s` raises `RewardTimeout`, which `safe_reward` scores 0 as a reward
 error naming the function. How the call is cut depends on the thread:
 
-The design in full: docs/internals.md, `cadence/rewards/timeout.py`.
+Read on: docs/data.md#rewards.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ came out of the engine (`loss_mask` 1); the environment's reply is tokenised onc
 (`loss_mask` 0, log-prob 0.0). Text is never re-tokenised: the trajectory is exactly the token
 sequence the engine saw.
 
-The design in full: docs/internals.md, `cadence/rollout/episodes.py`.
+Read on: docs/envs.md.
 """
 
 from __future__ import annotations

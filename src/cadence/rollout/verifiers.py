@@ -1,6 +1,6 @@
 """verifiers episodes inside a rollout worker, against the worker's own engine.
 
-The design in full: docs/internals.md, `cadence/rollout/verifiers.py`.
+Read on: docs/envs.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ episodes have all ended, so `busy` covers every unfinished episode and weights n
 inside one. Without one (`env.kind = "single_turn"`) a sample is one response, exactly as before.
 `close` stops what the episodes hold (threads, a verifiers environment's endpoint and servers).
 
-The design in full: docs/internals.md, `cadence/rollout/worker.py`.
+Read on: docs/pipeline.md#how-it-is-built.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ only an engine that serves no more turns /health and every request to 503. Token
 templates and decoding run on a thread of their own, never on the event loop, so /health and the
 other requests are answered while a long prompt is rendered.
 
-The design in full: docs/internals.md, `cadence/serve/app.py`.
+Read on: docs/serve.md.
 """
 
 from __future__ import annotations

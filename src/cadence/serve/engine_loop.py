@@ -7,7 +7,7 @@ alone, or when a step fails and there is no `renew` to start a fresh engine. A b
 everything in flight and every later request at once, with `EngineBroken`; it never leaves a
 future unanswered.
 
-The design in full: docs/internals.md, `cadence/serve/engine_loop.py`.
+Read on: docs/serve.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Token in, token out: vLLM's `POST /inference/v1/generate`, the route verifiers' training
 client samples through.
 
-The design in full: docs/internals.md, `cadence/serve/generate.py`.
+Read on: docs/serve.md.
 """
 
 from __future__ import annotations

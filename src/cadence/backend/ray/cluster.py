@@ -1,7 +1,7 @@
 """The Ray a run uses: one it starts on this machine, or a cluster it joins, and where actors
 may run on it.
 
-The design in full: docs/internals.md, `cadence/backend/ray/cluster.py`.
+Read on: docs/ray.md.
 """
 
 from __future__ import annotations

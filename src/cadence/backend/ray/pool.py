@@ -1,128 +1,31 @@
 """Ray backend: the same inference workers as Ray actors, on this machine or across a cluster.
 
-The design in full: docs/internals.md, `cadence/backend/ray/pool.py`.
+Read on: docs/ray.md.
 """
 
 from __future__ import annotations
 
 import collections
-import os
-import queue
-import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from cadence.backend.pool import InFlight, Lost, TaskResult
-from cadence.backend.procs import WorkerDied, WorkerError
-from cadence.backend.ray.cluster import missing, ray_request, shutdown_ray, start_ray
+from cadence.backend.pool import InFlight, Lost
+from cadence.backend.procs import WorkerError
+from cadence.backend.ray.actors import RESOURCE_KEYS, RayActors
+from cadence.backend.ray.cluster import ray_request, shutdown_ray, start_ray
 from cadence.backend.ray.weights import (
-    BroadcastReceiver,
     BroadcastWeights,
-    ObjectStoreReceiver,
     ObjectStoreWeights,
     RayWeights,
 )
-from cadence.backend.worker_loop import WorkerLoop
-from cadence.rollout import WorkerSpec, build_worker
+from cadence.rollout import WorkerSpec
 from cadence.types import Prompt
 
 _DRAIN_S = 1.0  # longest a `drain` call waits for a message before returning none
-_RESOURCE_KEYS = (
-    "pipeline.num_cpus_per_worker, pipeline.num_gpus_per_worker, pipeline.ray_worker_resources"
-)
-
-
-class _Outbox:
-    """The loop's outbox inside an actor: `put` by the loop, `drain` by the driver."""
-
-    def __init__(self) -> None:
-        self._items: list = []
-        self._cond = threading.Condition()
-
-    def put(self, item) -> None:
-        with self._cond:
-            self._items.append(item)
-            self._cond.notify_all()
-
-    def drain(self, wait_s: float) -> list:
-        with self._cond:
-            if not self._items:
-                self._cond.wait(wait_s)
-            items, self._items = self._items, []
-        return items
-
-
-class RayWorker:
-    """A worker actor (made remote by `RayPool`): `build_worker` plus `WorkerLoop`."""
-
-    def __init__(
-        self, wid: int, spec: WorkerSpec, broadcast: str | None, sys_path: list[str]
-    ) -> None:
-        """`broadcast`: the torch.distributed backend weights arrive by, or None (object store)."""
-        import ray
-
-        # The driver's import path, as a spawned local worker gets it (reward modules by path).
-        sys.path.extend(p for p in sys_path if p not in sys.path)
-        self.wid, self.spec = wid, spec
-        self.inbox: queue.Queue = queue.Queue()
-        self.outbox = _Outbox()
-        self._pending: dict[int, tuple[str, Any, Any]] = {}
-        self._next_seq = 0
-        self._lock = threading.Lock()
-        self.receiver: ObjectStoreReceiver | BroadcastReceiver | None = None
-        self.group: BroadcastReceiver | None = None  # the receiver that joins the group
-        try:
-            torch.set_num_threads(spec.threads)
-            weights, worker = build_worker(spec)
-            weights.to("cuda" if ray.get_gpu_ids() else "cpu")
-            if broadcast is None:
-                self.receiver = ObjectStoreReceiver(weights)
-            else:
-                device = "cuda" if broadcast == "nccl" else "cpu"
-                self.receiver = self.group = BroadcastReceiver(weights, device)
-        except BaseException:
-            self.outbox.put(("error", wid, traceback.format_exc()))
-            return
-        loop = WorkerLoop(wid, worker, self.receiver.load, self.inbox, self.outbox)
-        threading.Thread(target=self._run, args=(loop,), name="cadence-worker", daemon=True).start()
-
-    def _run(self, loop: WorkerLoop) -> None:
-        try:
-            torch.set_num_threads(self.spec.threads)  # with OpenMP the setting is per thread
-            loop.run()
-        except BaseException:
-            self.outbox.put(("error", self.wid, traceback.format_exc()))
-
-    def send(self, seq: int, kind: str, payload: Any, weights: Any = None) -> None:
-        with self._lock:
-            self._pending[seq] = (kind, payload, weights)
-            while self._next_seq in self._pending:
-                kind, payload, weights = self._pending.pop(self._next_seq)
-                if kind == "sync" and self.receiver is not None:
-                    self.receiver.stage(payload, weights)
-                self.inbox.put((kind, payload))
-                self._next_seq += 1
-
-    def drain(self, wait_s: float) -> list:
-        return self.outbox.drain(wait_s)
-
-    def where(self) -> tuple[str, str, int, float]:
-        """(node id, node address, pid, this process's clock): for messages and the timeline."""
-        import ray
-
-        node = ray.get_runtime_context().get_node_id()
-        return node, ray.util.get_node_ip_address(), os.getpid(), time.perf_counter()
-
-    def join_group(self, *member) -> None:
-        """`BroadcastReceiver.join(*member)`: this actor's place in the weights' group."""
-        if self.group is None:
-            raise RuntimeError(f"worker {self.wid} receives weights from the object store")
-        self.group.join(*member)
 
 
 class RayPool:
@@ -153,7 +56,7 @@ class RayPool:
             broadcast = group.backend
         else:
             self.weights = ObjectStoreWeights(model)
-        self._actors: list = []
+        self._actors: RayActors | None = None
         self._closed = False
         self._started = start_ray(address, num_cpus)
         try:
@@ -169,69 +72,47 @@ class RayPool:
     def _start_actors(
         self, spec: WorkerSpec, num_workers: int, resources: dict, broadcast: str | None
     ) -> None:
-        import ray
-
-        self._spec, self._resources, self._broadcast = spec, resources, broadcast
-        self._remote = ray.remote(RayWorker).options(
-            num_cpus=resources.get("CPU", 0),
-            num_gpus=resources.get("GPU", 0),
-            resources={k: v for k, v in resources.items() if k not in ("CPU", "GPU")},
-            max_concurrency=4,
-        )
-        self._actors = [
-            self._remote.remote(wid, spec, broadcast, list(sys.path)) for wid in range(num_workers)
-        ]
+        self._actors = actors = RayActors(spec, resources, broadcast)
+        for wid in range(num_workers):
+            actors.start(wid, broadcast)
         self._seq = [0] * num_workers
         self._in_flight = [InFlight() for _ in range(num_workers)]
-        self._drains = {wid: a.drain.remote(_DRAIN_S) for wid, a in enumerate(self._actors)}
+        self._drains = {wid: actors[wid].drain.remote(_DRAIN_S) for wid in range(num_workers)}
         self._received: collections.deque = collections.deque()
-        self._where: list[tuple[str, int]] = [("?", -1)] * num_workers
-        self._clock_offset = [0.0] * num_workers
-        self._await_ready(resources, set(range(num_workers)))
+        self._await_ready(set(range(num_workers)))
 
-    def _await_ready(self, resources: dict, pending: set[int]) -> None:
+    @property
+    def actors(self) -> RayActors:
+        assert self._actors is not None, "started in __init__"
+        return self._actors
+
+    def _await_ready(self, pending: set[int]) -> None:
         """Wait for 'ready' from the actors in `pending`; other messages are kept for `poll`.
-        Actors that no live node can hold stop the wait at once (`_check_placeable`)."""
-        import ray
-
+        Actors that no live node can hold stop the wait at once."""
         others: list = []
         deadline = time.monotonic() + self.timeout_s
-        while pending:
-            self._check_placeable(resources, pending)
+        waiting = set(pending)
+        while waiting:
+            self.actors.check_placeable(waiting)
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"Ray workers {sorted(pending)} did not start within {self.timeout_s:.0f}s: "
-                    f"does the cluster have {resources} free for each ({_RESOURCE_KEYS}; "
-                    "`ray status`)?"
+                    f"Ray workers {sorted(waiting)} did not start within {self.timeout_s:.0f}s: "
+                    f"does the cluster have {self.actors.resources} free for each "
+                    f"({RESOURCE_KEYS}; `ray status`)?"
                 )
             message = self._next(min(1.0, self.timeout_s))
             if message is None:
                 continue
             kind, wid, _ = message
-            if kind == "ready" and wid in pending:
-                pending.discard(wid)
-            elif wid in pending:
+            if kind == "ready" and wid in waiting:
+                waiting.discard(wid)
+            elif wid in waiting:
                 raise WorkerError(f"worker {wid} sent '{kind}' while starting")
             else:
                 others.append(message)
         self._received.extendleft(reversed(others))
-        driver = ray.get_runtime_context().get_node_id()
-        for wid, actor in enumerate(self._actors):
-            before = time.perf_counter()
-            node, ip, pid, clock = ray.get(actor.where.remote())
-            self._where[wid] = (ip, pid)
-            if node != driver:  # another machine's clock: place its spans on ours
-                self._clock_offset[wid] = (before + time.perf_counter()) / 2 - clock
-
-    def _check_placeable(self, resources: dict, pending: set[int]) -> None:
-        """Raise `WorkerError` when no live node has `resources`: Ray would keep the actors
-        pending for ever (a worker node lost with the only nodes that offered them)."""
-        lack = missing(resources)
-        if lack is not None:
-            raise WorkerError(
-                f"Ray workers {sorted(pending)} cannot start: each needs {resources} and {lack} "
-                f"({_RESOURCE_KEYS}; `ray status`)"
-            )
+        for wid in pending:
+            self.actors.locate(wid)
 
     def _form_group(self, weights: BroadcastWeights, address: str | None) -> None:
         import ray
@@ -243,7 +124,7 @@ class RayPool:
             a.join_group.remote(
                 weights.backend, init_method, wid + 1, world_size, env, self.timeout_s
             )
-            for wid, a in enumerate(self._actors)
+            for wid, a in enumerate(self.actors.handles)
         ]
         _await_group(
             lambda: weights.join(init_method, world_size, env, self.timeout_s),
@@ -253,7 +134,7 @@ class RayPool:
 
     @property
     def num_workers(self) -> int:
-        return len(self._actors)
+        return len(self.actors)
 
     def submit(self, wid: int, task_id: int, prompts: list[Prompt], iteration: int) -> None:
         self._in_flight[wid].add(task_id, prompts, iteration)
@@ -263,7 +144,7 @@ class RayPool:
         self._send(wid, "sync", version, self.weights.message(version))
 
     def _send(self, wid: int, kind: str, payload: Any, weights: Any = None) -> None:
-        self._actors[wid].send.remote(self._seq[wid], kind, payload, weights)
+        self.actors[wid].send.remote(self._seq[wid], kind, payload, weights)
         self._seq[wid] += 1
 
     def has_in_flight(self) -> bool:
@@ -271,31 +152,16 @@ class RayPool:
 
     def replace(self, wid: int) -> Lost:
         """A fresh actor in slot `wid` (same resources); the old one's unreturned tasks."""
-        import ray
-
-        if self._broadcast is not None:
-            raise WorkerDied(
-                f"worker {wid} cannot be replaced with pipeline.weight_sync = 'broadcast' (a new "
-                "actor cannot join the running collective group); use 'object_store'",
-                wid,
-            )
-        lack = missing(self._resources)
-        if lack is not None:  # its node is gone, and with it the last that offered them
-            ip, pid = self._where[wid]
-            raise WorkerDied(
-                f"worker {wid} (Ray actor, pid {pid} on {ip}) cannot be replaced: a worker needs "
-                f"{self._resources} and {lack} ({_RESOURCE_KEYS}; `ray status`)",
-                wid,
-            )
-        ray.kill(self._actors[wid])
+        self.actors.check_replaceable(wid)
+        self.actors.kill(wid)
         self._received = collections.deque(  # a dead worker's acknowledgements mean nothing
             m for m in self._received if not (m[0] == "ack" and m[1] == wid)
         )
         lost, self._in_flight[wid] = self._in_flight[wid].tasks, InFlight()
-        self._actors[wid] = self._remote.remote(wid, self._spec, None, list(sys.path))
+        self.actors.start(wid)
         self._seq[wid] = 0
-        self._drains[wid] = self._actors[wid].drain.remote(_DRAIN_S)
-        self._await_ready(self._resources, {wid})
+        self._drains[wid] = self.actors[wid].drain.remote(_DRAIN_S)
+        self._await_ready({wid})
         return lost
 
     def poll(self, timeout_s: float) -> tuple[str, int, Any] | None:
@@ -325,12 +191,12 @@ class RayPool:
                 try:
                     messages = ray.get(ref)
                 except ray.exceptions.RayActorError as e:
-                    raise self._died(wid, e) from None
-                self._drains[wid] = self._actors[wid].drain.remote(_DRAIN_S)
+                    raise self.actors.died(wid, e, self._in_flight[wid].shown()) from None
+                self._drains[wid] = self.actors[wid].drain.remote(_DRAIN_S)
                 for kind, sender, payload in messages:
                     if kind == "groups":  # struck off now: a replacement is not sent them again
                         self._in_flight[sender].returned(payload)
-                        self._to_driver_clock(payload)
+                        self.actors.to_driver_clock(payload)
                 self._received.extend(messages)
         if not self._received:
             return None
@@ -339,34 +205,13 @@ class RayPool:
             raise WorkerError(f"worker {wid} failed:\n{payload}")
         return kind, wid, payload
 
-    def _died(self, wid: int, error: Exception) -> WorkerDied:
-        ip, pid = self._where[wid]
-        # Ray's message: a headline, tab-indented details, then the cause on its last line.
-        lines = [line for line in str(error).splitlines() if line.strip() and line[0] != "\t"]
-        cause = lines[-1].rstrip(".") if lines else type(error).__name__
-        return WorkerDied(
-            f"worker {wid} (Ray actor, pid {pid} on {ip}) died: {cause}; "
-            f"prompts in flight: {self._in_flight[wid].shown()}",
-            wid,
-        )
-
-    def _to_driver_clock(self, result: TaskResult) -> None:
-        offset = self._clock_offset[result.worker]
-        if offset:
-            result.start += offset
-            result.end += offset
-            result.occupancy = [(t + offset, n) for t, n in result.occupancy]
-            result.spans = [(name, a + offset, b + offset) for name, a, b in result.spans]
-
     def close(self) -> None:
         """Kill the actors, leave the weights' group, and shut down a Ray this pool started."""
         if self._closed:
             return
         self._closed = True
-        import ray
-
-        for actor in self._actors:
-            ray.kill(actor)
+        if self._actors is not None:
+            self._actors.kill()
         self.weights.close()
         if self._started:
             shutdown_ray()

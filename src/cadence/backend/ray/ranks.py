@@ -1,6 +1,6 @@
 """Rank processes as Ray actors, one per bundle of a placement group, so ranks span machines.
 
-The design in full: docs/internals.md, `cadence/backend/ray/ranks.py`.
+Read on: docs/ray.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ overwrite their environment, but keep their logs open, and the session directory
 one `ray.init`. Linux only (it reads /proc); elsewhere no reaper is started. This module must not
 import Ray or anything of cadence: it runs as a script, `python .../reaper.py SESSION RAY_DIR`.
 
-The design in full: docs/internals.md, `cadence/backend/ray/reaper.py`.
+Read on: docs/ray.md.
 """
 
 from __future__ import annotations

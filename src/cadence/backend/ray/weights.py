@@ -3,7 +3,7 @@ object store or as a broadcast in buckets over a process group of its own (never
 group, which a vLLM worker already holds): one bucket of extra memory on each worker, a snapshot
 of the version on the learner (which trains on meanwhile).
 
-The design in full: docs/internals.md, `cadence/backend/ray/weights.py`.
+Read on: docs/ray.md.
 """
 
 from __future__ import annotations

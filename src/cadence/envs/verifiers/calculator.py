@@ -1,7 +1,7 @@
 """cadence's `calculator` as a verifiers tool server (a `vf.Toolset`), for environments whose
 tasks give the policy a calculator.
 
-The design in full: docs/internals.md, `cadence/envs/verifiers/calculator.py`.
+Read on: docs/envs.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A verifiers environment seen from cadence: loading it, its tasks as cadence prompts, and its
 finished traces as cadence completions.
 
-The design in full: docs/internals.md, `cadence/envs/verifiers/env.py`.
+Read on: docs/envs.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A verifiers harness that runs its chat loop in the rollout's own process: no program to
 install, no subprocess, nothing fetched.
 
-The design in full: docs/internals.md, `cadence/envs/verifiers/harness.py`.
+Read on: docs/envs.md.
 """
 
 from __future__ import annotations

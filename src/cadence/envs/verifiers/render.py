@@ -2,7 +2,7 @@
 own conventions: how verifiers' training client turns messages into token ids and completions
 back into messages.
 
-The design in full: docs/internals.md, `cadence/envs/verifiers/render.py`.
+Read on: docs/envs.md.
 """
 
 from __future__ import annotations
