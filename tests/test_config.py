@@ -188,6 +188,20 @@ RAY = ["pipeline.backend='ray'", "pipeline.placement='separate'"]
             ["model.device='cuda'", "learner.num_gpus_per_rank=2"],
             "a rank trains on one GPU",
         ),
+        (  # NCCL refuses two ranks of one group on one device
+            [
+                "model.device='cuda'",
+                "pipeline.placement='separate'",
+                "pipeline.num_gpus_per_worker=1",
+                "learner.ranks=2",
+                "learner.num_gpus_per_rank=0.5",
+            ],
+            "ranks would share a GPU",
+        ),
+        (
+            [*RAY, "model.device='cuda'", "learner.ranks=2", "learner.num_gpus_per_rank=0.5"],
+            "ranks would share a GPU",
+        ),
         (
             ["model.device='cuda'", "pipeline.placement='separate'", "pipeline.num_workers=2"],
             "needs pipeline.num_gpus_per_worker",

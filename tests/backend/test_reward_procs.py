@@ -13,6 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from cadence.backend import RewardProcesses, WorkerDied
+from cadence.backend.reward_stage import GRACE_S, work_limit_s
 from cadence.engine import SamplingParams, ScriptedEngine
 from cadence.rewards import RewardCall, RewardRunner, RewardSpec
 from cadence.rollout import RolloutWorker
@@ -85,3 +86,20 @@ def test_a_colocated_run_scored_in_reward_processes_makes_the_update_scored_in_t
     a = load_file(tmp_path / "worker" / "final" / "model.safetensors")
     b = load_file(tmp_path / "separate" / "final" / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_a_message_whose_calls_may_take_longer_than_the_silence_limit_is_waited_for():
+    # 6 calls of 0.5 s one at a time take 3 s: with the limit fixed at 1 s the healthy worker
+    # was called hung; the limit now follows the work sent (6 x the 2 s deadline + grace)
+    spec = RewardSpec(
+        "rule", "fixtures_rewards:half_second_even_length", timeout_s=2.0, concurrency=1
+    )
+    procs = RewardProcesses(spec, 1, timeout_s=1.0)
+    try:
+        results = procs.score([RewardCall("p", "x" * n, "1") for n in range(6)])
+    finally:
+        procs.close()
+    assert [r.value for r in results] == [float(n % 2 == 0) for n in range(6)]
+    assert work_limit_s(spec, 6, 1.0) == 6 * 2.0 + GRACE_S
+    assert work_limit_s(RewardSpec("rule", timeout_s=10.0), 32, 300.0) == 320.0 + GRACE_S
+    assert work_limit_s(RewardSpec("rule"), 32, 300.0) == 300.0  # no deadline: the floor

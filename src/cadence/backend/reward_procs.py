@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-import time
 from collections import deque
 from collections.abc import Sequence
 
 from cadence.backend.procs import Processes, WorkerDied
-from cadence.backend.reward_stage import ScoreResult, reward_worker_main
+from cadence.backend.reward_stage import JobClock, ScoreResult, reward_worker_main, work_limit_s
 from cadence.metrics.trace import Span, Tracer
 from cadence.rewards import RewardCall, RewardResult, RewardSpec
 
@@ -54,6 +53,8 @@ class RewardProcesses:
         self._waiting: deque[_Batch] = deque()
         self._jobs: dict[int, tuple[int, list[_Batch]]] = {}  # job -> (worker, its batches)
         self._next_job = 0
+        self._clock = JobClock()
+        self._spec = spec
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cadence-reward-procs", daemon=True)
@@ -96,16 +97,16 @@ class RewardProcesses:
             calls = [call for batch, _ in batches for call in batch]
             self.processes.send(wid, ("calls", (self._next_job, calls)))
             self._jobs[self._next_job] = (wid, batches)
+            limit = work_limit_s(self._spec, len(calls), self.timeout_s)
+            self._clock.sent(self._next_job, wid, len(calls), limit)
             self._next_job += 1
 
     def _run(self) -> None:
-        last_word = time.monotonic()
         try:
             while not self._stop.is_set():
-                if self._collect(timeout_s=0.05) or not self._jobs:
-                    last_word = time.monotonic()
-                elif time.monotonic() - last_word > self.timeout_s:
-                    raise TimeoutError(f"no word from the reward workers for {self.timeout_s:.0f}s")
+                self._collect(timeout_s=0.05)
+                with self._lock:
+                    self._clock.check()
         except BaseException as e:
             self._fail(e)
 
@@ -117,6 +118,7 @@ class RewardProcesses:
             result: ScoreResult = payload
             with self._lock:
                 _, batches = self._jobs.pop(result.job)
+                self._clock.answered(result.job)
                 self._free.append(wid)
                 self._dispatch()
             scores = [

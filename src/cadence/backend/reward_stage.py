@@ -10,6 +10,7 @@ Read on: docs/pipeline.md#the-sample-store-and-the-reward-stage.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -32,6 +33,45 @@ class ScoreResult:
     errors: list[str | None]
     start: float  # time.perf_counter() in the worker (comparable across processes)
     end: float
+
+
+GRACE_S = 60.0  # beyond the calls' own worst case: starting, scheduling, the reply's trip
+
+
+def work_limit_s(spec: RewardSpec, num_calls: int, floor_s: float) -> float:
+    """How long a reward worker may take over a message of `num_calls` calls before it is
+    taken for hung: `floor_s` (pipeline.worker_timeout_s), or where longer the message's own
+    worst case, every call running to its deadline (reward.timeout_s), reward.concurrency at a
+    time (one where unset: a reward's own default is never more parallel than the key), plus
+    `GRACE_S`. 32 calls of 10 s one at a time may take 320 s: a fixed 300 s failed them."""
+    if spec.kind != "rule" or spec.timeout_s <= 0:  # no deadline per call to derive one from
+        return floor_s
+    waves = math.ceil(num_calls / max(spec.concurrency or 1, 1))
+    return max(floor_s, waves * spec.timeout_s + GRACE_S)
+
+
+class JobClock:
+    """Each message in flight to a reward worker, and when its answer is overdue."""
+
+    def __init__(self) -> None:
+        self._due: dict[int, tuple[float, float, int, int]] = {}  # job -> (due, limit, wid, calls)
+
+    def sent(self, job: int, wid: int, num_calls: int, limit_s: float) -> None:
+        self._due[job] = (time.monotonic() + limit_s, limit_s, wid, num_calls)
+
+    def answered(self, job: int) -> None:
+        self._due.pop(job, None)
+
+    def check(self) -> None:
+        """Raise `TimeoutError` for the first message past its limit."""
+        now = time.monotonic()
+        for due, limit, wid, calls in self._due.values():
+            if now > due:
+                raise TimeoutError(
+                    f"reward worker {wid} did not answer a message of {calls} calls within "
+                    f"{limit:.0f}s (pipeline.worker_timeout_s, or the calls' own worst case: "
+                    "reward.timeout_s per call, reward.concurrency at a time)"
+                )
 
 
 def reward_worker_main(wid: int, spec: RewardSpec, inbox, results) -> None:
@@ -87,6 +127,7 @@ class RewardStage:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._jobs: dict[int, tuple[int, list[SampleRow]]] = {}  # job -> (worker, rows)
+        self._clock = JobClock()
         self.processes = Processes(
             "reward worker", reward_worker_main, lambda wid: (spec,), timeout_s, tag="reward"
         )
@@ -115,7 +156,7 @@ class RewardStage:
             self.store.close()
 
     def _loop(self) -> None:
-        job, last_word = 0, time.monotonic()
+        job = 0
         while not self._stop.is_set():
             if self._free:
                 batch = self.store.get(
@@ -130,12 +171,13 @@ class RewardStage:
                     wid = self._free.pop(0)
                     self.processes.send(wid, ("score", (job, batch.data)))
                     self._jobs[job] = (wid, batch.rows)
+                    limit = work_limit_s(self.spec, len(batch.rows), self.timeout_s)
+                    self._clock.sent(job, wid, len(batch.rows), limit)
                     job += 1
                     record_depths(self.store, self.tracer, reward_stage=True)
-            if not self._jobs or self._collect(timeout_s=0.0 if self._free else 0.5):
-                last_word = time.monotonic()
-            elif time.monotonic() - last_word > self.timeout_s:
-                raise TimeoutError(f"no word from the reward workers for {self.timeout_s:.0f}s")
+            if self._jobs:
+                self._collect(timeout_s=0.0 if self._free else 0.5)
+            self._clock.check()
 
     def _collect(self, timeout_s: float) -> bool:
         """Put the scores of the micro-batches finished within `timeout_s` into the store;
@@ -146,6 +188,7 @@ class RewardStage:
                 raise self.processes.failed(wid, payload)
             result: ScoreResult = payload
             _, rows = self._jobs.pop(result.job)
+            self._clock.answered(result.job)
             self.store.put(rows, {"reward": result.rewards, "reward_error": result.errors})
             self.rows_scored += len(rows)
             self._free.append(wid)

@@ -291,4 +291,7 @@ def loop_params(cfg: Config) -> LoopParams:
 def reward_spec(cfg: Config) -> RewardSpec:
     """What each reward worker of `reward.stage = "separate"` builds its scorer from."""
     r = cfg.reward
-    return from_sections(RewardSpec, r, threads=r.threads_per_worker, dtype=cfg.model.dtype)
+    device = r.device or ("cuda" if cfg.model.device.startswith("cuda") else "cpu")
+    return from_sections(
+        RewardSpec, r, threads=r.threads_per_worker, dtype=cfg.model.dtype, device=device
+    )

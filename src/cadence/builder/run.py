@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import cast
 
 import torch
 
@@ -41,6 +42,7 @@ from cadence.builder.rollout import (
     rollout_worker,
 )
 from cadence.builder.tasks import heldout_set, make_task, prompt_filter, prompt_render
+from cadence.choices import engine_kind
 from cadence.config import Config
 from cadence.dataplane import Store
 from cadence.engine import Engine
@@ -176,6 +178,13 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     tokenizer = load_tokenizer(cfg.model.path)
     model, masters = load_policy(cfg)
     tracer = Tracer()
+    beside = cfg.pipeline.placement == "colocated" and engine_kind(cfg.rollout.engine).own_copy
+    early = None
+    if beside and cfg.learner.ranks == 1:
+        # an engine with its own copy takes a share of the GPU's memory when it starts, measured
+        # against what is free: the learner's optimizer state must be there already
+        early = build_trainer(cfg, model, tokenizer.pad_token_id, tracer, resume, masters=masters)
+        cast(Learner, early[0]).allocate_state()
     engine, sync = learner_engine(cfg, model, tokenizer)
     task = make_task(cfg)
     cursor = resume.run.cursor if resume else 0
@@ -188,7 +197,7 @@ def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
     evaluator = heldout_evaluator(cfg, model, engine, tokenizer, heldout, sync)
     source = build_source(cfg, model, tokenizer, engine, tracer, stream, resume, sync=sync)
     try:  # after the source: it may start the Ray that learner ranks run in
-        trainer, digest = build_trainer(
+        trainer, digest = early or build_trainer(
             cfg, model, tokenizer.pad_token_id, tracer, resume, masters=masters
         )
     except BaseException:

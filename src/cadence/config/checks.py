@@ -147,6 +147,14 @@ def check_learner_ranks(cfg: Sections) -> None:
             "them; set pipeline.placement = 'separate' (workers on GPUs of their own: "
             "pipeline.num_gpus_per_worker) or learner.ranks = 1"
         )
+    share = ranks.num_gpus_per_rank
+    if ranks.ranks > 1 and 0 < share < 1:
+        raise ValueError(
+            f"learner.ranks = {ranks.ranks} with learner.num_gpus_per_rank = {share:g}: ranks "
+            "would share a GPU, and NCCL refuses two ranks of one group on one device; give "
+            "each rank a whole GPU (learner.num_gpus_per_rank = 1) or train with "
+            "learner.ranks = 1"
+        )
     if ranks.ranks > 1 and cfg.model.lora is not None:
         raise ValueError(
             f"learner.ranks = {ranks.ranks} with model.lora: the ranks shard a full model; "

@@ -3,9 +3,10 @@ concurrency, and DAPO's overlong shaping."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from cadence.choices import ENGINES, ENV_KINDS
 from cadence.config.base import Section
@@ -23,6 +24,9 @@ class RewardConfig(Section):
     model_path: str | None = None
     """kind 'model': local Hugging Face sequence-classification directory (`cadence
     init-reward-model` builds a tiny one on the task)."""
+    device: str = ""
+    """kind 'model': where the reward model scores, 'cpu' or 'cuda' (the first GPU its reward
+    worker sees: GPU 0 unless CUDA_VISIBLE_DEVICES narrows it); '': the run's, model.device."""
     stage: Literal["worker", "separate"] = "worker"
     """Where responses are scored: worker (inside the rollout worker, as each group finishes, in
     the engine's process; rule rewards only) or separate (num_workers reward worker processes:
@@ -78,6 +82,15 @@ class RewardConfig(Section):
         if isinstance(data, dict) and "stage" not in data:
             data["stage"] = "separate" if data.get("kind") == "model" else "worker"
         return data
+
+    @field_validator("device")
+    @classmethod
+    def _a_device(cls, device: str) -> str:
+        if device and not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+            raise ValueError(
+                f"{device!r} is not a device: 'cpu', 'cuda' or 'cuda:N' ('': the run's)"
+            )
+        return device
 
     @model_validator(mode="after")
     def _model_path_for_model(self) -> RewardConfig:

@@ -26,6 +26,7 @@ class VLLMWeights:
         self.takes_adapters = bool(lora_rank)
         self.can_sleep = can_sleep
         self.asleep = False
+        self.lost = False  # asleep at level 2: its weights are gone until the next load
         self.adapter = None  # the LoRA request later requests decode with (load_adapter)
         self.loads = 0  # weight (or adapter) loads so far: the prefix cache's salt
         self.version_bytes = 0  # tensor parallel: the bytes of the last version's files
@@ -39,7 +40,7 @@ class VLLMWeights:
         """New weights (Hugging Face names) into the running model, in place. `busy`: requests
         decode meanwhile (their blocks are kept, as partial rollouts keep their keys and values;
         later requests' salt never matches them)."""
-        self.wake()
+        self.wake(loading=True)
         self.loads += 1
         if self.tensor_parallel > 1:  # its workers are processes: they read one copy in files
             self.version_bytes = reload_from_files(self.llm, items)
@@ -50,6 +51,7 @@ class VLLMWeights:
         self.llm.apply_model(_repack_output_layers)
         if not self.llm.reset_prefix_cache() and not busy:
             raise RuntimeError("vLLM kept its prefix cache: keys and values of the old weights")
+        self.lost = False
 
     def load_adapter(self, path: str) -> None:
         """Later requests decode with the LoRA adapter saved in `path` (peft's layout) on the
@@ -69,17 +71,36 @@ class VLLMWeights:
         self.llm.reset_prefix_cache()  # idle: its blocks are the old adapter's
 
     def sleep(self) -> None:
-        """Where vLLM can (a GPU, `sleep_mode`): level 1, its weights to host memory and its KV
-        cache freed, until the next load or request wakes it."""
+        """Where vLLM can (a GPU, `sleep_mode`): its KV cache freed and, at level 2, its weights
+        dropped, since the next sync brings every weight (level 1 would copy them to host memory
+        and back only to overwrite them); level 1 where versions arrive as adapters on the base
+        weights it must keep. Until the next load or request wakes it."""
         if self.can_sleep and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+            level = 1 if self.takes_adapters else 2
+            self.llm.sleep(level=level)
+            self.asleep, self.lost = True, level == 2
 
-    def wake(self) -> None:
-        """Take back what `sleep` freed (its weights and KV cache), if asleep."""
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    def wake(self, loading: bool = False) -> None:
+        """Take back what `sleep` freed, if asleep. PyTorch's cached blocks go back to the GPU
+        first: the learner's freed memory stays in this process's caching allocator, where vLLM
+        cannot map it. After a level-2 sleep only a load (`loading`) may wake it: a request would
+        decode with whatever the weights' memory holds."""
+        if not self.asleep:
+            return
+        if self.lost and not loading:
+            raise RuntimeError(
+                "vLLM woke with its weights gone (asleep at level 2): load a version before "
+                "generating"
+            )
+        release_cached_memory()
+        self.llm.wake_up()
+        self.asleep = False
+
+
+def release_cached_memory() -> None:
+    """Return PyTorch's cached, unused GPU blocks to the device (nothing without CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _repack_output_layers(model: torch.nn.Module) -> None:

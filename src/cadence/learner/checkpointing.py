@@ -38,15 +38,23 @@ def _checkpointed(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def checkpoint_layers(model: torch.nn.Module) -> int:
-    """Checkpoint every decoder layer of `model` (idempotent); how many there are."""
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of `model`: the modules of a class its causal LM names in
+    `_no_split_modules`, whatever subclass wraps it now (checkpointing makes a layer a
+    `Checkpointed<Name>`, FSDP2 an `FSDP<Name>`: the name alone no longer says it). What FSDP2
+    shards as a unit and what activation checkpointing recomputes: one list for both."""
     lm = causal_lm(model)
     names = set(getattr(lm, "_no_split_modules", None) or ())
-    layers = [m for m in lm.modules() if type(m).__name__ in names or _is_wrapped(m)]
+    return [m for m in lm.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+
+
+def checkpoint_layers(model: torch.nn.Module) -> int:
+    """Checkpoint every decoder layer of `model` (idempotent); how many there are."""
+    layers = decoder_layers(model)
     if not layers:
         raise ValueError(
-            f"learner.activation_checkpointing: {type(lm).__name__} names no decoder layer "
-            "class (_no_split_modules)"
+            f"learner.activation_checkpointing: {type(causal_lm(model)).__name__} names no "
+            "decoder layer class (_no_split_modules)"
         )
     for layer in layers:
         if not _is_wrapped(layer):
@@ -55,7 +63,9 @@ def checkpoint_layers(model: torch.nn.Module) -> int:
 
 
 def _is_wrapped(module: torch.nn.Module) -> bool:
-    return type(module) in _CLASSES.values()
+    """Whether `module` is checkpointed (under whatever wraps it since: FSDP2's subclass)."""
+    wrapped = set(_CLASSES.values())
+    return any(c in wrapped for c in type(module).__mro__)
 
 
 def no_cache(model: torch.nn.Module) -> dict[str, bool]:

@@ -127,9 +127,7 @@ class Forward:
             start, passes = self._frozen_logprobs(self.old_model, layout, resp), 1
         return torch.where(use_behaviour[:, None], behaviour, start), passes  # (B, T)
 
-    def _responses(
-        self, scored: list[Scored], version: int, device: torch.device
-    ) -> Responses:
+    def _responses(self, scored: list[Scored], version: int, device: torch.device) -> Responses:
         for s in scored:
             if s.group.policy_version > version:
                 raise ValueError(
@@ -145,7 +143,6 @@ class Forward:
     def _logprobs(self, model, layout: Layout, resp: Responses, with_entropy: bool):
         """Log-probs (and entropy) of each response token under softmax(logits / temperature)."""
         return token_logprobs(model, layout, resp.tokens, self.params.temperature, with_entropy)
-
 
 
 def choose_layout(model: torch.nn.Module, params: LearnerParams, pad_id: int) -> str:

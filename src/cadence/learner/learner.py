@@ -79,6 +79,17 @@ class Learner:
         self._steps_this_iteration = 0
         self.bad_steps = BadSteps(params.max_bad_steps)
 
+    def allocate_state(self) -> None:
+        """The optimizer's state (AdamW's moments, zeros, on each parameter's device) made now
+        rather than at the first step, exactly as AdamW makes it: what the GPU must hold for the
+        whole run is then held before an engine beside the learner measures what is free."""
+        for p in self.trained:
+            state = self.optimizer.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
     @property
     def layout(self) -> str:
         """The micro-batch layout the passes use (learner/packing.py)."""

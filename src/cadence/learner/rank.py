@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from cadence.algo import AlgoParams, needs_reference
-from cadence.learner.checkpointing import checkpoint_layers
+from cadence.learner.checkpointing import checkpoint_layers, decoder_layers
 from cadence.learner.learner import Learner
 from cadence.learner.packing import install_checked_head
 from cadence.learner.params import Collective, LearnerParams
@@ -25,7 +25,7 @@ from cadence.learner.precision import Masters
 from cadence.learner.scorer import Scored
 from cadence.learner.sharded_state import load_sharded, save_sharded
 from cadence.learner.sums import StepSums, peak_memory
-from cadence.learner.tensors import is_dtensor, local_tensor, model_bytes
+from cadence.learner.tensors import is_dtensor, local_tensor, model_bytes, synchronize
 from cadence.metrics.trace import Span, Tracer
 from cadence.models import DTYPES, load_model
 from cadence.types import Completion, Group, Prompt
@@ -175,8 +175,7 @@ class RankLearner:
             return _fully_shard(model, self.device, frozen=False, mixed=mixed), None, ref
         from torch.nn.parallel import DistributedDataParallel
 
-        self.masters = Masters.split(model, DTYPES[spec.dtype], DTYPES[spec.master_dtype])
-        model.to(self.device)
+        model, self.masters = replicate(model, self.device, spec.dtype, spec.master_dtype)
         cuda = self.device.type == "cuda"
         ddp = DistributedDataParallel(
             model, device_ids=[self.device] if cuda else None, forward_sync_buffers=False
@@ -263,6 +262,10 @@ class RankLearner:
                     self.shared[name].copy_(full)
                 else:
                     out[name] = _to_numpy(full.to(DTYPES[self.spec.dtype]))
+            if self.rank == 0:
+                # the copies above are queued on a GPU: the reply must not tell the driver a
+                # version is in place while part of it is still the last one
+                synchronize(self.device)
         return out if self.rank == 0 and self.shared is None else None
 
     def save(self, path: str) -> dict[str, Any]:
@@ -351,16 +354,25 @@ def _fully_shard(
     policy = MixedPrecisionPolicy()
     if mixed is not None:
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[mixed[0]], reduce_dtype=torch.float32)
-    layers = set(getattr(model, "_no_split_modules", None) or ())
-    for module in list(model.modules()):
-        if type(module).__name__ in layers:
-            fully_shard(module, mesh=mesh, mp_policy=policy)
+    for layer in decoder_layers(model):  # checkpointed or not: each is a unit of its own
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=True if frozen else None, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return model
+
+
+def replicate(
+    model: torch.nn.Module, device: torch.device, dtype: str, master_dtype: str
+) -> tuple[torch.nn.Module, Masters | None]:
+    """A DDP rank's model on its `device`, computing in `dtype`, and its masters in
+    `master_dtype` (None when the two are one). Moved first, split after: the masters, their
+    gradients and the optimizer's state live on the parameters' device (masters made on the
+    load device would take a GPU's gradients on the CPU, and AdamW would step them there)."""
+    model.to(device)
+    return model, Masters.split(model, DTYPES[dtype], DTYPES[master_dtype])
 
 
 def _sum_gradients(state, bucket):  # unannotated: DDP checks annotations by identity

@@ -38,3 +38,10 @@ def model_bytes(model: torch.nn.Module | None) -> int:
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy for no_grad passes: no gradient buffers, never in an optimizer, in eval mode."""
     return copy.deepcopy(model).requires_grad_(False).eval()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until every copy queued on `device` has landed (a GPU's queued kernels and copies
+    run after the call that queued them returns); nothing to wait for on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -32,6 +32,7 @@ class RewardSpec:
     timeout_s: float = 0.0  # kind "rule": longest one call may take (0: no limit)
     answer_format: str = "auto"  # kind "rule", function "math": reward.answer_format
     concurrency: int | None = None  # kind "rule": calls in flight at once (None: its default)
+    device: str = "cpu"  # kind "model": where the reward model scores
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -74,11 +75,15 @@ class RuleScorer:
 class ModelScorer:
     """A learned reward model over (prompt ids, response ids)."""
 
-    def __init__(self, model_path: str, batch_size: int, dtype: str = "float32") -> None:
+    def __init__(
+        self, model_path: str, batch_size: int, dtype: str = "float32", device: str = "cpu"
+    ) -> None:
         from cadence.models import DTYPES
         from cadence.rewards.model import RewardModel
 
-        self.model = RewardModel.load(model_path, batch_size=batch_size, dtype=DTYPES[dtype])
+        self.model = RewardModel.load(
+            model_path, batch_size=batch_size, dtype=DTYPES[dtype], device=device
+        )
 
     def __call__(self, data: dict[str, list]) -> Scores:
         scores = self.model.score_ids(data["prompt_ids"], data["response_ids"])
@@ -101,5 +106,5 @@ def build_batch_scorer(spec: RewardSpec) -> BatchScorer:
     if spec.kind == "model":
         if not spec.model_path:
             raise ValueError("a reward model stage needs reward.model_path")
-        return ModelScorer(spec.model_path, spec.batch_size, spec.dtype)
+        return ModelScorer(spec.model_path, spec.batch_size, spec.dtype, spec.device)
     return RuleScorer(spec.function, spec.answer_format, spec.timeout_s, spec.concurrency)
