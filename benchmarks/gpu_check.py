@@ -21,8 +21,15 @@ short keeps what it measured:
    seconds per GB and the receiver's extra memory;
 8. vLLM reload, where vLLM is importable (not on the lent machine as it is): new weights loaded
    in place into an in-process vLLM engine (seconds, GB/s), and the log-probs of what it then
-   samples against the learner's model; with sleep mode (on a GPU), the memory vLLM's sleep
-   frees and the seconds to sleep and to wake.
+   samples against the learner's model; with sleep mode (on a GPU), one sleep -> train -> wake
+   cycle as a colocated run makes it: the memory each phase holds, and the seconds;
+9. DDP with a bf16 model and float32 masters (one rank on one GPU): where the masters live, and
+   the update against the one-process mixed learner;
+10. FSDP2 with activation checkpointing and mixed precision: the units counted (the root and one
+   per decoder layer), the rank's peak memory, the update against the one-process learner;
+11. local ranks publishing to a worker: after an iteration the driver's copy (in host memory)
+   is the rank's gathered weights byte for byte, a worker's engine loads the published version,
+   and its behaviour log-probs equal the learner's recomputation.
 
 On a machine without CUDA it runs step 0 and writes the reason for every other step; exit 0
 unless a step failed (1). `--device cpu --shape tiny` runs every step on a tiny model on the CPU
@@ -499,7 +506,7 @@ def step_vllm_reload(check: Check) -> dict:
         prompts = [torch.randint(0, vocab, (32,), generator=gen).tolist() for _ in range(4)]
         requests = [Request(p, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
         out = engine.generate(requests, SamplingParams(max_new_tokens=16, temperature=1.0))
-        slept = _sleep_freed(engine) if engine.can_sleep else {"sleep": "unavailable here"}
+        slept = _sleep_cycle(engine, model) if engine.can_sleep else {"sleep": "unavailable here"}
     finally:
         engine.close()
     diffs = []
@@ -523,22 +530,181 @@ def step_vllm_reload(check: Check) -> dict:
     } | slept
 
 
-def _sleep_freed(engine) -> dict:
-    """GiB of the GPU that vLLM's sleep (level 1, as a colocated run sleeps) frees, and the
-    seconds it takes to sleep and to wake."""
+def _sleep_cycle(engine, model) -> dict:
+    """One sleep -> train -> wake cycle as a colocated run makes it: vLLM sleeps (level 2: the next
+    sync brings every weight), the learner allocates what a step holds (a stand-in as large as
+    the freed memory, then freed, as PyTorch's caching allocator keeps it), the next version
+    wakes it (PyTorch's cached blocks returned first). GiB free in each phase, and seconds."""
     import torch
 
-    free = torch.cuda.mem_get_info()[0]
+    gib = 2**30
+    free = {"awake": torch.cuda.mem_get_info()[0] / gib}
     start = time.perf_counter()
     engine.sleep()
     asleep = time.perf_counter()
-    freed = torch.cuda.mem_get_info()[0] - free
-    engine.wake()
+    free["asleep"] = torch.cuda.mem_get_info()[0] / gib
+    stand_in = torch.empty(int((free["asleep"] - free["awake"]) * 0.8 * gib), dtype=torch.uint8,
+                           device="cuda")  # fmt: skip
+    free["training"] = torch.cuda.mem_get_info()[0] / gib
+    del stand_in  # freed, but cached by PyTorch until the wake returns it
+    woke = time.perf_counter()
+    engine.load_weights(((n, p.detach()) for n, p in model.named_parameters()), 99)
+    free["woken and loaded"] = torch.cuda.mem_get_info()[0] / gib
     return {
-        "sleep_freed_gib": freed / 2**30,
+        "free_gib": free,
+        "sleep_level": 1 if engine.takes_adapters else 2,
         "sleep_s": asleep - start,
-        "wake_s": time.perf_counter() - asleep,
+        "wake_and_load_s": time.perf_counter() - woke,
     }
+
+
+def _ranked(check: Check, model, params, algo, strategy: str, dtype: str = "float32"):
+    """`learner.ranks = 1` on the check's device (the rank process sees the first GPU only),
+    over `model`'s weights saved to a temporary directory; the ranked learner and the directory."""
+    import tempfile
+
+    from cadence.backend.placement import place, visible_gpus
+    from cadence.learner.driver import start_local_ranks
+    from cadence.learner.rank import RankSpec
+    from cadence.metrics import Tracer
+    from cadence.models import save_pretrained
+
+    d = tempfile.mkdtemp(prefix="cadence-gpu-check-")
+    save_pretrained(copy.deepcopy(model).cpu(), _tokenizer(), Path(d))
+    spec = RankSpec(d, params, algo, 0, 1, strategy, dtype=dtype)
+    gpus = place(1, 1.0, 0, 0.0, visible_gpus()) if check.device.startswith("cuda") else None
+    return start_local_ranks(spec, copy.deepcopy(model).cpu(), Tracer(), gpus), d
+
+
+def _max_diff(a, b) -> float:
+    """Largest difference between two lists of tensors (parameters, masters), in float32."""
+    return max((x.detach().float().cpu() - y.detach().float().cpu()).abs().max().item()
+               for x, y in zip(a, b, strict=True))  # fmt: skip
+
+
+def step_ddp_bf16(check: Check) -> dict:
+    """DDP under mixed precision (model.dtype = 'bfloat16', float32 masters) on one rank: the
+    masters on the rank's device (made on the CPU and the first gradient failed), its update
+    against the one-process mixed learner's."""
+    needs_cuda(check)
+    import shutil
+
+    import torch
+
+    from cadence.algo import AlgoParams
+    from cadence.learner import Learner, LearnerParams, score
+    from cadence.learner.precision import Masters
+
+    model = check.model(torch.float32, layers=4 if check.shape != "tiny" else None)
+    algo, params = AlgoParams(kl_coef=0.0), LearnerParams(lr=1e-4, micro_batch_groups=1)
+    groups = score(_groups(check, 64 if check.shape != "tiny" else 8), algo)
+    one_model = copy.deepcopy(model).to(check.device)
+    masters = Masters.split(one_model, torch.bfloat16)
+    one = Learner(one_model, params, algo, 0, masters=masters)
+    one.train_iteration(iter(groups), len(groups))
+    ranked, d = _ranked(check, model, params, algo, "ddp", dtype="bfloat16")
+    try:
+        ranked.train_iteration(iter(groups), len(groups))
+        where = ranked.described[0]
+    finally:
+        ranked.close()
+        shutil.rmtree(d, ignore_errors=True)
+    expected = "cuda:0" if check.device.startswith("cuda") else "cpu"
+    if where.get("master_device") != expected:
+        raise RuntimeError(f"the rank's float32 masters are on {where.get('master_device')}")
+    return {
+        "master_device": where["master_device"],
+        # the driver's copy is the rank's bf16 model, as the one-process learner's model is
+        "max_abs_diff": _max_diff(ranked.model.parameters(), one.model.parameters()),
+    }
+
+
+def step_fsdp_checkpointed(check: Check) -> dict:
+    """FSDP2 with activation checkpointing and bf16 compute over float32 shards: every decoder
+    layer a unit of its own besides the root (the checkpointed layers were missed and the rank
+    held them whole), the rank's peak memory, its update against the one-process learner's."""
+    needs_cuda(check)
+    import shutil
+
+    import torch
+
+    from cadence.algo import AlgoParams
+    from cadence.learner import Learner, LearnerParams, score
+    from cadence.learner.precision import Masters
+
+    layers = 4 if check.shape != "tiny" else 2
+    model = check.model(torch.float32, layers=layers)
+    algo = AlgoParams(kl_coef=0.0)
+    params = LearnerParams(lr=1e-4, micro_batch_groups=1, activation_checkpointing=True)
+    groups = score(_groups(check, 64 if check.shape != "tiny" else 8), algo)
+    one_model = copy.deepcopy(model).to(check.device)
+    one = Learner(one_model, params, algo, 0, masters=Masters.split(one_model, torch.bfloat16))
+    one.train_iteration(iter(groups), len(groups))
+    ranked, d = _ranked(check, model, params, algo, "fsdp", dtype="bfloat16")
+    try:
+        stats = ranked.train_iteration(iter(groups), len(groups))
+        units = ranked.described[0]["fsdp_units"]
+    finally:
+        ranked.close()
+        shutil.rmtree(d, ignore_errors=True)
+    if units != 1 + layers:
+        raise RuntimeError(f"{units} FSDP units for {layers} decoder layers and the root")
+    memory = {k: v for k, v in stats.items() if "peak" in k}
+    # FSDP's shards are the float32 masters, gathered as they are into the driver's copy
+    diff = _max_diff(ranked.model.parameters(), one.masters.params)
+    return {"fsdp_units": units, "max_abs_diff": diff} | memory
+
+
+def step_rank_publish(check: Check) -> dict:
+    """Local ranks publish to a worker as a run does: after an iteration the driver's copy (in
+    host memory) is what the rank gathered, byte for byte into the shared tensors a worker loads;
+    the worker's engine samples, the learner recomputes its log-probs."""
+    needs_cuda(check)
+    import shutil
+
+    import torch
+
+    from cadence.algo import AlgoParams
+    from cadence.backend.weights import SharedWeights
+    from cadence.engine import ContinuousEngine, EngineWeights, Request, SamplingParams
+    from cadence.learner import LearnerParams, score
+    from cadence.learner.logprobs import from_logits
+
+    model = check.model(torch.float32, layers=4 if check.shape != "tiny" else None)
+    algo, params = AlgoParams(kl_coef=0.0), LearnerParams(lr=1e-4, micro_batch_groups=1)
+    groups = score(_groups(check, 64 if check.shape != "tiny" else 8), algo)
+    ranked, d = _ranked(check, model, params, algo, "fsdp")
+    try:
+        ranked.train_iteration(iter(groups), len(groups))
+    finally:
+        ranked.close()
+        shutil.rmtree(d, ignore_errors=True)
+    driver = ranked.model
+    shared = SharedWeights(driver)
+    shared.publish(driver, 1)
+    same = all(torch.equal(shared.tensors[n], p.detach()) for n, p in driver.named_parameters())
+    worker_model = check.model(torch.float32, layers=4 if check.shape != "tiny" else None).eval()
+    weights = EngineWeights(ContinuousEngine(worker_model, _tokenizer()), worker_model)
+    weights.load(shared.tensors, 1)
+    vocab = SHAPES[check.shape]["vocab_size"]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, vocab, (16,), generator=gen).tolist() for _ in range(4)]
+    out = weights.engine.generate([Request(p, [i]) for i, p in enumerate(prompts)],
+                                  SamplingParams(max_new_tokens=16))  # fmt: skip
+    learner = copy.deepcopy(driver).to(check.device).eval()
+    diffs = []
+    with torch.no_grad():
+        for p, (c,) in zip(prompts, out, strict=True):
+            ids = torch.tensor([p + c.token_ids], device=check.device)
+            logits = learner(ids).logits[:, len(p) - 1 : -1]
+            mine, _ = from_logits(
+                logits, torch.tensor([c.token_ids], device=check.device), 1.0, False
+            )
+            diffs += (mine[0].cpu() - torch.tensor(c.logprobs)).abs().tolist()
+    if not same:
+        raise RuntimeError("the published version is not the driver's copy byte for byte")
+    return {"driver_device": str(next(driver.parameters()).device), "published_equal": same,
+            "logprob_abs_diff_max": max(diffs), "tokens": len(diffs)}  # fmt: skip
 
 
 STEPS: list[tuple[str, Callable[[Check], dict]]] = [
@@ -551,6 +717,9 @@ STEPS: list[tuple[str, Callable[[Check], dict]]] = [
     ("placement", step_placement),
     ("broadcast", step_broadcast),
     ("vllm_reload", step_vllm_reload),
+    ("ddp_bf16", step_ddp_bf16),
+    ("fsdp_checkpointed", step_fsdp_checkpointed),
+    ("rank_publish", step_rank_publish),
 ]
 
 

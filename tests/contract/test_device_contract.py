@@ -241,3 +241,70 @@ def test_moments_made_before_the_first_step_make_the_same_update(model_dir, toke
         learner.optimizer.step()
     for a, b in zip(early.model.parameters(), late.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+EIGHT_GPUS = [  # the 8-GPU recipe's placement: 4 ranks on GPUs 0-3, 4 workers on GPUs 4-7
+    "model.device='cuda'",
+    "learner.ranks=4",
+    "pipeline.placement='separate'",
+    "pipeline.num_workers=4",
+    "pipeline.num_gpus_per_worker=1",
+]
+
+
+def test_with_learner_ranks_the_drivers_copy_stays_in_host_memory(model_dir):
+    # GPU 0 held rank 0 and the driver's whole copy beside it (and a shared clone of it) for no
+    # pass; the driver's copy is what workers are published and checkpoints saved from
+    from cadence.builder.run import load_policy
+    from cadence.config import load_config
+
+    model, masters = load_policy(load_config(None, [f"model.path='{model_dir}'", *EIGHT_GPUS]))
+    assert {p.device.type for p in model.parameters()} == {"cpu"} and masters is None
+
+
+def test_evaluation_of_a_host_copy_opens_an_engine_sized_to_its_prompts_and_frees_it(
+    model_dir, tokenizer, monkeypatch
+):
+    # the evaluator's cache (max_num_seqs x (prompt + max_new_tokens) per layer, 37.8 GB in the
+    # 8-GPU recipe) was made at the first evaluation and never freed
+    import cadence.builder.rollout as rollout_module
+    from cadence.builder.rollout import heldout_evaluator
+    from cadence.config import load_config
+    from cadence.engine import ContinuousEngine
+    from cadence.models import load_model
+    from cadence.types import Prompt
+
+    cfg = load_config(None, [f"model.path='{model_dir}'", "data.num_heldout=3", *EIGHT_GPUS])
+    model = load_model(model_dir)  # in host memory, as the driver holds it
+    prompts = [Prompt(f"h{i}", f"{i} + 1 = ", str(i + 1), i) for i in range(3)]
+    opened = []
+    transient = rollout_module.transient_engine
+
+    def on_cpu(model, tokenizer, slots, device):  # the same engine, on the CPU, recorded
+        engine, close = transient(model, tokenizer, slots, "cpu")
+        opened.append(engine)
+        return engine, lambda: (opened.append("closed"), close())
+
+    monkeypatch.setattr(rollout_module, "transient_engine", on_cpu)
+    engine = ContinuousEngine(model, tokenizer)
+    evaluator = heldout_evaluator(cfg, model, engine, tokenizer, prompts)
+    first = evaluator.results()
+    assert len(opened) == 2 and opened[1] == "closed"  # opened, evaluated, closed
+    assert opened[0].max_num_seqs == 3 and opened[0].cache is None  # its prompts' slots, freed
+    assert opened[0].model is not model  # a copy: the host copy never moves
+    assert evaluator.results() == first
+
+
+def test_an_engine_that_frees_its_cache_after_evaluating_evaluates_the_same(model_dir, tokenizer):
+    from cadence.engine import ContinuousEngine, Request, SamplingParams
+    from cadence.models import load_model
+
+    engine = ContinuousEngine(load_model(model_dir), tokenizer, max_num_seqs=4)
+    requests = [Request([1, 2, 3], [7, 8]), Request([4, 5], [9])]
+    params = SamplingParams(max_new_tokens=6)
+    first = engine.generate(requests, params)
+    assert engine.cache is not None
+    engine.release()
+    assert engine.cache is None
+    again = engine.generate(requests, params)
+    assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in first]

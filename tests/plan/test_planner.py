@@ -139,7 +139,7 @@ def test_the_learner_gets_as_many_training_devices_as_its_memory_needs():
     assert any(
         "at least 21 training devices (fsdp: 73.2 GB per rank on 20" in n for n in result.notes
     )
-    with pytest.raises(ConfigError, match=r"the learner does not fit \(ddp: 1,276\.9 GB per rank"):
+    with pytest.raises(ConfigError, match=r"the learner does not fit \(ddp: 1,559\.3 GB per rank"):
         plan(
             load_spec(
                 None, [*SMALL, *LLAMA_70B, "cluster.devices=[24]", "cluster.learner_strategy=ddp"]

@@ -9,6 +9,7 @@ learner's weights brought to it is its own answer (`owns_weights`).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +20,15 @@ from cadence.builder.checks import require_engine
 from cadence.builder.params import engine_options, reward_spec, sampling_params, worker_spec
 from cadence.builder.tasks import env_error, heldout_set
 from cadence.config import Config
-from cadence.engine import Engine, EngineWeights, TakesAdapters, keeps_own_copy, open_engine
+from cadence.engine import (
+    Engine,
+    EngineWeights,
+    TakesAdapters,
+    keeps_own_copy,
+    make_engine,
+    open_engine,
+    release_cached_memory,
+)
 from cadence.envs import ChatToolsError
 from cadence.metrics import Tracer
 from cadence.models import load_tokenizer, max_positions
@@ -64,10 +73,13 @@ def learner_engine(cfg: Config, model, tokenizer) -> tuple[Engine, Sync | None]:
     model is not opened a second time there (it would take the GPU's memory): cadence's
     continuous engine evaluates on the learner's model instead."""
     kind = cfg.rollout.engine
-    if cfg.pipeline.placement != "colocated" and keeps_own_copy(kind):
-        kind = "continuous"
-    engine, weights = open_rollout_engine(cfg, tokenizer, model=model, kind=kind)
-    return engine, learner_sync(weights, model)
+    if cfg.pipeline.placement == "colocated":
+        engine, weights = open_rollout_engine(cfg, tokenizer, model=model, kind=kind)
+        return engine, learner_sync(weights, model)
+    slots = cfg.train.eval_max_num_seqs or cfg.rollout.max_num_seqs  # it only evaluates
+    kind = "continuous" if keeps_own_copy(kind) else kind
+    engine = make_engine(kind, model, tokenizer, slots)
+    return engine, None
 
 
 def run_reward(cfg: Config) -> RewardRunner:
@@ -135,7 +147,30 @@ def heldout_evaluator(
     spec = worker_spec(cfg, sampling_params(cfg, tokenizer, model_path))
     spec = evaluation_spec(spec, cfg.reward.function)
     _build(cfg, spec, engine, tokenizer).close()  # a broken environment fails before training
-    return Evaluator(model, engine, lambda e: _build(cfg, spec, e, tokenizer), prompts, sync)
+    evaluator = Evaluator(model, engine, lambda e: _build(cfg, spec, e, tokenizer), prompts, sync)
+    on_gpu = cfg.model.device.startswith("cuda")
+    if on_gpu and next(model.parameters()).device.type == "cpu":  # the driver's host copy
+        most = cfg.train.eval_max_num_seqs or cfg.rollout.max_num_seqs
+        slots = min(most, max(len(prompts), 1))
+        evaluator.open_engine = lambda: transient_engine(model, tokenizer, slots, "cuda")
+    return evaluator
+
+
+def transient_engine(
+    model, tokenizer, slots: int, device: str
+) -> tuple[Engine, Callable[[], None]]:
+    """A continuous engine on a copy of `model` on `device`, with `slots` sequences (the prompts
+    evaluated, at most rollout.max_num_seqs), and what frees both: held-out evaluation of a
+    policy kept in host memory (learner ranks' driver) holds the GPU only while it runs."""
+    copy_on_device = copy.deepcopy(model).to(device).eval()
+    engine = make_engine("continuous", copy_on_device, tokenizer, slots)
+
+    def close() -> None:
+        nonlocal copy_on_device, engine
+        del copy_on_device, engine
+        release_cached_memory()
+
+    return engine, close
 
 
 def eval_engine(cfg: Config, tokenizer, model_dir: str | Path) -> tuple[Engine, EngineWeights]:

@@ -278,11 +278,16 @@ def load_policy(cfg: Config) -> tuple[torch.nn.Module, Masters | None]:
     when it computes in bf16 (learner.master_dtype): the weights are read in float32 for the
     masters and cast for the model, which is what the passes, the engines and `final/` read. A
     LoRA adapter is float32 already (its own master); learner ranks keep their masters sharded
-    (this model only publishes). Pure bf16 (`master_dtype = "bfloat16"`) warns."""
+    (this model only publishes). With learner ranks the driver's copy is in host memory,
+    whatever `model.device`: it trains nothing, and on GPU 0 it sat beside rank 0's shards for
+    no pass (what it publishes and saves is read from host memory; held-out evaluation copies it
+    to a GPU while it runs: `evaluation_engine`). Pure bf16 (`master_dtype = "bfloat16"`)
+    warns."""
     m = cfg.model
     dtype, master = DTYPES[m.dtype], DTYPES[cfg.learner.master_dtype]
     split = m.lora is None and cfg.learner.ranks == 1 and master != dtype
-    model = load_model(m.path, dtype=master if split else dtype, device=m.device)
+    device = "cpu" if cfg.learner.ranks > 1 else m.device
+    model = load_model(m.path, dtype=master if split else dtype, device=device)
     if m.lora is not None:  # only the adapter trains; the reference is the adapter switched off
         spec = LoraSpec(m.lora.r, m.lora.alpha, m.lora.dropout, tuple(m.lora.target_modules))
         model = apply_lora(model, spec, base_path=m.path)

@@ -154,7 +154,14 @@ def parser() -> argparse.ArgumentParser:
         "spec",
         nargs="?",
         default=None,
-        help="plan TOML (default: the 7B example in docs/planner.md)",
+        help="plan TOML (default: the 7B example in docs/planner.md); or a run's config "
+        "(configs/*.toml): what each GPU of that run holds, buffer by buffer",
+    )
+    sp.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=80.0,
+        help="a run config's ledger: each GPU's memory, GB (default 80: an H100)",
     )
     sp.add_argument(
         "--calibrate",

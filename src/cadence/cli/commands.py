@@ -231,6 +231,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from cadence.plan.report import draw_plan, print_plan, write_json
 
     out = Path(args.out)
+    if args.spec is not None and is_run_config(args.spec):
+        return print_ledger(args.spec, args.set, args.gpu_memory_gb * 1e9, out)
     base = None
     if args.calibrate is not None:  # this machine, measured; the workload of --config
         from cadence.plan.calibrate import calibrate_to
@@ -245,6 +247,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"wrote {write_json(result, out / 'plan.json')} and {draw_plan(result, out / 'plan.png')}"
     )
     return 0
+
+
+def is_run_config(path: str) -> bool:
+    """Whether the TOML in `path` is a run's config (it has a run's sections) rather than a
+    plan spec."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return False  # the plan spec loader says what is wrong
+    return bool({"rollout", "train", "learner", "pipeline", "algo", "data"} & set(data))
+
+
+def print_ledger(config: str, overrides: list[str], gpu_bytes: float, out: Path) -> int:
+    """`cadence plan CONFIG`: the run's memory ledger per GPU (plan/ledger.py), printed and
+    written to ledger.md and ledger.json; exit 1 when a GPU's peak exceeds its memory."""
+    from cadence.plan.ledger import ledger, ledger_table, over_memory
+    from cadence.plan.shapes import model_shape
+
+    cfg = load_config(config, overrides)
+    if not cfg.model.device.startswith("cuda"):
+        raise ConfigError(f"{config}: model.device = '{cfg.model.device}': no GPU to account for")
+    gpus = ledger(cfg, model_shape(cfg.model.path), gpu_bytes)
+    table = ledger_table(gpus, gpu_bytes)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ledger.md").write_text(table + "\n")
+    rows = [
+        {"gpu": g.index, "roles": g.roles, "peak_bytes": g.peak, "buffers": g.buffers} for g in gpus
+    ]
+    (out / "ledger.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"memory per GPU of {config} ({gpu_bytes / 1e9:g} GB each):\n\n{table}")
+    over = over_memory(gpus, gpu_bytes)
+    if over:
+        print(f"GPU(s) {over} would hold more than their memory")
+    return 1 if over else 0
 
 
 def cmd_study(args: argparse.Namespace) -> int:

@@ -37,6 +37,10 @@ class TrainConfig(Section):
     """Optimizer steps per iteration."""
     eval_every: int = Field(0, ge=0)
     """Held-out eval every N iterations (0: ends)."""
+    eval_max_num_seqs: int = Field(0, ge=0)
+    """Sequences held-out evaluation decodes at once where it has an engine of its own (beside
+    worker processes; 0: rollout.max_num_seqs): its KV cache is this many x (prompt +
+    max_new_tokens) per layer while it runs, freed after."""
     threads: int = Field(0, ge=0)
     """torch threads (0: all cores)."""
     checkpoint_every: int = Field(10, ge=0)

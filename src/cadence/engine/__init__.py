@@ -6,6 +6,7 @@ from cadence.engine.base import (
     BatchStepper,
     Engine,
     InFlightWeights,
+    Releases,
     Request,
     RequestRefused,
     SamplingParams,
@@ -18,6 +19,7 @@ from cadence.engine.base import (
     derive_seed,
     derive_turn_seed,
     generate_by_steps,
+    release_cached_memory,
     sample_tokens,
     step_uniforms,
 )
@@ -34,6 +36,7 @@ __all__ = [
     "EngineWeights",
     "HFEngine",
     "InFlightWeights",
+    "Releases",
     "Request",
     "RequestRefused",
     "SamplingParams",
@@ -53,6 +56,7 @@ __all__ = [
     "load_into",
     "make_engine",
     "open_engine",
+    "release_cached_memory",
     "sample_tokens",
     "step_uniforms",
 ]

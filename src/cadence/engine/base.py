@@ -130,6 +130,18 @@ class Sleeps(Protocol):
 
 
 @runtime_checkable
+class Releases(Protocol):
+    """An engine that can free what generation holds (its KV cache) between uses."""
+
+    @property
+    def busy(self) -> bool: ...
+
+    def release(self) -> None:
+        """While idle: free the cache; the next request allocates it again."""
+        ...
+
+
+@runtime_checkable
 class TakesAdapters(Protocol):
     """An engine with its own copy that can also take a LoRA adapter beside its base weights
     (vLLM's LoRA requests): a LoRA policy's update then travels as the adapter alone."""
@@ -176,6 +188,14 @@ class BatchStepper:
         outputs = self.engine.generate([r for _, r in pending], self.params)
         self.occupancy.append((time.perf_counter(), 0))
         return [(key, out) for (key, _), out in zip(pending, outputs, strict=True)]
+
+
+def release_cached_memory() -> None:
+    """Return PyTorch's cached, unused GPU blocks to the device (nothing without CUDA): memory
+    freed in this process stays in its caching allocator, where another allocator (vLLM's) or a
+    process cannot have it."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def as_streaming(engine: Engine) -> StreamingEngine:

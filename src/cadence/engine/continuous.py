@@ -211,6 +211,15 @@ class ContinuousEngine:
             raise ValueError("a request needs at least one seed")
         self.waiting.append(job)
 
+    def release(self) -> None:
+        """Free the KV cache and the slots' tensors while idle; the next request allocates them
+        again (held-out evaluation every few iterations need not keep a cache sized for its
+        prompts resident between)."""
+        if self.busy:
+            raise RuntimeError("release() while requests decode")
+        self.cache = None
+        self._logits = self._seeds = self._steps = self._pos = self._last = None
+
     def generate(self, requests: list[Request], params: SamplingParams) -> list[list[Completion]]:
         return generate_by_steps(self, requests, params)
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
+from cadence.engine.base import release_cached_memory
 from cadence.engine.vllm_files import reload_from_files
 
 
@@ -95,12 +96,6 @@ class VLLMWeights:
         release_cached_memory()
         self.llm.wake_up()
         self.asleep = False
-
-
-def release_cached_memory() -> None:
-    """Return PyTorch's cached, unused GPU blocks to the device (nothing without CUDA)."""
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _repack_output_layers(model: torch.nn.Module) -> None:

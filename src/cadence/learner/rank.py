@@ -92,7 +92,7 @@ class Rank(Protocol):
         ...
 
     def describe(self) -> dict[str, Any]:
-        """What this rank holds (bytes of training state) and its process id."""
+        """What this rank holds (bytes of training state, FSDP units, devices) and its pid."""
         ...
 
     def close(self) -> None: ...
@@ -292,8 +292,16 @@ class RankLearner:
         self.learner.bad_steps.in_a_row = state["bad_steps_in_a_row"]
 
     def describe(self) -> dict[str, Any]:
-        """What this rank holds (its shards, with FSDP) and its process id."""
-        return state_bytes(self.learner) | {"pid": os.getpid()}
+        """What this rank holds (its shards, with FSDP), where, and its process id: the FSDP
+        units of its policy, the device of its parameters and of its float32 masters (DDP under
+        mixed precision), as `make gpu-check` reports them."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = sum(isinstance(m, FSDPModule) for m in self.model.modules())
+        where = {"fsdp_units": units, "param_device": str(next(self.model.parameters()).device)}
+        if self.masters is not None:
+            where["master_device"] = str(self.masters.params[0].device)
+        return state_bytes(self.learner) | where | {"pid": os.getpid()}
 
     def close(self) -> None:
         import torch.distributed as dist

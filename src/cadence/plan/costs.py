@@ -68,6 +68,9 @@ class Throughput:
     kv_cache_bytes: float = math.inf  # memory an engine has for its KV cache
     kv_bytes_per_token: float = 0.0
     train_state_bytes: float = 0.0  # weights + grads + optimizer state (colocated engines share)
+    # under float32 masters, the compute-dtype model each whole copy also holds (DDP, one
+    # process), and its gradients for one micro-batch; FSDP2 gathers it layer by layer instead
+    compute_copy_bytes: float = 0.0
     frozen_bytes: float = 0.0  # the frozen reference's weights (no gradients, no optimizer state)
     layer_bytes: float = 0.0  # one decoder layer's weights: what FSDP gathers at a time
     gather_s: float = 0.0  # all-gathering the whole weights once over the training network
@@ -107,8 +110,8 @@ class Throughput:
         over the ranks (FSDP, plus one gathered layer and its gradient) or whole (DDP), and one
         micro-batch's activations and logits (`activation_memory`)."""
         state = self.train_state_bytes + self.frozen_bytes
-        if strategy == "ddp":
-            return state + self.activation_bytes
+        if strategy == "ddp":  # 16 bytes a parameter, and the bf16 model and its gradients
+            return state + 2 * self.compute_copy_bytes + self.activation_bytes
         return state / devices + 2 * self.layer_bytes + self.activation_bytes
 
     def fits(self, devices: int, strategy: str = "fsdp") -> bool:
@@ -279,6 +282,7 @@ def from_hardware(
         kv_cache_bytes=max(kv_free - sync["sync_extra_bytes"], 0.0),
         kv_bytes_per_token=model.kv_bytes_per_token,
         train_state_bytes=16 * model.params,
+        compute_copy_bytes=w if model.bytes_per_param < 4 else 0.0,
         frozen_bytes=w if reference_model else 0.0,
         layer_bytes=w / model.layers,
         gather_s=w / device.network_bw,

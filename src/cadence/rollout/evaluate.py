@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from cadence.engine import Engine, Request, generate_by_steps
+from cadence.engine import Engine, Releases, Request, generate_by_steps
 from cadence.metrics.tasks import task_accuracy
 from cadence.rewards import RewardCall
 from cadence.rollout.worker import RolloutWorker, prompt_ids
@@ -58,25 +58,36 @@ class Evaluator:
     """Held-out accuracy of the learner's current policy, as the run loop asks for it: each call
     builds the evaluation worker on `engine` (`make_worker`, as the builder wires it:
     `build_worker` with `evaluation_spec`), runs it and closes it (an environment's episodes let
-    go of what they hold)."""
+    go of what they hold), and an engine that can frees its cache until the next call. With
+    `open_engine` each call opens the engine it decodes with and closes it after (a transient
+    copy on a GPU: `close` frees it)."""
 
     model: Any  # the learner's policy: put in eval mode first (the engine may share it)
-    engine: Engine
+    engine: Engine | None
     make_worker: Callable[[Engine], RolloutWorker]
     prompts: list[Prompt]
     sync: Callable[..., None] | None = None  # brings an engine with its own copy to the policy
     by_task: dict[str, float] = field(default_factory=dict)  # of the last call, per task label
+    open_engine: Callable[[], tuple[Engine, Callable[[], None]]] | None = None
 
     def results(self) -> dict[str, float]:
         """`evaluate`'s figures for the policy as it is now."""
         self.model.eval()
         if self.sync is not None:
             self.sync()
-        worker = self.make_worker(self.engine)
+        if self.open_engine is not None:
+            engine, close = self.open_engine()
+        else:
+            assert self.engine is not None, "an Evaluator has an engine or opens one"
+            engine, close = self.engine, lambda: None
+        worker = self.make_worker(engine)
         try:
             return evaluate(worker, self.prompts)
         finally:
             worker.close()
+            if isinstance(engine, Releases) and not engine.busy:
+                engine.release()
+            close()
 
     def __call__(self) -> float:
         result = self.results()
