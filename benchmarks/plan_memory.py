@@ -21,9 +21,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-SIZES = {  # name -> (hidden, intermediate, layers, heads, vocab)
+SIZES = {  # name -> (hidden, intermediate, layers, heads, vocab): the two the constants were
+    # fitted to
     "h512-L8": (512, 1376, 8, 8, 16384),
     "h1024-L6": (1024, 2752, 6, 16, 32768),
+}
+# shapes the constants were not fitted on (--held-out): grouped-query attention and SmolLM2's
+# vocabulary, a deep narrow model, and bf16 compute under float32 masters
+HELD_OUT = {  # name -> (hidden, intermediate, layers, heads, kv heads, vocab, dtype)
+    "h768-L10-gqa": (768, 2048, 10, 12, 4, 49152, "float32"),
+    "h384-L24": (384, 1024, 24, 6, 6, 24576, "float32"),
+    "h768-L10-gqa-bf16": (768, 2048, 10, 12, 4, 49152, "bfloat16"),
 }
 VARIANTS = {"full logits": (0, False), "chunked": (256, False), "chunked + ckpt": (256, True)}
 # glibc returns every block of 64 KiB or more to the system when freed, so the resident set is
@@ -46,18 +54,23 @@ def child(size: str, chunk: int, ckpt: bool) -> dict:
     from cadence.learner import Learner, LearnerParams, StepSums, score
 
     torch.set_num_threads(2)
-    h, i, layers, heads, vocab = SIZES[size]
+    h, i, layers, heads, kv_heads, vocab, dtype = shape(size)
     cfg = LlamaConfig(
         vocab_size=vocab,
         hidden_size=h,
         intermediate_size=i,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=heads,
+        num_key_value_heads=kv_heads,
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
+    masters = None
+    if dtype == "bfloat16":  # as the one-process learner holds it: float32 masters
+        from cadence.learner.precision import Masters
+
+        masters = Masters.split(model, torch.bfloat16)
     params = LearnerParams(
         micro_batch_groups=SEQUENCES,
         logits_chunk_tokens=chunk,
@@ -65,7 +78,7 @@ def child(size: str, chunk: int, ckpt: bool) -> dict:
         shared_prompt=False,
     )
     algo = AlgoParams(max_policy_tokens=RESPONSE, kl_coef=0.0)
-    learner = Learner(model, params, algo, 0)
+    learner = Learner(model, params, algo, 0, masters=masters)
     groups = score(synthetic_groups(vocab, SEQUENCES, PROMPT, RESPONSE, 2)[:SEQUENCES], algo)
     learner.begin_iteration()
     before = rss_mb()
@@ -75,25 +88,40 @@ def child(size: str, chunk: int, ckpt: bool) -> dict:
     return {"added_mb": peak - before, "params": n, "tokens": sum(g.num_tokens for g in groups)}
 
 
+def shape(size: str) -> tuple:
+    if size in SIZES:
+        h, i, layers, heads, vocab = SIZES[size]
+        return h, i, layers, heads, heads, vocab, "float32"
+    return HELD_OUT[size]
+
+
 def predicted_mb(size: str, tokens: int, params: int, chunk: int, ckpt: bool) -> float:
+    """The planner's activations and logits for the micro-batch, and the gradients its backward
+    allocates: 4 bytes a parameter in float32; under bf16 compute the bf16 gradients and the
+    float32 masters' they are added into (2 + 4)."""
     from cadence.plan.costs import ModelShape, activation_memory
 
-    h, i, layers, _, vocab = SIZES[size]
-    shape = ModelShape(params, layers, h, h, 4.0, i, vocab)  # float32: 4 bytes a value
-    return (activation_memory(shape, tokens, ckpt, chunk) + 4 * params) / 2**20
+    h, i, layers, heads, kv_heads, vocab, dtype = shape(size)
+    value = 4.0 if dtype == "float32" else 2.0
+    model = ModelShape(params, layers, h, h * kv_heads // heads, value, i, vocab)
+    grads = 4 * params if dtype == "float32" else 6 * params
+    return (activation_memory(model, tokens, ckpt, chunk) + grads) / 2**20
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/plan-memory")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--held-out", action="store_true", help="the shapes the constants were not fitted on"
+    )
     args = ap.parse_args()
     if args.child:
         size, chunk, ckpt = args.child
         print(json.dumps(child(size, int(chunk), ckpt == "1")))
         return
     rows = []
-    for size in SIZES:
+    for size in HELD_OUT if args.held_out else SIZES:
         for name, (chunk, ckpt) in VARIANTS.items():
             cmd = [sys.executable, __file__, "--child", size, str(chunk), "1" if ckpt else "0"]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=ENV).stdout

@@ -50,7 +50,7 @@ def _generate(model, tokenizer, partial, publish, max_num_seqs=4):
 
     def after(n):
         if n == step:
-            inbox.put(("sync", version))
+            inbox.put(("sync", (version, None)))
 
     engine = PublishingEngine(next_version(model, scale=0.0), tokenizer, max_num_seqs, after)
     worker = RolloutWorker(
@@ -70,7 +70,7 @@ def _generate(model, tokenizer, partial, publish, max_num_seqs=4):
     prompts = [
         Prompt(f"q{i}", f"Question: {q}\nAnswer: ", "7", index=i) for i, q in enumerate(QUESTIONS)
     ]
-    inbox.put(("sync", 0))
+    inbox.put(("sync", (0, None)))
     inbox.put(("rollout", (0, prompts, 0)))
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()

@@ -127,6 +127,11 @@ class _OwnCopy(ScriptedEngine):
     def load_weights(self, tensors, version=None) -> None:
         self.loaded.append(({n: t.clone() for n, t in dict(tensors).items()}, version))
 
+    def held_fingerprint(self, expected):
+        from cadence.models.fingerprint import held
+
+        return held(self.loaded[-1][0], expected) if self.loaded else {}
+
 
 def test_the_learner_syncs_only_an_engine_that_keeps_its_own_copy():
     learner = _model(2.0)

@@ -31,9 +31,9 @@ def test_a_sync_behind_a_busy_engine_waits_and_so_does_the_work_behind_it():
     model, loop = _loop(inbox, outbox)
     prompts = [Prompt(f"p{i}", "x" * (i + 1), "1", index=i) for i in range(2)]
     for message in [
-        ("sync", 0),
+        ("sync", (0, None)),
         ("rollout", (0, prompts[:1], 0)),
-        ("sync", 1),  # arrives while task 0 is in the engine
+        ("sync", (1, None)),  # arrives while task 0 is in the engine
         ("rollout", (1, prompts[1:], 1)),
     ]:
         inbox.put(message)

@@ -77,6 +77,11 @@ class _OwnCopy(ScriptedEngine):
     def load_weights(self, tensors, version=None) -> None:
         self.loaded.append(({n: t.clone() for n, t in dict(tensors).items()}, version))
 
+    def held_fingerprint(self, expected):
+        from cadence.models.fingerprint import held
+
+        return held(self.loaded[-1][0], expected) if self.loaded else {}
+
 
 def test_an_engine_with_its_own_copy_is_synced_the_merged_weights_under_plain_names() -> None:
     # colocated vLLM with LoRA crashed at the first sync: it was sent the peft model's names

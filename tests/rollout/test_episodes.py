@@ -190,7 +190,7 @@ def test_a_worker_loads_no_weights_while_an_episode_waits_on_a_tool(tokenizer):
     tensors = {n: torch.full_like(p, 7.0) for n, p in model.named_parameters()}
     inbox, outbox = queue.Queue(), queue.Queue()
     loop = WorkerLoop(0, worker, lambda version: load_into(model, tensors), inbox, outbox)
-    for message in [("sync", 0), ("rollout", (0, PROMPTS[:1], 0)), ("sync", 1)]:
+    for message in [("sync", (0, None)), ("rollout", (0, PROMPTS[:1], 0)), ("sync", (1, None))]:
         inbox.put(message)
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()

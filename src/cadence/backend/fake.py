@@ -21,10 +21,12 @@ from cadence.backend.pool import InFlight, Lost
 from cadence.backend.procs import WorkerDied, WorkerError
 from cadence.backend.weights import WeightSync
 from cadence.backend.worker_loop import WorkerLoop
-from cadence.rollout import RolloutWorker
+from cadence.models.fingerprint import Fingerprints
 from cadence.types import Prompt
 
-MakeWorker = Callable[[int], tuple[RolloutWorker, Callable[[int], None]]]
+# a slot's worker, what loads a version into it and, optionally, the fingerprints of what its
+# engine holds (WorkerLoop's `held`)
+MakeWorker = Callable[[int], tuple]
 
 
 class WorkerKilled(BaseException):
@@ -54,9 +56,10 @@ class ThreadPool:
         self._await_ready(set(range(num_workers)))
 
     def _start(self, wid: int) -> None:
-        worker, load_weights = self.make_worker(wid)
+        worker, load_weights, *rest = self.make_worker(wid)  # and what its engine holds, if told
         inbox: queue.Queue = queue.Queue()
-        loop = WorkerLoop(wid, worker, load_weights, inbox, self.results)
+        held = rest[0] if rest else None
+        loop = WorkerLoop(wid, worker, load_weights, inbox, self.results, held, "fake")
 
         def run() -> None:
             try:
@@ -94,8 +97,8 @@ class ThreadPool:
         self.in_flight[wid].add(task_id, prompts, iteration)
         self.inboxes[wid].put(("rollout", (task_id, prompts, iteration)))
 
-    def send_sync_to(self, wid: int, version: int) -> None:
-        self.inboxes[wid].put(("sync", version))
+    def send_sync_to(self, wid: int, version: int, expected: Fingerprints | None = None) -> None:
+        self.inboxes[wid].put(("sync", (version, expected)))
 
     def has_in_flight(self) -> bool:
         return any(self.in_flight)

@@ -21,6 +21,7 @@ from cadence.backend.pool import InFlight, Lost
 from cadence.backend.procs import Processes, Sender, WorkerDied, WorkerError
 from cadence.backend.weights import SharedReceiver, SharedWeights
 from cadence.backend.worker_loop import WorkerLoop
+from cadence.models.fingerprint import Fingerprints
 from cadence.rollout import WorkerSpec, build_worker
 from cadence.types import Prompt
 
@@ -41,7 +42,8 @@ def worker_main(wid: int, spec: WorkerSpec, tensors: dict, inbox, results) -> No
         return
     try:
         receiver = SharedReceiver(tensors, target)
-        WorkerLoop(wid, worker, receiver.load, inbox, outbox).run()
+        held = target.held_fingerprint
+        WorkerLoop(wid, worker, receiver.load, inbox, outbox, held, spec.engine).run()
     except BaseException:
         outbox.report_error(wid)
 
@@ -77,8 +79,8 @@ class LocalPool:
         self._in_flight[wid].add(task_id, prompts, iteration)
         self.processes.send(wid, ("rollout", (task_id, prompts, iteration)))
 
-    def send_sync_to(self, wid: int, version: int) -> None:
-        self.processes.send(wid, ("sync", version))
+    def send_sync_to(self, wid: int, version: int, expected: Fingerprints | None = None) -> None:
+        self.processes.send(wid, ("sync", (version, expected)))
 
     def has_in_flight(self) -> bool:
         return any(self._in_flight)

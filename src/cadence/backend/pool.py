@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cadence.backend.weights import WeightSync
+from cadence.models.fingerprint import Fingerprints
 from cadence.types import Group, Prompt
 
 
@@ -50,7 +51,10 @@ class Pool(Protocol):
 
     def submit(self, wid: int, task_id: int, prompts: list[Prompt], iteration: int) -> None: ...
 
-    def send_sync_to(self, wid: int, version: int) -> None: ...
+    def send_sync_to(self, wid: int, version: int, expected: Fingerprints | None = None) -> None:
+        """Worker `wid` is to load `version`, published with the fingerprints `expected` (None:
+        not checked)."""
+        ...
 
     def poll(self, timeout_s: float) -> tuple[str, int, Any] | None: ...
 

@@ -20,6 +20,7 @@ import torch
 
 from cadence.engine import Engine, EngineWeights, TakesAdapters
 from cadence.engine.weights import EngineAdapter
+from cadence.models.fingerprint import check, fingerprint
 from cadence.models.lora import adapter_spec, adapter_tensors, is_lora, plain_weights
 
 
@@ -102,14 +103,18 @@ class LearnerWeights:
     learner's weights to an engine in its own process comes through here, so none can forget
     the merge."""
 
-    def __init__(self, weights: EngineWeights, model: torch.nn.Module) -> None:
+    def __init__(self, weights: EngineWeights, model: torch.nn.Module, verify: bool = True) -> None:
         self.weights, self.model = weights, plain_weights(model)
         self.num_bytes = num_bytes(p for _, p in weights.named_parameters())
+        self.verify = verify
 
     def sync(self, version: int | None = None) -> None:
         # a tensor at a time: a LoRA policy's weights are merged as the engine takes them
         tensors = ((n, p.detach()) for n, p in self.model.named_parameters())
         self.weights.load_stream(tensors, version)
+        if self.verify:  # what it holds now is the learner's, before it samples
+            expected = fingerprint(self.model.named_parameters())
+            check(expected, self.weights.held_fingerprint(expected), ENGINE, version or 0)
 
     __call__ = sync
 
@@ -120,19 +125,27 @@ class LearnerAdapter:
     the adapter's tensors (float32, as it trains) to the engine's `EngineAdapter`, as a worker's
     transport does. The base weights never move: they do not train."""
 
-    def __init__(self, engine: TakesAdapters, policy) -> None:
+    def __init__(self, engine: TakesAdapters, policy, verify: bool = True) -> None:
         self.policy = policy
         self.target = EngineAdapter(cast(Engine, engine), adapter_spec(policy))
         self.num_bytes = num_bytes(t for _, t in adapter_tensors(policy))
+        self.verify = verify
 
     def sync(self, version: int | None = None) -> None:
-        self.target.load(dict(adapter_tensors(self.policy)), version)
+        tensors = dict(adapter_tensors(self.policy))
+        self.target.load(tensors, version)
+        if self.verify:  # the adapter later requests carry is the one just given
+            expected = fingerprint(tensors)
+            check(expected, self.target.held_fingerprint(expected), ENGINE, version or 0)
 
     __call__ = sync
 
 
+ENGINE = "the engine beside the learner"
+
+
 def learner_sync(
-    weights: EngineWeights, model: torch.nn.Module
+    weights: EngineWeights, model: torch.nn.Module, verify: bool = True
 ) -> Callable[[int | None], None] | None:
     """How the learner's current weights reach the engine of `weights` in the learner's process:
     None where the engine decodes with the learner's own model (nothing to bring over);
@@ -142,5 +155,5 @@ def learner_sync(
     if not engine.owns_weights:
         return None
     if is_lora(model) and isinstance(engine, TakesAdapters) and engine.takes_adapters:
-        return LearnerAdapter(engine, model)
-    return LearnerWeights(weights, model)
+        return LearnerAdapter(engine, model, verify)
+    return LearnerWeights(weights, model, verify)

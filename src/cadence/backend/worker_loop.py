@@ -14,17 +14,31 @@ from collections.abc import Callable
 
 from cadence.backend.pool import TaskResult
 from cadence.backend.procs import owner_gone
+from cadence.models.fingerprint import Fingerprints, check
 from cadence.types import Group
 
 
 class WorkerLoop:
     """A worker's message loop, whatever carries its messages (`inbox.get`, `outbox.put`) and
-    its weights (`load_weights(version)` puts that version into the worker's model)."""
+    its weights (`load_weights(version)` puts that version into the worker's model).
+
+    A sync carries the version and, where the learner checks them, the fingerprints of what it
+    published (`pipeline.verify_weights`): once loaded, `held(expected)` fingerprints what the
+    engine now decodes with, and a difference stops the worker (`WeightMismatch`, naming the
+    worker, its engine, the version and the tensors) before it samples anything with them."""
 
     def __init__(
-        self, wid: int, worker, load_weights: Callable[[int], None], inbox, outbox
+        self,
+        wid: int,
+        worker,
+        load_weights: Callable[[int], None],
+        inbox,
+        outbox,
+        held: Callable[[Fingerprints], Fingerprints] | None = None,
+        engine: str = "engine",
     ) -> None:
         self.wid, self.worker, self.load_weights = wid, worker, load_weights
+        self.held, self.engine = held, engine
         self.inbox, self.outbox = inbox, outbox
         self.version = -1
         self.backlog: collections.deque = collections.deque()  # messages not yet acted on
@@ -65,12 +79,16 @@ class WorkerLoop:
             if kind == "stop":
                 return False
             if kind == "sync":
-                if not self.worker.may_load(payload):
+                version, expected = payload
+                if not self.worker.may_load(version):
                     return True
-                if payload > self.version:  # a version already loaded is acknowledged, not reread
-                    self.load_weights(payload)
-                    self.version = payload
-                    self.worker.weights_loaded(payload)
+                if version > self.version:  # a version already loaded is acknowledged, not reread
+                    self.load_weights(version)
+                    self.version = version
+                    self.worker.weights_loaded(version)
+                if expected is not None and self.held is not None:  # before anything samples
+                    who = f"worker {self.wid} ({self.engine} engine)"
+                    check(expected, self.held(expected), who, version)
                 self.outbox.put(("ack", self.wid, self.version))
             elif kind == "rollout":
                 task_id, prompts, iteration = payload

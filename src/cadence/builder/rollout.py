@@ -75,7 +75,8 @@ def learner_engine(cfg: Config, model, tokenizer) -> tuple[Engine, Sync | None]:
     kind = cfg.rollout.engine
     if cfg.pipeline.placement == "colocated":
         engine, weights = open_rollout_engine(cfg, tokenizer, model=model, kind=kind)
-        return engine, learner_sync(weights, model)
+        verify = cfg.pipeline.verify_weights == "fingerprint"
+        return engine, learner_sync(weights, model, verify=verify)
     slots = cfg.train.eval_max_num_seqs or cfg.rollout.max_num_seqs  # it only evaluates
     kind = "continuous" if keeps_own_copy(kind) else kind
     engine = make_engine(kind, model, tokenizer, slots)

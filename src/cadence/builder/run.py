@@ -142,6 +142,7 @@ def build_source(
         checkpoint_every=cfg.train.checkpoint_every,
         behaviour=resume.run.behaviour_policies if resume else [],
         step_groups=step_groups(cfg),
+        verify=cfg.pipeline.verify_weights == "fingerprint",
     )
 
 

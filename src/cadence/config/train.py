@@ -136,6 +136,12 @@ class PipelineConfig(Section):
     records the version that sampled it (token_versions). max_staleness then bounds a
     trajectory's oldest token. Continuous or vLLM engine (vLLM: keep only), single-turn only
     (docs/partial-rollouts.md)."""
+    verify_weights: Literal["fingerprint", "off"] = "fingerprint"
+    """fingerprint: every version a worker's engine loads, or an engine beside the learner that
+    keeps its own copy (vLLM), is checked before it samples: a fingerprint of what it holds (a
+    hash of a fixed sample of each tensor's elements) against what the learner published; a
+    difference (a load that did nothing, an older version, weights lost) stops the run naming
+    the worker, the engine, the version and the tensors. off: not checked (docs/reliability.md)."""
     partial_rollout_kv: Literal["keep", "recompute"] = "keep"
     """partial_rollout: what a sequence in flight keeps when new weights arrive: keep (the keys and
     values computed under the old weights, PipelineRL) or recompute (prefill prompt and tokens so

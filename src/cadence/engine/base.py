@@ -77,6 +77,11 @@ class WeightOwner(Engine, Protocol):
         `version` labels them. Only while idle: a request never sees two versions."""
         ...
 
+    def held_fingerprint(self, expected: dict) -> dict:
+        """The fingerprints (models/fingerprint.py) of the weights its copy holds now, of the
+        tensors `expected` names that it holds under that name and shape."""
+        ...
+
 
 @runtime_checkable
 class StreamingEngine(Protocol):
@@ -154,6 +159,11 @@ class TakesAdapters(Protocol):
     def load_adapter(self, path: str, version: int | str | None = None) -> None:
         """Decode every later request with the adapter saved in `path` (peft's layout), read
         before this returns; `version` labels it. Only while idle, as `load_weights`."""
+        ...
+
+    def adapter_fingerprint(self) -> dict:
+        """The fingerprints of the adapter later requests decode with, as it was read ({}:
+        none)."""
         ...
 
 

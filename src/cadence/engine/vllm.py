@@ -190,6 +190,14 @@ class VLLMEngine:
         self.weights.load(items, self.busy)
         self._loaded(version)
 
+    def held_fingerprint(self, expected: dict) -> dict:
+        """What its copy holds now (engine/vllm_weights.py), for the tensors `expected` names."""
+        return self.weights.held_fingerprint(expected)
+
+    def adapter_fingerprint(self) -> dict:
+        """The adapter later requests decode with, as vLLM read it ({}: none)."""
+        return self.weights.adapter_fingerprint
+
     def load_adapter(self, path: str, version: int | str | None = None) -> None:
         """Decode every later request with the LoRA adapter saved in `path` (peft's layout) on
         the base weights the engine holds: vLLM reads it before this returns, and the adapter

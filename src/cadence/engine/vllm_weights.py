@@ -11,11 +11,15 @@ it (partial rollouts). docs/engines.md.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from cadence.engine.base import release_cached_memory
 from cadence.engine.vllm_files import reload_from_files
+from cadence.models.fingerprint import Fingerprints, fingerprint, held
+from cadence.models.lora import ADAPTER_WEIGHTS
 
 
 class VLLMWeights:
@@ -31,6 +35,7 @@ class VLLMWeights:
         self.adapter = None  # the LoRA request later requests decode with (load_adapter)
         self.loads = 0  # weight (or adapter) loads so far: the prefix cache's salt
         self.version_bytes = 0  # tensor parallel: the bytes of the last version's files
+        self.adapter_fingerprint: Fingerprints = {}  # of the adapter requests carry, as read
 
     @property
     def cache_salt(self) -> str:
@@ -69,7 +74,17 @@ class VLLMWeights:
         for old in self.llm.llm_engine.list_loras() - {adapter.lora_int_id}:
             self.llm.llm_engine.remove_lora(old)
         self.adapter = adapter
+        self.adapter_fingerprint = fingerprint(load_file(Path(path) / ADAPTER_WEIGHTS))
         self.llm.reset_prefix_cache()  # idle: its blocks are the old adapter's
+
+    def held_fingerprint(self, expected: Fingerprints) -> Fingerprints:
+        """The fingerprints of the weights vLLM holds now, of the tensors `expected` names that
+        it holds under that name and shape (vLLM fuses q, k, v and gate, up: not those), on every
+        worker (tensor parallel: only what each holds whole); a tensor the workers hold
+        differently from one another counts as held by none of them."""
+        per_worker = self.llm.apply_model(lambda model: held(model.named_parameters(), expected))
+        first, *others = per_worker
+        return {k: v for k, v in first.items() if all(o.get(k) == v for o in others)}
 
     def sleep(self) -> None:
         """Where vLLM can (a GPU, `sleep_mode`): its KV cache freed and, at level 2, its weights

@@ -23,6 +23,7 @@ from typing import cast
 import torch
 
 from cadence.engine.base import Engine, TakesAdapters, WeightOwner
+from cadence.models.fingerprint import Fingerprints, held
 
 
 @torch.no_grad()
@@ -95,6 +96,13 @@ class EngineWeights:
         _check_names(dict(self.model.named_parameters()), tensors)
         cast(WeightOwner, self.engine).load_weights(tensors, version)
 
+    def held_fingerprint(self, expected: Fingerprints) -> Fingerprints:
+        """The fingerprints of what the engine decodes with now (models/fingerprint.py): the
+        model's parameters, or what an engine with its own copy says it holds."""
+        if not self.engine.owns_weights:
+            return held(self.model.named_parameters(), expected)
+        return cast(WeightOwner, self.engine).held_fingerprint(expected)
+
 
 class EngineAdapter(EngineWeights):
     """The weights of an engine that takes a LoRA adapter on its own base weights (vLLM's LoRA
@@ -126,6 +134,10 @@ class EngineAdapter(EngineWeights):
         self, tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
     ) -> None:
         self.load(dict(tensors), version)
+
+    def held_fingerprint(self, expected: Fingerprints) -> Fingerprints:
+        """The fingerprints of the adapter later requests decode with, as the engine read it."""
+        return cast(TakesAdapters, self.engine).adapter_fingerprint()
 
     def load(self, tensors: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         from cadence.models.lora import save_adapter

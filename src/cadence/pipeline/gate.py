@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from cadence.backend import WeightSync
+from cadence.models.fingerprint import Fingerprints, fingerprint
 
 
 class WeightGate:
@@ -38,8 +39,13 @@ class WeightGate:
         num_workers: int,
         timeout_s: float = 300.0,
         check: Callable[[], None] = lambda: None,
+        verify: bool = True,
     ) -> None:
+        """`verify`: fingerprint what each version publishes (models/fingerprint.py), for the
+        workers to check what they load against (`expected`)."""
         self.weights, self.timeout_s, self.check = weights, timeout_s, check
+        self.verify = verify
+        self._expected: dict[int, Fingerprints] = {}  # the versions a worker may still load
         self._cond = threading.Condition()
         self._acked = [-1] * num_workers  # newest version each worker has loaded
         self._released = -1  # newest version the producer may admit iterations for
@@ -54,6 +60,8 @@ class WeightGate:
         with self._cond:  # held while writing: a worker replaced meanwhile reads whole weights
             self._wait(lambda: min(self._acked) >= self._released, "load the previous weights")
             self.weights.publish(model, version)
+            if self.verify:  # what a worker that loads it must then hold; older ones go
+                self._expected = {version: fingerprint(model.named_parameters())}
             self._held = version
             self._new.append(version)
             self._cond.notify_all()
@@ -65,6 +73,10 @@ class WeightGate:
         with self._cond:
             self._released = max(self._released, version)
             self._cond.notify_all()
+
+    def expected(self, version: int) -> Fingerprints | None:
+        """The fingerprints of what `version` published (None: not verified)."""
+        return self._expected.get(version)
 
     def take(self) -> tuple[list[int], int]:
         """(versions published since the last take, to sync in this order; newest released)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from cadence.backend import Pool, TaskResult, WorkerDied
 from cadence.dataplane import GENERATED, LEARNER, Store, StoreClosed, group_rows, record_depths
 from cadence.metrics.trace import Span, Tracer
+from cadence.models.fingerprint import Fingerprints
 from cadence.pipeline.gate import WeightGate
 from cadence.pipeline.recovery import Recovery
 from cadence.types import Group, Prompt
@@ -179,7 +180,7 @@ class Producer:
         waiting on them."""
         new_versions, released = self.gate.take()
         for v in new_versions:
-            dispatch.sync(v)
+            dispatch.sync(v, self.gate.expected(v))
         # Wants taken after the gate: a release seen above follows every want of the iterations
         # before it, so none of those can be missed while a batch the release admits is drawn.
         with self._cond:
@@ -278,14 +279,15 @@ class Dispatch:
 
     def __init__(self, pool: Pool, tasks_in_flight: int, hold: Callable[[], bool]) -> None:
         self.pool, self.hold = pool, hold
-        self.fifo: collections.deque = collections.deque()  # ("sync", v) | ("task", k, id, ps)
+        # ("sync", v, fingerprints) | ("task", k, id, prompts)
+        self.fifo: collections.deque = collections.deque()
         self.free = [tasks_in_flight] * pool.num_workers
         self.remaining: dict[int, int] = {}  # iteration -> its tasks not finished
         self.iteration_of: dict[int, int] = {}  # task id handed out -> its iteration
         self.next_id = 0
 
-    def sync(self, version: int) -> None:
-        self.fifo.append(("sync", version))
+    def sync(self, version: int, expected: Fingerprints | None = None) -> None:
+        self.fifo.append(("sync", version, expected))
 
     def add(self, iteration: int, tasks: list[list[Prompt]]) -> None:
         self.remaining[iteration] = self.remaining.get(iteration, 0) + len(tasks)
@@ -298,7 +300,7 @@ class Dispatch:
             item = self.fifo[0]
             if item[0] == "sync":
                 for wid in range(self.pool.num_workers):
-                    self.pool.send_sync_to(wid, item[1])
+                    self.pool.send_sync_to(wid, item[1], item[2])
             else:
                 wid = max(range(len(self.free)), key=lambda w: self.free[w])
                 if self.free[wid] == 0 or self.hold():

@@ -42,7 +42,7 @@ class Recovery:
         version = self.gate.reset(wid)
         lost = self.pool.replace(wid)
         if version >= 0:
-            self.pool.send_sync_to(wid, version)
+            self.pool.send_sync_to(wid, version, self.gate.expected(version))
         for task_id, (prompts, iteration) in sorted(lost.items()):
             self.pool.submit(wid, task_id, prompts, iteration)
         log.warning(

@@ -158,6 +158,7 @@ class WorkerSource:
         checkpoint_every: int = 0,
         behaviour: Sequence[dict[str, Any]] = (),
         step_groups: int = 0,
+        verify: bool = True,
     ) -> None:
         """`params`: the producer's settings (the builder makes them). `behaviour`: the
         behaviour policies of the checkpoint a run resumes from (`behaviour_policies`), published
@@ -176,7 +177,9 @@ class WorkerSource:
         self.store: Store = store if store is not None else SampleStore()
         self.reward_stage = reward_stage  # scores the rows when the workers do not
         self.filter_groups, self.max_oversample = filter_groups, max_oversample
-        self.gate = WeightGate(pool.weights, pool.num_workers, pool.timeout_s, self._raise_failure)
+        self.gate = WeightGate(
+            pool.weights, pool.num_workers, pool.timeout_s, self._raise_failure, verify
+        )
         self.producer = Producer(
             pool,
             self.store,

@@ -80,7 +80,10 @@ class RayWorker:
         except BaseException:
             self.outbox.put(("error", wid, traceback.format_exc()))
             return
-        loop = WorkerLoop(wid, worker, self.receiver.load, self.inbox, self.outbox)
+        held = weights.held_fingerprint
+        loop = WorkerLoop(
+            wid, worker, self.receiver.load, self.inbox, self.outbox, held, spec.engine
+        )
         threading.Thread(target=self._run, args=(loop,), name="cadence-worker", daemon=True).start()
 
     def _run(self, loop: WorkerLoop) -> None:
@@ -96,7 +99,7 @@ class RayWorker:
             while self._next_seq in self._pending:
                 kind, payload, weights = self._pending.pop(self._next_seq)
                 if kind == "sync" and self.receiver is not None:
-                    self.receiver.stage(payload, weights)
+                    self.receiver.stage(payload[0], weights)
                 self.inbox.put((kind, payload))
                 self._next_seq += 1
 

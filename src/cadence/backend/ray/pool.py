@@ -22,6 +22,7 @@ from cadence.backend.ray.weights import (
     ObjectStoreWeights,
     RayWeights,
 )
+from cadence.models.fingerprint import Fingerprints
 from cadence.rollout import WorkerSpec
 from cadence.types import Prompt
 
@@ -140,8 +141,8 @@ class RayPool:
         self._in_flight[wid].add(task_id, prompts, iteration)
         self._send(wid, "rollout", (task_id, prompts, iteration))
 
-    def send_sync_to(self, wid: int, version: int) -> None:
-        self._send(wid, "sync", version, self.weights.message(version))
+    def send_sync_to(self, wid: int, version: int, expected: Fingerprints | None = None) -> None:
+        self._send(wid, "sync", (version, expected), self.weights.message(version))
 
     def _send(self, wid: int, kind: str, payload: Any, weights: Any = None) -> None:
         self.actors[wid].send.remote(self._seq[wid], kind, payload, weights)
