@@ -209,6 +209,12 @@ def restore_trainer(trainer: Trainer, ckpt: Checkpoint, reference_digest: str | 
     check_reference(ckpt, reference_digest)
     load_policy(trainer.model, ckpt)
     trainer.load_state(ckpt.path, ckpt.trainer)
+    if trainer.version != ckpt.iteration:  # versions count the iterations trained
+        raise CheckpointError(
+            f"{ckpt.path}: the trainer's state is at policy version {trainer.version}, the "
+            f"checkpoint after iteration {ckpt.iteration}: a version counter that went back "
+            "would let stale groups through the staleness rule; the checkpoint is refused"
+        )
 
 
 @torch.no_grad()

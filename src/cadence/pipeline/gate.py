@@ -55,7 +55,12 @@ class WeightGate:
     def publish(self, model: torch.nn.Module, version: int, wait: bool = True) -> None:
         """Write `version` once the workers are done with the last one; with `wait`, return only
         once every worker has loaded it. A version already released is not written again."""
-        if version <= self._released:
+        if version < self._released:  # a counter gone backwards would disable the staleness rule
+            raise RuntimeError(
+                f"the learner publishes version {version} after releasing {self._released}: "
+                "policy versions never go back (a trainer restored to an older version?)"
+            )
+        if version == self._released:
             return
         with self._cond:  # held while writing: a worker replaced meanwhile reads whole weights
             self._wait(lambda: min(self._acked) >= self._released, "load the previous weights")
