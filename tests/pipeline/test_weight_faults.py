@@ -224,6 +224,6 @@ def test_an_adapter_that_is_never_applied_stops_the_run(model_dir, ignore):
         sync(1)  # the adapter requests carry is the one given: checked, and it is
         return
     with pytest.raises(
-        WeightMismatch, match="beside the learner: none of the .* tensors of version 1"
+        WeightMismatch, match=r"beside the learner: none of the .* tensors of version 1"
     ):
         sync(1)
