@@ -48,3 +48,12 @@ def test_off_policy_and_the_bypass_are_not_held_to_the_on_policy_gates(tmp_path)
     assert _run(tmp_path, [stale], '[pipeline]\nmode = "offpolicy"\n') == []
     off = GOOD | {"first_step_ratio_abs_dev_max": 1e-3}
     assert _run(tmp_path, [off], '[algo]\ncorrection_proximal = "bypass"\n') == []
+
+
+def test_a_bf16_run_is_held_to_its_mean_gap(tmp_path):
+    # before, every gate skipped a run that was not float32: the GPU's precision went unchecked
+    bf16 = '[model]\ndtype = "bfloat16"\n'
+    right = GOOD | {"behaviour_logprob_abs_diff_mean": 3e-4, "behaviour_logprob_abs_diff_max": 0.06}
+    assert _run(tmp_path, [right], bf16) == []
+    wrong = right | {"behaviour_logprob_abs_diff_mean": 0.16}
+    assert "behaviour_logprob_abs_diff_mean = 0.16" in _run(tmp_path, [wrong], bf16)[0]

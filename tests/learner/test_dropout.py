@@ -47,3 +47,21 @@ def test_the_learners_first_ratio_is_one_under_a_lora_dropout(model, tokenizer):
     )
     off = kept.train_iteration(iter(score(groups, algo)), len(groups))
     assert off["behaviour_logprob_abs_diff_max"] > 1e-2  # dropout on: the test can fail
+
+
+def test_the_first_steps_ratio_is_measured_only_where_it_can_fail(model, tokenizer):
+    # reused, pi_old is the policy's own log-probs detached: the ratio is 1 by construction and
+    # was reported as 0 even with dropout at 0.5; from a pass of its own it shows the dropout
+    policy = _lora(model)
+    groups = sample_groups(policy, tokenizer)
+    algo = AlgoParams(max_policy_tokens=10, kl_coef=0.0)
+
+    def first_ratio(**kw):
+        params = LearnerParams(lr=1e-3, **kw)
+        learner = Learner(copy.deepcopy(policy), params, algo, tokenizer.pad_token_id)
+        stats = learner.train_iteration(iter(score(groups, algo)), len(groups))
+        return stats.get("first_step_ratio_abs_dev_max")
+
+    assert first_ratio(disable_dropout=False) is None  # reused: nothing to measure
+    assert first_ratio(reuse_old_logprobs=False) <= 1e-6  # a pass of its own, no dropout
+    assert first_ratio(reuse_old_logprobs=False, disable_dropout=False) > 1e-2  # teeth

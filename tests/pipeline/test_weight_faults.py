@@ -8,6 +8,8 @@ sampled with, and version k's weights hold the value k + 1."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -227,3 +229,29 @@ def test_an_adapter_that_is_never_applied_stops_the_run(model_dir, ignore):
         WeightMismatch, match=r"beside the learner: none of the .* tensors of version 1"
     ):
         sync(1)
+
+
+@pytest.mark.no_learning_gates  # the faulty runs are the point: the gates see them too
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_sampler_learner_gap_past_the_dtypes_limit_stops_the_run(
+    model_dir, tmp_path, monkeypatch, dtype
+):
+    # the engine samples at temperature 0.5 while the learner computes the log-probs of the
+    # policy at 1.0: another policy than the one trained; the gap was reported in float32 only
+    # and nothing acted on it
+    import cadence.builder.rollout as rollout_module
+    from cadence.pipeline.loop import BehaviourGapError
+    from runs import run_config, train_run
+
+    cfg = run_config(model_dir, f"model.dtype='{dtype}'", "algo.kl_coef=0.0")
+    train_run(cfg, tmp_path / "right")  # the same run, sampled as trained: within the limit
+    sampling = rollout_module.sampling_params
+    monkeypatch.setattr(
+        rollout_module,
+        "sampling_params",
+        lambda *a, **kw: dataclasses.replace(sampling(*a, **kw), temperature=0.5),
+    )
+    with pytest.raises(BehaviourGapError, match=r"iteration 0: .* past 0\.0(01|2)"):
+        train_run(cfg, tmp_path / "wrong")
+    warn = run_config(model_dir, f"model.dtype='{dtype}'", "pipeline.on_behaviour_gap='warn'")
+    assert len(train_run(warn, tmp_path / "warned").records) == 3  # warned, not stopped

@@ -285,7 +285,19 @@ def loop_params(cfg: Config) -> LoopParams:
         reference_path=cfg.model.path,
         config_toml=to_toml(cfg),
         save_merged=cfg.model.lora is not None and cfg.model.lora.save_merged,
+        behaviour_gap_max=behaviour_gap_max(cfg),
     )
+
+
+BEHAVIOUR_GAPS = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}  # by model.dtype
+
+
+def behaviour_gap_max(cfg: Config) -> float:
+    """`pipeline.behaviour_gap_max`, or the model's dtype's (0: not watched)."""
+    p = cfg.pipeline
+    if p.on_behaviour_gap == "off":
+        return 0.0
+    return p.behaviour_gap_max or BEHAVIOUR_GAPS.get(cfg.model.dtype, 2e-2)
 
 
 def reward_spec(cfg: Config) -> RewardSpec:

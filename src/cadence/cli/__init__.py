@@ -32,7 +32,9 @@ def _run(args: argparse.Namespace) -> int:
     from cadence.learner import BadStepsError
     from cadence.metrics.files import device_of
     from cadence.models import ModelLoadError
+    from cadence.models.fingerprint import WeightMismatch
     from cadence.pipeline.checkpoint_files import CheckpointError
+    from cadence.pipeline.loop import BehaviourGapError
     from cadence.rewards import RewardBudgetExceeded, RewardLoadError
 
     try:
@@ -40,7 +42,14 @@ def _run(args: argparse.Namespace) -> int:
     except (ConfigError, ModelLoadError, DataError, CheckpointError, RewardLoadError) as e:
         print(f"cadence: error: {e}", file=sys.stderr)
         return 2
-    except (BadStepsError, WorkerDied, WorkerError, RewardBudgetExceeded) as e:
+    except (
+        BadStepsError,
+        WorkerDied,
+        WorkerError,
+        RewardBudgetExceeded,
+        WeightMismatch,
+        BehaviourGapError,
+    ) as e:
         print(f"cadence: run stopped: {e}", file=sys.stderr)
         return 1
     except TimeoutError as e:  # workers that stopped answering (pipeline.worker_timeout_s)

@@ -136,6 +136,13 @@ class PipelineConfig(Section):
     records the version that sampled it (token_versions). max_staleness then bounds a
     trajectory's oldest token. Continuous or vLLM engine (vLLM: keep only), single-turn only
     (docs/partial-rollouts.md)."""
+    behaviour_gap_max: float = Field(0.0, ge=0.0)
+    """The sampler-learner gap a run tolerates: the mean over an iteration's fresh tokens of
+    |engine's log-prob - learner's| (behaviour_logprob_abs_diff_mean), in nats. 0: the model's
+    dtype's own (float32 1e-3, bfloat16 and float16 2e-2; correct runs measured 1e-6 and 3.5e-4 on
+    a CPU, a stale engine 0.1 and more: docs/reliability.md)."""
+    on_behaviour_gap: Literal["stop", "warn", "off"] = "stop"
+    """Past behaviour_gap_max: stop the run (exit 1), warn in the log, or do not watch."""
     verify_weights: Literal["fingerprint", "off"] = "fingerprint"
     """fingerprint: every version a worker's engine loads, or an engine beside the learner that
     keeps its own copy (vLLM), is checked before it samples: a fingerprint of what it holds (a

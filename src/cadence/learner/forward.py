@@ -79,7 +79,7 @@ class Forward:
         layout = LAYOUTS[self.layout](tokens, self.pad_id).to(device)
         resp = self._responses(scored, version, device)
         logprobs, entropy = self._logprobs(self.forward_model, layout, resp, True)
-        old_logprobs, old_passes = self._old_logprobs(logprobs, layout, resp, stepped)
+        old_logprobs, old_passes, reused = self._old_logprobs(logprobs, layout, resp, stepped)
         count = 1 + old_passes
         ref_logprobs = None
         if self.ref_model is not None:
@@ -98,12 +98,15 @@ class Forward:
         )
         loss, metrics = self.loss_fn(batch, self.algo)
         computed = layout.tokens_computed
-        return Passes(loss, metrics, logprobs, entropy, resp, computed, count, old_logprobs)
+        return Passes(
+            loss, metrics, logprobs, entropy, resp, computed, count, old_logprobs, not reused
+        )
 
     def _old_logprobs(
         self, logprobs: torch.Tensor, layout: Layout, resp: Responses, stepped: bool
-    ) -> tuple[torch.Tensor, int]:
-        """`old_logprobs` per row, and the forward passes they cost (0 or 1).
+    ) -> tuple[torch.Tensor, int, bool]:
+        """`old_logprobs` per row, the forward passes they cost (0 or 1), and whether fresh rows
+        reuse the policy's own log-probs (detached: their ratio is 1 by construction).
 
         Fresh rows: the policy at the iteration's start (the policy itself, detached, before the
         iteration's first step). Stale rows: the behaviour log-probs, unless a rollout correction
@@ -118,14 +121,15 @@ class Forward:
         # ranks run the same passes whatever their rows: a pass of a sharded model is a collective
         all_behaviour = self.collective is None and bool(use_behaviour.all())
         if self.pair_loss or self.bypass or all_behaviour:
-            return behaviour, 0
+            return behaviour, 0, False
         if self.old_model is None or (
             not stepped and self.params.reuse_old_logprobs
         ):  # no step taken yet this iteration: the old policy is the policy itself
             start, passes = logprobs.detach(), 0
         else:
             start, passes = self._frozen_logprobs(self.old_model, layout, resp), 1
-        return torch.where(use_behaviour[:, None], behaviour, start), passes  # (B, T)
+        old = torch.where(use_behaviour[:, None], behaviour, start)  # (B, T)
+        return old, passes, passes == 0
 
     def _responses(self, scored: list[Scored], version: int, device: torch.device) -> Responses:
         for s in scored:

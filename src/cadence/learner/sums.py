@@ -80,6 +80,9 @@ class Passes:
     tokens_computed: int
     passes: int
     old_logprobs: torch.Tensor | None = None  # (B, T): the loss's pi_old
+    # pi_old is not the policy's own log-probs detached (a frozen old copy's pass, or the
+    # behaviour log-probs): a first-step ratio can then differ from 1
+    old_pass: bool = False
 
 
 def record_micro_batch(
@@ -92,7 +95,8 @@ def record_micro_batch(
     resp, mask = out.resp, out.resp.loss_mask
     on_policy = mask * ~resp.stale[:, None] if first_step else torch.zeros_like(mask)  # (B, T)
     behaviour, maxima = behaviour_sums(out.logprobs, resp.behaviour_logprobs, on_policy)
-    maxima["first_step_ratio_abs_dev_max"] = ratio_deviation(out, on_policy)
+    if out.old_pass:  # the policy's own log-probs, detached, cannot disagree with themselves
+        maxima["first_step_ratio_abs_dev_max"] = ratio_deviation(out, on_policy)
     loss_metrics = {"loss": out.loss.item(), **{k: v.item() for k, v in out.metrics.items()}}
     correction = {k: loss_metrics.pop(k) for k in CORRECTION_SUMS if k in loss_metrics}
     maxima |= {k: loss_metrics.pop(k) for k in CORRECTION_MAXIMA if k in loss_metrics}
@@ -154,7 +158,10 @@ def behaviour_sums(
 def ratio_deviation(out: Passes, mask: torch.Tensor) -> float:
     """The largest |pi / pi_old - 1| of the loss over the tokens where `mask` is 1: before the
     iteration's first step, on fresh rows, the policy is pi_old and this is 0 up to float noise
-    (a learning gate: `first_step_ratio_abs_dev_max`)."""
+    (a learning gate: `first_step_ratio_abs_dev_max`). Measured only where pi_old is not the
+    policy's own log-probs detached (a pass of its own with `learner.reuse_old_logprobs` off or
+    several optimizer steps; the behaviour log-probs under the bypass): reused, the ratio is 1 by
+    construction."""
     if out.old_logprobs is None or not bool(mask.any()):
         return 0.0
     ratio = (out.logprobs.detach() - out.old_logprobs).exp()  # (B, T)
@@ -167,11 +174,13 @@ def behaviour_figures(sums: StepSums) -> dict[str, float]:
     tokens = sums["num_fresh_tokens"]
     if tokens == 0:
         return {}
-    return {
+    out = {
         "behaviour_logprob_abs_diff_mean": sums["behaviour_logprob_abs_diff_sum"] / tokens,
         "behaviour_logprob_abs_diff_max": sums.maxima["behaviour_logprob_abs_diff_max"],
-        "first_step_ratio_abs_dev_max": sums.maxima["first_step_ratio_abs_dev_max"],
     }
+    if "first_step_ratio_abs_dev_max" in sums.maxima:
+        out["first_step_ratio_abs_dev_max"] = sums.maxima["first_step_ratio_abs_dev_max"]
+    return out
 
 
 def iteration_stats(steps: list[dict[str, float]], frozen_copies_bytes: int) -> dict[str, float]:

@@ -115,6 +115,30 @@ def run_iteration(run: Run, iteration: int, budget: RewardErrorBudget) -> dict[s
     )
 
 
+class BehaviourGapError(RuntimeError):
+    """The engines sample from another policy than the learner trains: their log-probs of the
+    tokens they sampled are further from the learner's than the run tolerates."""
+
+
+def check_behaviour_gap(record: dict[str, Any], limit: float, action: str) -> None:
+    """Stop (`BehaviourGapError`) or warn when the iteration's sampler-learner gap on fresh
+    tokens (`behaviour_logprob_abs_diff_mean`) is past `limit` (0: not watched)."""
+    gap = record.get("behaviour_logprob_abs_diff_mean")
+    if not limit or gap is None or gap <= limit:
+        return
+    worst = record["behaviour_logprob_abs_diff_max"]
+    what = (
+        f"iteration {record['iteration']}: the engines' log-probs of the tokens they sampled are "
+        f"{gap:.3g} from the learner's on average (max {worst:.3g}), past {limit:g}: they "
+        "sample from another policy than the one trained (weights not loaded, another "
+        "temperature or precision); pipeline.behaviour_gap_max and "
+        "pipeline.on_behaviour_gap set the limit and what happens past it"
+    )
+    if action == "stop":
+        raise BehaviourGapError(what)
+    log.warning("cadence: WARNING %s", what)
+
+
 class EqualRewardsWatch:
     """Warns when every group's G rewards were equal for `warn_after` iterations in a row: a
     group-relative advantage (grpo, rloo) is then 0 for every sample and online DPO has no pair,
@@ -211,6 +235,7 @@ def _loop(
         for s in sinks:
             s.write(record)
         budget.check()  # after the line is written: it shows the errors that stopped the run
+        check_behaviour_gap(record, p.behaviour_gap_max, p.on_behaviour_gap)
         out_of_time = p.max_minutes > 0 and time.perf_counter() - t_loop >= 60 * p.max_minutes
         every = p.checkpoint_every
         if every and ((k + 1) % every == 0 or k + 1 == p.iterations or out_of_time):

@@ -36,6 +36,10 @@ class LoopParams:
     save_merged: bool = False  # LoRA: also write final/merged/, the adapter merged in
     wandb: bool = False  # trackers: per-iteration figures, config, summary and timeline
     mlflow: bool = False
+    # the sampler-learner gap a run tolerates (behaviour_logprob_abs_diff_mean; 0: not watched)
+    # and what it does past it: "stop" or "warn"
+    behaviour_gap_max: float = 0.0
+    on_behaviour_gap: str = "stop"
 
 
 @dataclass
