@@ -163,3 +163,12 @@ def called_calculator(prompt: str, completion: str, answer: str) -> float:
     """1 for an episode in which a calculator call gave a result, not an error: what the tool
     environment's learning test raises."""
     return 1.0 if "<result>" in completion and "<result>error" not in completion else 0.0
+
+
+def letters_after_a_result(prompt: str, completion: str, answer: str) -> float:
+    """The share of lowercase letters in what the policy wrote after its last tool result (0
+    without one): dense, and only an episode of two turns or more can score, for the tool
+    environment's learning test."""
+    if "</result>" not in completion:
+        return 0.0
+    return letter_share(prompt, completion.rsplit("</result>", 1)[1], answer)
