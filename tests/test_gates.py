@@ -57,3 +57,21 @@ def test_a_bf16_run_is_held_to_its_mean_gap(tmp_path):
     assert _run(tmp_path, [right], bf16) == []
     wrong = right | {"behaviour_logprob_abs_diff_mean": 0.16}
     assert "behaviour_logprob_abs_diff_mean = 0.16" in _run(tmp_path, [wrong], bf16)[0]
+
+
+def test_the_history_gate_is_two_sided_and_refuses_a_missing_or_nan_value():
+    import history
+
+    trusted = {"sync": {str(s): {"reward_mean": [0.4, 0.5 + 0.02 * s], "entropy": [1.0, 1.0]}
+                        for s in range(5)}}  # fmt: skip
+
+    def records(*rewards):
+        return [{"reward_mean": r, "entropy": 1.0} for r in rewards]
+
+    assert history.off_history("sync", records(0.42, 0.55), trusted) == []
+    worse, better = records(0.4, 0.3), records(0.4, 0.9)  # the band at 1: [0.44, 0.64]
+    assert "below the history's" in history.off_history("sync", worse, trusted)[0]
+    assert "above the history's" in history.off_history("sync", better, trusted)[0]
+    assert "not finite" in history.off_history("sync", records(0.4, float("nan")), trusted)[0]
+    assert "1 iterations" in history.off_history("sync", records(0.4), trusted)[0]
+    assert "no history" in history.off_history("tool", records(0.4, 0.5), trusted)[0]

@@ -18,6 +18,11 @@ gain), and from the same runs without learning (train.lr = 1e-9: gains -0.04 to 
 | tool environment (calculator) | 8 | 0.595 0.577 0.477 0.545 0.430 (2026-12-02) | 0.25 |
 | verifiers single-turn taskset | 10 | 0.194 0.243 0.263 0.166 0.209 | 0.11 |
 
+Every run's curves (reward and entropy, each iteration) must also lie in the band of its five
+recorded seeds, widened by a tenth of the figure's scale on both sides (tests/history.py, which
+says how to refresh the history on purpose): a run far better than its history is as suspect as
+one far worse.
+
 The tool environment's run learns through episodes of two turns or more, asserted: its model is
 the calculator warm start (`calculator_model_dir`: it calls the calculator), its reward
 `fixtures_rewards:letters_after_a_result` scores only what the policy wrote after a tool's result
@@ -31,6 +36,7 @@ import os
 
 import pytest
 
+import history
 from runs import run_config, train_run
 
 pytestmark = pytest.mark.slow
@@ -95,3 +101,7 @@ def test_a_short_run_raises_the_sampled_reward(request, tmp_path, run):
         if run == "tool":  # it learned through multi-turn episodes: turns and tool calls
             turns = [r["turns_mean"] for r in records]
             assert min(turns) >= 1.5 and all(r["tool_calls"] > 0 for r in records), turns
+        if history.refreshing():
+            history.record(run, seed, records)
+        elif seed == 0:  # step by step within the trusted runs' band (tests/history.py)
+            assert history.off_history(run, records) == []
