@@ -221,6 +221,30 @@ def test_a_partial_weight_reload_shows_in_the_behaviour_figures(engine, llama_di
     assert figures[missed][MEAN] > 100 * figures[None][MEAN]
 
 
+def test_what_vllm_holds_is_fingerprinted_and_a_partial_reload_is_named(engine, llama_dir):
+    # vLLM on a CPU keeps its linear layers' weights in oneDNN (empty parameters): the norms
+    # and the padded vocabulary are what can be compared here (`unpacked`; packed q, k, v and
+    # gate, up on a GPU: test_fingerprint's own test)
+    from cadence.models.fingerprint import WeightMismatch, check, fingerprint
+
+    model = load_model(llama_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    expected = fingerprint(model)
+    missed = "model.layers.1.post_attention_layernorm.weight"
+    try:
+        engine.load_weights(dict(model.named_parameters()), version=1)
+        held = engine.held_fingerprint(expected)
+        assert check(expected, held, "vllm", 1) == 6 and "model.embed_tokens.weight" in held
+        engine.load_weights(load_model(llama_dir).state_dict(), version=0)
+        engine.load_weights({n: p for n, p in model.named_parameters() if n != missed}, 1)
+        with pytest.raises(WeightMismatch, match=rf"1 of the 6 tensors .*\({missed}\)"):
+            check(expected, engine.held_fingerprint(expected), "vllm", 1)
+    finally:
+        engine.load_weights(load_model(llama_dir).state_dict(), version=0)
+
+
 def test_weights_never_change_under_a_running_request(engine, llama_dir, tok):
     params = SamplingParams(max_new_tokens=8)
     weights = dict(load_model(llama_dir).named_parameters())

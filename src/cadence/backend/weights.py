@@ -20,7 +20,7 @@ import torch
 
 from cadence.engine import Engine, EngineWeights, TakesAdapters
 from cadence.engine.weights import EngineAdapter
-from cadence.models.fingerprint import check, fingerprint
+from cadence.models.fingerprint import check, fingerprint, published
 from cadence.models.lora import adapter_spec, adapter_tensors, is_lora, plain_weights
 
 
@@ -111,10 +111,12 @@ class LearnerWeights:
     def sync(self, version: int | None = None) -> None:
         # a tensor at a time: a LoRA policy's weights are merged as the engine takes them
         tensors = ((n, p.detach()) for n, p in self.model.named_parameters())
-        self.weights.load_stream(tensors, version)
-        if self.verify:  # what it holds now is the learner's, before it samples
-            expected = fingerprint(self.model.named_parameters())
-            check(expected, self.weights.held_fingerprint(expected), ENGINE, version or 0)
+        if not self.verify:
+            self.weights.load_stream(tensors, version)
+            return
+        # what it holds now is the learner's, before it samples
+        expected = published(self.model, lambda: self.weights.load_stream(tensors, version))
+        check(expected, self.weights.held_fingerprint(expected), ENGINE, version or 0)
 
     __call__ = sync
 

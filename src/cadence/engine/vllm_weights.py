@@ -10,7 +10,7 @@ it (partial rollouts). docs/engines.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -79,10 +79,10 @@ class VLLMWeights:
 
     def held_fingerprint(self, expected: Fingerprints) -> Fingerprints:
         """The fingerprints of the weights vLLM holds now, of the tensors `expected` names that
-        it holds under that name and shape (vLLM fuses q, k, v and gate, up: not those), on every
+        it holds under that name and shape (a packed one split back: `unpacked`), on every
         worker (tensor parallel: only what each holds whole); a tensor the workers hold
         differently from one another counts as held by none of them."""
-        per_worker = self.llm.apply_model(lambda model: held(model.named_parameters(), expected))
+        per_worker = self.llm.apply_model(lambda model: held(unpacked(model, expected), expected))
         first, *others = per_worker
         return {k: v for k, v in first.items() if all(o.get(k) == v for o in others)}
 
@@ -122,3 +122,31 @@ def _repack_output_layers(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, ParallelLMHead):
             module.quant_method.process_weights_after_loading(module)
+
+
+def unpacked(model: torch.nn.Module, expected: Fingerprints) -> Iterator[tuple[str, torch.Tensor]]:
+    """vLLM's parameters under the learner's names: each as vLLM names it; one it packs (q, k
+    and v in qkv_proj, gate and up in gate_up_proj: the model's `packed_modules_mapping`) also
+    as its parts, rows in that order, where their published shapes add up to it (a
+    tensor-parallel shard does not: not compared); a vocabulary it pads to a multiple of 64 rows
+    as its first rows. vLLM on a CPU hands its linear layers' weights to oneDNN and keeps empty
+    parameters: there only the norms and embeddings are compared."""
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    for name, p in model.named_parameters():
+        want = expected.get(name)
+        if want is not None and p.ndim and p.shape[0] > want[1][0] and p.shape[1:] == want[1][1:]:
+            yield name, p[: want[1][0]]  # a padded vocabulary
+            continue
+        yield name, p
+        module, _, kind = name.rpartition(".")
+        owner, _, short = module.rpartition(".")
+        names = [f"{owner}.{part}.{kind}" for part in packed.get(short, ())]
+        shapes = [expected[n][1] for n in names if n in expected]
+        if not names or len(shapes) != len(names) or any(s[1:] != p.shape[1:] for s in shapes):
+            continue
+        if sum(s[0] for s in shapes) != p.shape[0]:
+            continue
+        at = 0
+        for part, shape in zip(names, shapes, strict=True):
+            yield part, p[at : at + shape[0]]
+            at += shape[0]

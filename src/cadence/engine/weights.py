@@ -100,7 +100,7 @@ class EngineWeights:
         """The fingerprints of what the engine decodes with now (models/fingerprint.py): the
         model's parameters, or what an engine with its own copy says it holds."""
         if not self.engine.owns_weights:
-            return held(self.model.named_parameters(), expected)
+            return held(self.model, expected)
         return cast(WeightOwner, self.engine).held_fingerprint(expected)
 
 

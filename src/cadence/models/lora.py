@@ -161,9 +161,42 @@ class _PolicyTensors(torch.nn.Module):
 class MergedWeights(_PolicyTensors):
     """What a weight transport publishes for a LoRA policy: `named_parameters()` gives the merged
     weights under the plain model's names (computed at each call from the current adapter, one
-    tensor at a time as the transport takes them)."""
+    tensor at a time as the transport takes them). Once fingerprints are asked for
+    (`weight_fingerprints`, pipeline.verify_weights), each merge records them as the tensors
+    pass: a check costs no second merge."""
 
     tensors = staticmethod(merged_tensors)
+
+    def __init__(self, policy) -> None:
+        super().__init__(policy)
+        self.__dict__["_adapter"] = [p for n, p in policy.named_parameters() if "lora_" in n]
+        self.__dict__["_recorded"] = None  # (the adapter's versions, fingerprints) or None
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self._adapter)  # bumped by every in-place change
+
+    def named_parameters(self, *args: Any, **kwargs: Any):  # type: ignore[override]
+        if self._recorded is None:
+            return merged_tensors(self.policy)
+        return self._recording()
+
+    def _recording(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from cadence.models.fingerprint import tensor_fingerprint
+
+        versions, record = self._versions(), {}
+        for name, t in merged_tensors(self.policy):
+            record[name] = tensor_fingerprint(t)
+            yield name, t
+        self.__dict__["_recorded"] = (versions, record)
+
+    def weight_fingerprints(self) -> dict:
+        """The fingerprints of the merged weights now: those the last merge recorded if the
+        adapter has not changed since, else merged (and recorded) once more."""
+        if self._recorded is None or self._recorded[0] != self._versions():
+            self.__dict__["_recorded"] = ((), {})
+            for _ in self._recording():
+                pass
+        return dict(self._recorded[1])
 
 
 def plain_weights(model: torch.nn.Module) -> torch.nn.Module:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from cadence.backend import WeightSync
-from cadence.models.fingerprint import Fingerprints, fingerprint
+from cadence.models.fingerprint import Fingerprints, published
 
 
 class WeightGate:
@@ -64,9 +64,11 @@ class WeightGate:
             return
         with self._cond:  # held while writing: a worker replaced meanwhile reads whole weights
             self._wait(lambda: min(self._acked) >= self._released, "load the previous weights")
-            self.weights.publish(model, version)
             if self.verify:  # what a worker that loads it must then hold; older ones go
-                self._expected = {version: fingerprint(model.named_parameters())}
+                write = lambda: self.weights.publish(model, version)  # noqa: E731
+                self._expected = {version: published(model, write)}
+            else:
+                self.weights.publish(model, version)
             self._held = version
             self._new.append(version)
             self._cond.notify_all()
