@@ -70,6 +70,21 @@ def test_update_does_not_depend_on_a_token_budget_that_splits_groups(model, toke
     assert_same_update(a, b, ga[0], gb[0])
 
 
+def test_rloo_under_a_token_budget_makes_the_update_it_makes_without_one(model, tokenizer):
+    # rloo's baseline is the mean of the other responses of the group: a budget that split a
+    # group computed it from the part alone (another update), and a one-response part raised
+    groups = sample_groups(model, tokenizer)
+    assert any(len(set(g.rewards)) > 1 for g in groups)
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    _, la = _learner(a, tokenizer, kl_coef=0.0, loss="rloo", micro_batch_tokens=14)
+    _, lb = _learner(b, tokenizer, kl_coef=0.0, loss="rloo", micro_batch_groups=4)
+    ga, gb = capture_grads(la), capture_grads(lb)
+    stats = train(la, groups)
+    train(lb, groups)
+    assert stats["optimizer_steps"] == 1
+    assert_same_update(a, b, ga[0], gb[0])
+
+
 def test_one_optimizer_step_per_iteration_and_version_advances(model, tokenizer):
     groups = sample_groups(model, tokenizer)
     stats, learner = _train(model, tokenizer, groups)

@@ -14,9 +14,9 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 
-from cadence.algo import is_pair_loss
 from cadence.backend.placement import Placement
 from cadence.backend.ranks import BUILD, LocalRanks, Ranks
+from cadence.choices import loss_kind
 from cadence.learner.params import LearnerParams
 from cadence.learner.rank import Rank, RankSpec, Rendezvous, RoundReply, build_rank
 from cadence.learner.scorer import Scored
@@ -123,7 +123,7 @@ class RankedLearner:
         self.tracer = tracer or Tracer()
         self.clock_offsets = clock_offsets or [0.0] * self.num_ranks  # rank clock -> ours
         self.strategy, self.on_close = strategy, on_close
-        self.whole = whole  # a pair loss: a token budget never splits a group
+        self.whole = whole  # a loss that reads its group: a token budget never splits one
         self.version = 0  # policy version: number of iterations trained
         self.bad_steps = BadSteps(params.max_bad_steps)
         self.described = self.ranks.describe()  # per rank: what it holds, its pid
@@ -283,7 +283,7 @@ def start_local_ranks(
             tracer,
             strategy=spec.strategy,
             on_close=lambda: shutil.rmtree(folder, ignore_errors=True),
-            whole=is_pair_loss(spec.algo.loss),
+            whole=loss_kind(spec.algo.loss).whole_groups,
         )
     except BaseException:
         ranks.close()
@@ -322,7 +322,7 @@ def start_ray_ranks(
             ranks.call(r, BUILD, rendezvous, device)
         ranks.wait()
         offsets = ranks.clock_offsets()
-        whole = is_pair_loss(spec.algo.loss)
+        whole = loss_kind(spec.algo.loss).whole_groups
         return RankedLearner(
             ranks, model, spec.params, tracer, offsets, strategy=spec.strategy, whole=whole
         )

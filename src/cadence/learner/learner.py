@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from cadence.algo import AlgoParams, normaliser
+from cadence.choices import loss_kind
 from cadence.learner.forward import Forward
 from cadence.learner.params import Collective, LearnerParams
 from cadence.learner.precision import Masters
@@ -141,7 +142,7 @@ class Learner:
             p.mini_batches,
             p.micro_batch_groups,
             p.micro_batch_tokens,
-            self.forward.pair_loss,
+            loss_kind(self.algo.loss).whole_groups,
         )
         for chunk, ends_step in chunks:
             if chunk:
