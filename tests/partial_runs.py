@@ -72,8 +72,8 @@ class _SyncsSent(ThreadPool):
         self.sent, self.cond = sent, cond
         super().__init__(*args)
 
-    def send_sync_to(self, wid: int, version: int) -> None:
-        super().send_sync_to(wid, version)
+    def send_sync_to(self, wid: int, version: int, expected=None) -> None:
+        super().send_sync_to(wid, version, expected)
         with self.cond:
             self.sent.setdefault(wid, set()).add(version)
             self.cond.notify_all()

@@ -124,8 +124,8 @@ def check_behaviour_gap(record: dict[str, Any], limit: float, action: str) -> No
     """Stop (`BehaviourGapError`) or warn when the iteration's sampler-learner gap on fresh
     tokens (`behaviour_logprob_abs_diff_mean`) is past `limit` (0: not watched)."""
     gap = record.get("behaviour_logprob_abs_diff_mean")
-    if not limit or gap is None or gap <= limit:
-        return
+    if not limit or gap is None or not math.isfinite(gap) or gap <= limit:
+        return  # a non-finite gap is train.max_bad_steps's to judge
     worst = record["behaviour_logprob_abs_diff_max"]
     what = (
         f"iteration {record['iteration']}: the engines' log-probs of the tokens they sampled are "
