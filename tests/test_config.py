@@ -53,7 +53,7 @@ def test_required_keys_exist():
         (
             ['learner.shared_prompt_impl="flash"'],
             "learner.shared_prompt_impl",
-            "'prefix' or 'dense'",
+            "'dense' or 'packed'",
         ),
         (["learner.ranks=0"], "learner.ranks", "greater than or equal to 1"),
         (['learner.strategy="zero3"'], "learner.strategy", "'fsdp' or 'ddp'"),

@@ -53,7 +53,10 @@ def test_update_does_not_depend_on_a_token_budget_that_splits_groups(model, toke
     chunks = list(token_chunks(score(groups, AlgoParams()), len(groups), 1, budget, False))
     parts = [s for chunk, _ in chunks for s in chunk]
     assert len(parts) > len(groups)  # groups were split
-    assert all(sum(map(cost, chunk)) <= budget or len(chunk) == 1 for chunk, _ in chunks)
+    assert all(cost(chunk) <= budget or len(chunk) == 1 for chunk, _ in chunks)
+    for layout in ("prefix", "dense", "unpacked"):  # the budget bounds what each computes
+        padded = list(token_chunks(score(groups, AlgoParams()), len(groups), 1, 30, False, layout))
+        assert all(cost(c, layout) <= 30 or len(c) == 1 for c, _ in padded)
     assert [c for s in parts for c in s.group.completions] == [
         c for g in groups for c in g.completions
     ]

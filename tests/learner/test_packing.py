@@ -14,6 +14,9 @@ from cadence.learner.packing import (
     Dense,
     Prefix,
     Unpacked,
+    packed,
+    positions,
+    row_mask,
     shared_prompt_mask,
     shared_prompt_positions,
 )
@@ -43,11 +46,38 @@ def test_mask_of_a_hand_written_example():
     assert shared_prompt_positions(3, [2, 2]) == [0, 1, 2, 3, 4, 3, 4]
 
 
+def test_a_packed_row_lets_each_group_see_only_itself_with_positions_restarting():
+    # two groups end to end: [p0 p1 | a0 | b0] and [q0 | c0 c1], then padding
+    mask = row_mask([(2, [1, 1]), (1, [2])], width=8)
+    expected = [
+        [1, 0, 0, 0, 0, 0, 0, 0],  # p0
+        [1, 1, 0, 0, 0, 0, 0, 0],  # p1
+        [1, 1, 1, 0, 0, 0, 0, 0],  # a0: its prompt, itself
+        [1, 1, 0, 1, 0, 0, 0, 0],  # b0: its prompt, never a
+        [0, 0, 0, 0, 1, 0, 0, 0],  # q0: the second group starts afresh
+        [0, 0, 0, 0, 1, 1, 0, 0],  # c0
+        [0, 0, 0, 0, 1, 1, 1, 0],  # c1
+        [0, 0, 0, 0, 0, 0, 0, 1],  # padding
+    ]
+    assert mask.tolist() == [[bool(x) for x in row] for row in expected]
+    layout = packed([([5, 6], [[7], [8]]), ([9], [[10, 11]])], pad_id=0)
+    assert layout.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 2, 0, 1, 2]]
+    assert layout.positions_computed == layout.tokens_computed == 7  # no padding at all
+
+
+@pytest.mark.parametrize("layout", ["unpacked", "dense", "prefix", "packed"])
+def test_the_positions_a_layout_computes_are_known_from_the_lengths_alone(layout):
+    groups = _ragged_groups()
+    built = LAYOUTS[layout](groups, 0)
+    assert positions(layout, groups) == built.positions_computed >= built.tokens_computed
+
+
 def test_tokens_computed_fall_by_the_expected_ratio():
     groups = [([1] * 256, [[2] * 64] * 8)]
     unpacked = Unpacked.build(groups, pad_id=0).tokens_computed
     assert unpacked == 8 * (256 + 64)
-    for build in (Dense.build, Prefix.build):
+    for build in (Dense.build, Prefix.build, packed):
         assert build(groups, 0).tokens_computed == 256 + 8 * 64
 
 
@@ -91,7 +121,7 @@ def _token_logprobs(model, layout_name, groups):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("layout", ["dense", "prefix"])
+@pytest.mark.parametrize("layout", ["dense", "prefix", "packed"])
 def test_shared_prompt_logprobs_and_grads_equal_unpacked(arch, layout):
     model = _tiny(arch).train()
     groups = _ragged_groups()
@@ -104,7 +134,7 @@ def test_shared_prompt_logprobs_and_grads_equal_unpacked(arch, layout):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("layout", ["dense", "prefix"])
+@pytest.mark.parametrize("layout", ["dense", "prefix", "packed"])
 def test_shared_prompt_logprobs_and_grads_equal_unpacked_on_cuda(layout):
     model = _tiny("qwen2").cuda().train()
     groups = _ragged_groups()
@@ -133,7 +163,7 @@ def _groups_of(raw):
     return out
 
 
-@pytest.mark.parametrize("layout", ["dense", "prefix"])
+@pytest.mark.parametrize("layout", ["dense", "prefix", "packed"])
 def test_training_update_equals_unpacked(layout):
     base = _tiny("qwen2")
     groups = _groups_of(_ragged_groups(seed=3))
@@ -185,7 +215,7 @@ class _IgnoresMask(_NoPositions):
 
 
 @pytest.mark.parametrize("wrapper", [_NoPositions, _IgnoresMask])
-@pytest.mark.parametrize("layout", ["dense", "prefix"])
+@pytest.mark.parametrize("layout", ["dense", "prefix", "packed"])
 def test_model_that_cannot_take_the_layout_falls_back_with_one_warning(wrapper, layout):
     model = wrapper(_tiny("llama"))
     params = LearnerParams(micro_batch_groups=3, shared_prompt_impl=layout)
@@ -205,3 +235,31 @@ def test_supported_model_gives_no_warning():
         warnings.simplefilter("error")
         learner = Learner(_tiny("qwen2"), LearnerParams(), AlgoParams(), 0)
     assert learner.layout == "prefix"
+
+
+def test_attention_by_segments_equals_the_mask_over_rows_with_padding():
+    # two rows, the second padded: each group attends only to itself, padding reads zeros
+    model = _tiny("qwen2").eval()
+    groups = _ragged_groups(seed=4)
+    want = Dense.build(groups, 0, rows=[[0, 1], [2]]).logits(model).log_softmax(-1)
+    segmented = Dense.build(groups, 0, rows=[[0, 1], [2]], segmented=True)
+    assert segmented.attention_mask.shape == (2, 1, 2, segmented.input_ids.shape[1])
+    got = segmented.logits(model).log_softmax(-1)
+    valid = _valid(groups)
+    assert (got - want).abs().amax(-1)[valid].max().item() <= 1e-5
+
+
+def test_long_responses_attend_one_at_a_time_to_the_same_result():
+    # a group of 3 responses of 200 tokens: its one mask would be mostly blocked, so each
+    # response attends to [prompt | itself] in a call of its own (segments._group)
+    model = tiny_causal_lm("llama", VOCAB, max_positions=512).eval()
+    gen = torch.Generator().manual_seed(5)
+    groups = [
+        (torch.randint(2, VOCAB, (n,), generator=gen).tolist(), [
+            torch.randint(2, VOCAB, (r,), generator=gen).tolist() for r in lens
+        ])
+        for n, lens in ((10, (200, 150, 260)), (4, (3, 5)))
+    ]  # fmt: skip
+    want = Dense.build(groups, 0).logits(model).log_softmax(-1)
+    got = packed(groups, 0).logits(model).log_softmax(-1)
+    assert (got - want).abs().amax(-1)[_valid(groups)].max().item() <= 1e-5

@@ -77,7 +77,9 @@ class RecordingRank:
         self.log.append(("advantages", self.rank, [s.advantages.tolist() for s in groups]))
         figures = None
         if step:
-            figures = dict.fromkeys(("loss", "skipped_steps", "tokens_computed"), 0.0)
+            figures = dict.fromkeys(
+                ("loss", "skipped_steps", "tokens_computed", "positions_computed"), 0.0
+            )
             figures |= {"num_tokens": 1.0, "forward_passes": 1.0, "micro_batches": 1.0}
         return RoundReply(figures, [], {"peak_rss_mb": 10.0 + self.rank})
 

@@ -359,6 +359,7 @@ def print_summary(summary: dict, out: Path) -> None:
         ("KL to reference (last)", f"{summary['kl_last']:.4f}"),
         ("trained tokens", f"{summary['num_tokens']:,.0f}"),
         ("tokens computed by the learner", f"{summary['tokens_computed']:,.0f}"),
+        ("positions computed (padding included)", f"{summary.get('positions_computed', 0):,.0f}"),
         ("TPSPD (tokens/s/device)", f"{summary['tpspd_overall']:,.0f}"),
         ("generation / training busy", f"{summary['gen_s']:.1f}s / {summary['train_s']:.1f}s"),
         ("RL wall time", f"{summary['wall_s']:.1f}s"),

@@ -93,9 +93,12 @@ class LearnerConfig(Section):
     shared_prompt: bool = True
     """Pack each group as [prompt | r1 | ... | rG] so its prompt is computed once for its G
     responses (same log-probs as the unpacked forward)."""
-    shared_prompt_impl: Literal["prefix", "dense"] = "prefix"
+    shared_prompt_impl: Literal["prefix", "dense", "packed"] = "prefix"
     """prefix: run the prompts once and let the responses attend to their keys and values (no
-    quadratic mask; the faster); dense: one row per group with a 4-D mask."""
+    quadratic mask; every response padded to the longest); dense: one row per group with a 4-D
+    mask (every group padded to the longest); packed: padding-free, the micro-batch's groups end
+    to end in one row, positions restarting per group, each group attending only to itself
+    (attention by segments: no padding, no row x row mask; docs/learner.md)."""
     reuse_old_logprobs: bool = True
     """Before an iteration's first optimizer step the old policy is the policy: use its log-probs
     detached instead of a pass of the frozen old copy."""

@@ -158,7 +158,9 @@ class RankedLearner:
                 yield split_round(chunk, n, p.micro_batch_groups), ends
             return
         batches: list[list[Scored]] = []
-        chunks = token_chunks(scored, num_groups, p.mini_batches, p.micro_batch_tokens, self.whole)
+        layout = p.shared_prompt_impl if p.shared_prompt else "unpacked"  # as the ranks ask
+        budget = p.micro_batch_tokens
+        chunks = token_chunks(scored, num_groups, p.mini_batches, budget, self.whole, layout)
         for batch, ends in chunks:
             batches.append(batch)
             if len(batches) == n or ends:

@@ -97,9 +97,17 @@ class Forward:
             group_ids=resp.group_ids,
         )
         loss, metrics = self.loss_fn(batch, self.algo)
-        computed = layout.tokens_computed
         return Passes(
-            loss, metrics, logprobs, entropy, resp, computed, count, old_logprobs, not reused
+            loss,
+            metrics,
+            logprobs,
+            entropy,
+            resp,
+            layout.tokens_computed,
+            layout.positions_computed,
+            count,
+            old_logprobs,
+            not reused,
         )
 
     def _old_logprobs(
@@ -156,7 +164,7 @@ def choose_layout(model: torch.nn.Module, params: LearnerParams, pad_id: int) ->
         return "unpacked"
     name = params.shared_prompt_impl
     if name not in LAYOUTS or name == "unpacked":
-        raise ValueError(f"unknown shared_prompt_impl {name!r}; allowed: prefix, dense")
+        raise ValueError(f"unknown shared_prompt_impl {name!r}; allowed: prefix, dense, packed")
     reason = check_layout(model, name, pad_id)
     if reason is None:
         return name

@@ -143,6 +143,7 @@ class Learner:
             p.micro_batch_groups,
             p.micro_batch_tokens,
             loss_kind(self.algo.loss).whole_groups,
+            self.forward.layout,
         )
         for chunk, ends_step in chunks:
             if chunk:

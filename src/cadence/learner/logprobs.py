@@ -71,15 +71,22 @@ class LogprobHead(torch.nn.Module):
         super().__init__()
         self.weight = weight
         self.chunk = chunk
-        self.request: tuple[Tensor, Tensor, Tensor, float] | None = None
+        self.request: tuple[Tensor, Tensor, Tensor, float, Tensor | None] | None = None
 
     @contextlib.contextmanager
     def asking(
-        self, rows: Tensor, cols: Tensor, tokens: Tensor, temperature: float
+        self,
+        rows: Tensor,
+        cols: Tensor,
+        tokens: Tensor,
+        temperature: float,
+        valid: Tensor | None = None,
     ) -> Iterator[None]:
         """While open, a forward returns (B, T, 2): log-prob and entropy of token `tokens[b, t]`
-        as predicted at row `rows[b]`, position `cols[b, t]` of the hidden states."""
-        self.request = (rows, cols, tokens, temperature)
+        as predicted at row `rows[b]`, position `cols[b, t]` of the hidden states; with `valid`
+        (B, T) only where it is True (a response's own tokens: padding costs no projection),
+        0 elsewhere."""
+        self.request = (rows, cols, tokens, temperature, valid)
         try:
             yield
         finally:
@@ -88,11 +95,16 @@ class LogprobHead(torch.nn.Module):
     def forward(self, hidden: Tensor) -> Tensor:
         if self.request is None:
             return torch.nn.functional.linear(hidden, self.weight)
-        rows, cols, tokens, temperature = self.request
-        picked = hidden[rows[:, None], cols]  # (B, T, H)
-        lp, ent = ChunkedLogprobs.apply(
-            picked.flatten(0, 1), self.weight, tokens.flatten(), temperature, self.chunk
-        )
+        rows, cols, tokens, temperature, valid = self.request
+        picked = hidden[rows[:, None], cols].flatten(0, 1)  # (B * T, H)
+        flat = tokens.flatten()  # (B * T,)
+        keep = None if valid is None else valid.flatten().nonzero().squeeze(-1)  # (M,)
+        if keep is not None:
+            picked, flat = picked[keep], flat[keep]  # (M, H), (M,)
+        lp, ent = ChunkedLogprobs.apply(picked, self.weight, flat, temperature, self.chunk)
+        if keep is not None:
+            zeros = lp.new_zeros(tokens.numel())  # (B * T,)
+            lp, ent = zeros.index_put((keep,), lp), zeros.index_put((keep,), ent)
         shape = tokens.shape
         return torch.stack([lp.view(shape), ent.view(shape)], -1)  # (B, T, 2), not a view
 

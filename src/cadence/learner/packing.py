@@ -15,6 +15,8 @@ from torch import Tensor
 
 from cadence.learner.checkpointing import no_cache, prefix_cache
 from cadence.learner.logprobs import from_logits, install_head, logprob_head, remove_head
+from cadence.learner.segments import install as install_segments
+from cadence.learner.segments import segments
 
 # (prompt_ids, [response_ids, ...]) per group: the only thing a layout needs to know
 GroupTokens = tuple[Sequence[int], Sequence[Sequence[int]]]
@@ -22,6 +24,7 @@ GroupTokens = tuple[Sequence[int], Sequence[Sequence[int]]]
 
 class Layout(Protocol):
     tokens_computed: int  # real (non-padding) tokens one forward pass runs through the model
+    positions_computed: int  # every position one forward pass runs, padding included
 
     def to(self, device: torch.device) -> Layout: ...
 
@@ -47,12 +50,20 @@ def _response_width(groups: Sequence[GroupTokens]) -> int:
     return max([len(r) for _, rs in groups for r in rs] + [1])
 
 
+def _valid(groups: Sequence[GroupTokens]) -> Tensor:
+    """(B, T) True on each response's own tokens, False on its padding."""
+    lens = torch.tensor([len(r) for _, rs in groups for r in rs])  # (B,)
+    return torch.arange(_response_width(groups))[None, :] < lens[:, None]  # (B, T)
+
+
 @dataclass
 class Unpacked(_Movable):
     input_ids: Tensor  # (B, L) [prompt | response], right-padded
     attention_mask: Tensor  # (B, L)
     pred_index: Tensor  # (B, T) position in the row whose logits predict response token t
+    valid: Tensor  # (B, T) response token t exists
     tokens_computed: int
+    positions_computed: int
 
     @classmethod
     def build(cls, groups: Sequence[GroupTokens], pad_id: int) -> Unpacked:
@@ -66,7 +77,7 @@ class Unpacked(_Movable):
         starts = torch.tensor([len(p) for p, _ in rows])  # (B,)
         steps = torch.arange(_response_width(groups))  # (T,)
         pred = (starts[:, None] - 1 + steps[None, :]).clamp(max=width - 1)  # (B, T)
-        return cls(ids, attn, pred, int(attn.sum()))
+        return cls(ids, attn, pred, _valid(groups), int(attn.sum()), ids.numel())
 
     def logits(self, model: torch.nn.Module) -> Tensor:
         logits = model(
@@ -77,7 +88,7 @@ class Unpacked(_Movable):
 
     def logprobs(self, model: torch.nn.Module, tokens: Tensor, temperature: float) -> Tensor:
         rows = torch.arange(len(tokens), device=tokens.device)  # (B,)
-        with logprob_head(model).asking(rows, self.pred_index, tokens, temperature):
+        with logprob_head(model).asking(rows, self.pred_index, tokens, temperature, self.valid):
             return model(
                 input_ids=self.input_ids, attention_mask=self.attention_mask, use_cache=False
             ).logits
@@ -89,16 +100,27 @@ def shared_prompt_mask(prompt_len: int, response_lens: Sequence[int], width: int
     Query q attends key k iff k <= q and k is a prompt token or in q's own response. Positions
     past the row's tokens (padding) attend only to themselves, so no softmax row is empty.
     """
-    segment = [0] * prompt_len + [j + 1 for j, n in enumerate(response_lens) for _ in range(n)]
-    length = len(segment)
-    if length > width:
-        raise ValueError(f"row of {length} tokens does not fit width {width}")
-    seg = torch.tensor(segment + [-1] * (width - length))  # (L,) -1 marks padding
+    return row_mask([(prompt_len, response_lens)], width)
+
+
+def row_mask(groups: Sequence[tuple[int, Sequence[int]]], width: int) -> Tensor:
+    """(width, width) bool mask of a row of groups end to end, `[P1 | R11 ... | P2 | R21 ...]`,
+    each given as (prompt length, response lengths); True = may attend. Query q attends key k
+    iff k <= q, both are of one group, and k is that group's prompt or q's own response; padding
+    attends only to itself, so no softmax row is empty."""
+    group, segment = [], []
+    for g, (prompt_len, lens) in enumerate(groups):
+        group += [g] * (prompt_len + sum(lens))
+        segment += [0] * prompt_len + [j + 1 for j, n in enumerate(lens) for _ in range(n)]
+    if len(group) > width:
+        raise ValueError(f"row of {len(group)} tokens does not fit width {width}")
+    pad = [-1] * (width - len(group))
+    grp, seg = torch.tensor(group + pad), torch.tensor(segment + pad)  # (L,) -1 marks padding
     pos = torch.arange(width)  # (L,)
     causal = pos[None, :] <= pos[:, None]  # (L, L) [q, k]
+    own = (grp[None, :] == grp[:, None]) & (grp[:, None] >= 0)  # (L, L) one group's, not padding
     visible = (seg[None, :] == 0) | (seg[None, :] == seg[:, None])  # (L, L)
-    real = (seg[:, None] >= 0) & (seg[None, :] >= 0)  # (L, L)
-    return (causal & visible & real) | torch.eye(width, dtype=torch.bool)
+    return (causal & own & visible) | torch.eye(width, dtype=torch.bool)
 
 
 def shared_prompt_positions(prompt_len: int, response_lens: Sequence[int]) -> list[int]:
@@ -111,44 +133,75 @@ def shared_prompt_positions(prompt_len: int, response_lens: Sequence[int]) -> li
 
 @dataclass
 class Dense(_Movable):
-    input_ids: Tensor  # (N, L) one [P | R1 | ... | RG] row per group, right-padded
-    position_ids: Tensor  # (N, L)
-    attention_mask: Tensor  # (N, 1, L, L) additive float mask: 0 = attend, dtype min = not
-    pred_row: Tensor  # (B,) group row of each response
+    """Shared-prompt rows with a 4-D mask: by default one `[P | R1 | ... | RG]` row per group,
+    right-padded to the longest; given `rows`, several groups end to end in a row (`packed`)."""
+
+    input_ids: Tensor  # (N, L) rows of [P | R1 | ... | RG] groups, right-padded
+    position_ids: Tensor  # (N, L) restarting with each group, each response after its prompt
+    attention_mask: Tensor  # (N, 1, L, L) additive float mask: 0 = attend, dtype min = not;
+    # or the rows' segments, (N, 1, 2, L) int64 (learner/segments.py)
+    pred_row: Tensor  # (B,) row of each response
     pred_col: Tensor  # (B, T) column whose logits predict response token t
+    valid: Tensor  # (B, T) response token t exists
     tokens_computed: int
+    positions_computed: int
 
     @classmethod
     def build(
-        cls, groups: Sequence[GroupTokens], pad_id: int, dtype: torch.dtype = torch.float32
+        cls,
+        groups: Sequence[GroupTokens],
+        pad_id: int,
+        dtype: torch.dtype = torch.float32,
+        rows: Sequence[Sequence[int]] | None = None,
+        segmented: bool = False,
     ) -> Dense:
-        width = max(len(p) + sum(len(r) for r in rs) for p, rs in groups)
+        """`segmented`: the attention mask is the rows' segments (learner/segments.py), read
+        group by group by the attention itself, instead of a (row x row) mask."""
+        rows = rows if rows is not None else [[g] for g in range(len(groups))]
+        costs = [len(p) + sum(len(r) for r in rs) for p, rs in groups]
+        width = max(sum(costs[g] for g in row) for row in rows)
         steps = _response_width(groups)
-        n = len(groups)
-        ids = torch.full((n, width), pad_id, dtype=torch.long)  # (N, L)
-        pos = torch.zeros((n, width), dtype=torch.long)  # (N, L)
-        allowed = torch.zeros((n, 1, width, width), dtype=torch.bool)  # (N, 1, L, L)
-        rows, cols = [], []
-        for g, (p, rs) in enumerate(groups):
-            lens = [len(r) for r in rs]
-            tokens = [*p, *(t for r in rs for t in r)]
-            ids[g, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            pos[g, : len(tokens)] = torch.tensor(shared_prompt_positions(len(p), lens))
-            allowed[g, 0] = shared_prompt_mask(len(p), lens, width)
-            offset = len(p)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (N, L)
+        pos = torch.zeros((len(rows), width), dtype=torch.long)  # (N, L)
+        shapes = [
+            [(len(groups[g][0]), [len(r) for r in groups[g][1]]) for g in row] for row in rows
+        ]
+        if not segmented:
+            allowed = torch.zeros((len(rows), 1, width, width), dtype=torch.bool)  # (N, 1, L, L)
+        start: dict[int, tuple[int, int]] = {}  # group -> (its row, its first column)
+        for n, row in enumerate(rows):
+            tokens: list[int] = []
+            positions: list[int] = []
+            for g in row:
+                p, rs = groups[g]
+                start[g] = (n, len(tokens))
+                tokens += [*p, *(t for r in rs for t in r)]
+                positions += shared_prompt_positions(len(p), [len(r) for r in rs])
+            ids[n, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            pos[n, : len(tokens)] = torch.tensor(positions)
+            if not segmented:
+                allowed[n, 0] = row_mask(shapes[n], width)
+        pred_row, pred_col = [], []
+        for g, (p, rs) in enumerate(groups):  # responses in group order, as the batch has them
+            n, first = start[g]
+            offset = first + len(p)
             for r in rs:
                 # token 0 is predicted by the prompt's last position, token t by the one before it
-                col = [len(p) - 1] + [offset + t - 1 for t in range(1, steps)]
-                cols.append([min(c, width - 1) for c in col])
-                rows.append(g)
+                col = [first + len(p) - 1] + [offset + t - 1 for t in range(1, steps)]
+                pred_col.append([min(c, width - 1) for c in col])
+                pred_row.append(n)
                 offset += len(r)
-        # An additive mask, not a bool one: eager attention adds the mask to the scores and would
-        # read a bool mask as 0/1 offsets (wrong); every attention implementation reads this.
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(
-            ~allowed, torch.finfo(dtype).min
-        )
-        real = sum(len(p) + sum(len(r) for r in rs) for p, rs in groups)
-        return cls(ids, pos, mask, torch.tensor(rows), torch.tensor(cols), real)
+        if segmented:
+            install_segments()
+            mask = segments(shapes, width)  # (N, 1, 2, L)
+        else:
+            # An additive mask, not a bool one: eager attention adds the mask to the scores and
+            # would read a bool mask as 0/1 offsets (wrong); every implementation reads this.
+            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(
+                ~allowed, torch.finfo(dtype).min
+            )
+        pred = (torch.tensor(pred_row), torch.tensor(pred_col))
+        return cls(ids, pos, mask, *pred, _valid(groups), sum(costs), ids.numel())
 
     def logits(self, model: torch.nn.Module) -> Tensor:
         logits = model(
@@ -160,7 +213,8 @@ class Dense(_Movable):
         return logits[self.pred_row[:, None], self.pred_col]  # (B, T, V)
 
     def logprobs(self, model: torch.nn.Module, tokens: Tensor, temperature: float) -> Tensor:
-        with logprob_head(model).asking(self.pred_row, self.pred_col, tokens, temperature):
+        head = logprob_head(model)
+        with head.asking(self.pred_row, self.pred_col, tokens, temperature, self.valid):
             return model(
                 input_ids=self.input_ids,
                 attention_mask=self.attention_mask,
@@ -178,7 +232,9 @@ class Prefix(_Movable):
     response_mask: Tensor  # (B, W + T) its prompt's mask, then its own tokens
     response_positions: Tensor  # (B, T) continuing from len(P)
     group_index: Tensor  # (B,) the group (prompt row) of each response
+    valid: Tensor  # (B, T) response token t exists
     tokens_computed: int
+    positions_computed: int
 
     @classmethod
     def build(cls, groups: Sequence[GroupTokens], pad_id: int) -> Prefix:
@@ -207,7 +263,9 @@ class Prefix(_Movable):
             torch.cat([prompt_mask[group_index], own_mask], dim=1),  # (B, W + T)
             prompt_lens[group_index, None] + torch.arange(steps)[None, :],  # (B, T)
             group_index,
+            own_mask.bool(),
             real,
+            prompt_ids.numel() + response_ids.numel(),
         )
 
     def logits(self, model: torch.nn.Module) -> Tensor:
@@ -219,11 +277,11 @@ class Prefix(_Movable):
     def logprobs(self, model: torch.nn.Module, tokens: Tensor, temperature: float) -> Tensor:
         head, b, t = logprob_head(model), tokens.shape[0], tokens.shape[1]
         zeros = torch.zeros((b, 1), dtype=torch.long, device=tokens.device)  # (B, 1)
-        with head.asking(self.group_index, zeros, tokens[:, :1], temperature):
+        with head.asking(self.group_index, zeros, tokens[:, :1], temperature, self.valid[:, :1]):
             prompt = self._prompt(model)  # its one kept position predicts response token 0
         rows = torch.arange(b, device=tokens.device)  # (B,)
         cols = torch.arange(t - 1, device=tokens.device).expand(b, -1)  # (B, T-1)
-        with head.asking(rows, cols, tokens[:, 1:], temperature):
+        with head.asking(rows, cols, tokens[:, 1:], temperature, self.valid[:, 1:]):
             rest = self._responses(model, prompt.past_key_values).logits  # (B, T-1, 2)
         return torch.cat([prompt.logits, rest], dim=1)  # (B, T, 2)
 
@@ -248,11 +306,37 @@ class Prefix(_Movable):
         )
 
 
+def packed(groups: Sequence[GroupTokens], pad_id: int) -> Dense:
+    """Padding-free: the micro-batch's groups end to end in one row, positions restarting with
+    each group, each group attending only to itself through attention by segments
+    (learner/segments.py): no padding and no (row x row) mask; its positions computed are its
+    tokens computed."""
+    return Dense.build(groups, pad_id, rows=[list(range(len(groups)))], segmented=True)
+
+
 LAYOUTS: dict[str, Callable[[Sequence[GroupTokens], int], Layout]] = {
     "unpacked": Unpacked.build,
     "dense": Dense.build,
     "prefix": Prefix.build,
+    "packed": packed,
 }
+
+
+def positions(name: str, groups: Sequence[GroupTokens]) -> int:
+    """The positions layout `name` computes for `groups` in one pass (its `positions_computed`),
+    from their lengths alone: what a token budget bounds."""
+    if not groups:
+        return 0
+    costs = [len(p) + sum(len(r) for r in rs) for p, rs in groups]
+    responses = [len(r) for _, rs in groups for r in rs]
+    longest = max([*responses, 1])
+    if name == "packed":
+        return sum(costs)
+    if name == "dense":
+        return len(groups) * max(costs)
+    if name == "prefix":
+        return len(groups) * max(len(p) for p, _ in groups) + len(responses) * longest
+    return len(responses) * max(len(p) + len(r) for p, rs in groups for r in rs)
 
 
 def check_layout(model: torch.nn.Module, name: str, pad_id: int) -> str | None:
@@ -330,6 +414,6 @@ def _head_differs(model: torch.nn.Module, pad_id: int) -> str | None:
         return f"its forward failed: {type(e).__name__}: {e}"
     finally:
         model.train(was_training)
-    diff = (got - want).abs().max().item()
+    diff = (got - want)[layout.valid].abs().max().item()  # padding: 0 from the head, unasked
     tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2
     return None if diff <= tolerance else f"its head's log-probs differ by {diff:.2e}"

@@ -1,8 +1,9 @@
 """The step skeleton both trainers share: how an iteration's scored groups become micro-batches
 (or rounds of ranks) that never straddle an optimizer step, and the count of skipped steps.
 
-Micro-batches are `micro_batch_groups` whole groups, or packed up to `micro_batch_tokens` tokens
-(a group's prompt once, its responses), a group over the budget split by its responses. The
+Micro-batches are `micro_batch_groups` whole groups, or packed up to `micro_batch_tokens`
+positions of the learner's layout (what it computes, padding included), a group over the budget
+split by its responses unless its loss reads the whole group. The
 one-process learner and the sharded driver differ only in what they do with a chunk; when a
 step ends, and what happens when fewer groups come than announced, is decided here once.
 """
@@ -15,6 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import TypeVar
 
+from cadence.learner.packing import GroupTokens, positions
 from cadence.learner.scorer import Scored
 
 log = logging.getLogger(__name__)
@@ -52,55 +54,66 @@ def micro_batches(
     groups: int,
     tokens: int = 0,
     whole: bool = False,
+    layout: str = "packed",
 ) -> Iterator[tuple[list[Scored], bool]]:
     """(micro-batch, ends a step): `groups` whole groups (`step_chunks`), or with `tokens` > 0
-    packed up to that many tokens (`token_chunks`)."""
+    packed up to that many positions of `layout` (`token_chunks`)."""
     if tokens:
-        return token_chunks(scored, num_groups, mini_batches, tokens, whole)
+        return token_chunks(scored, num_groups, mini_batches, tokens, whole, layout)
     return step_chunks(scored, num_groups, mini_batches, groups)
 
 
 def token_chunks(
-    scored: Iterable[Scored], num_groups: int, mini_batches: int, budget: int, whole: bool
+    scored: Iterable[Scored],
+    num_groups: int,
+    mini_batches: int,
+    budget: int,
+    whole: bool,
+    layout: str = "packed",
 ) -> Iterator[tuple[list[Scored], bool]]:
-    """(micro-batch, ends a step) as `step_chunks`, each micro-batch packed up to `budget`
-    tokens (`cost`); a group over the budget goes in parts (`split`) unless `whole` (a pair
-    loss, whose pairs need the whole group), and a part over it alone goes alone."""
+    """(micro-batch, ends a step) as `step_chunks`, each micro-batch at most `budget` positions
+    of `layout` (what it allocates, padding included: `positions`); a group over the budget goes
+    in parts (`split`) unless `whole` (a loss that reads its group), and a part over it alone
+    goes alone."""
     per_step = math.ceil(num_groups / mini_batches)
     buffer: list[Scored] = []
-    size, open_step = 0, False
+    open_step = False
     for i, group in enumerate(scored, start=1):
-        for part in [group] if whole else split(group, budget):
-            if buffer and size + cost(part) > budget:
+        for part in [group] if whole else split(group, budget, layout):
+            if buffer and cost([*buffer, part], layout) > budget:
                 yield buffer, False
-                buffer, size, open_step = [], 0, True
+                buffer, open_step = [], True
             buffer.append(part)
-            size += cost(part)
         if i % per_step == 0 or i == num_groups:
             yield buffer, True
-            buffer, size, open_step = [], 0, False
+            buffer, open_step = [], False
     if buffer or open_step:
         yield buffer, True
 
 
-def cost(s: Scored) -> int:
-    """Tokens a micro-batch spends on `s`: its prompt once, its responses."""
-    return len(s.group.prompt_ids) + sum(len(c.token_ids) for c in s.group.completions)
+def cost(parts: Scored | list[Scored], layout: str = "packed") -> int:
+    """Positions `layout` computes for `parts` in one pass (a group's prompt once, its
+    responses, and the padding the layout adds)."""
+    parts = parts if isinstance(parts, list) else [parts]
+    return positions(layout, [lengths(s) for s in parts])
 
 
-def split(s: Scored, budget: int) -> list[Scored]:
-    """`s` in parts of consecutive responses, each with the prompt and within `budget` (a
-    response that does not fit with the prompt is a part alone); `[s]` when it fits whole."""
-    if cost(s) <= budget:
+def lengths(s: Scored) -> GroupTokens:
+    return s.group.prompt_ids, [c.token_ids for c in s.group.completions]
+
+
+def split(s: Scored, budget: int, layout: str = "packed") -> list[Scored]:
+    """`s` in parts of consecutive responses, each with the prompt and within `budget`
+    positions of `layout` (a response that does not fit with the prompt is a part alone); `[s]`
+    when it fits whole."""
+    if cost(s, layout) <= budget:
         return [s]
-    prompt, parts, start, size = len(s.group.prompt_ids), [], 0, 0
-    lengths = [len(c.token_ids) for c in s.group.completions]
-    for j, n in enumerate(lengths):
-        if j > start and prompt + size + n > budget:
-            parts.append(_part(s, start, j))
-            start, size = j, 0
-        size += n
-    parts.append(_part(s, start, len(lengths)))
+    parts, start = [], 0
+    for j in range(1, len(s.group.completions) + 1):
+        if j - 1 > start and cost(_part(s, start, j), layout) > budget:
+            parts.append(_part(s, start, j - 1))
+            start = j - 1
+    parts.append(_part(s, start, len(s.group.completions)))
     return parts
 
 

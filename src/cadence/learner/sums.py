@@ -33,7 +33,7 @@ from cadence.learner.batch import Responses
 from cadence.types import Group
 
 # figures summed over an iteration's optimizer steps (the others are averaged)
-TOTALS = ("num_tokens", "tokens_computed", "forward_passes", "micro_batches")
+TOTALS = ("num_tokens", "tokens_computed", "positions_computed", "forward_passes", "micro_batches")
 # figures of the iteration's first optimizer step alone (absent where it trained no fresh row)
 BEHAVIOUR_FIGURES = (
     "behaviour_logprob_abs_diff_mean",
@@ -78,6 +78,7 @@ class Passes:
     entropy: torch.Tensor | None  # (B, T)
     resp: Responses
     tokens_computed: int
+    positions_computed: int  # padding included
     passes: int
     old_logprobs: torch.Tensor | None = None  # (B, T): the loss's pi_old
     # pi_old is not the policy's own log-probs detached (a frozen old copy's pass, or the
@@ -108,6 +109,7 @@ def record_micro_batch(
         "num_seqs": float(mask.shape[0]),  # empty and masked responses count (TRL's way)
         "num_tokens": float(sum(g.num_tokens for g in groups)),
         "tokens_computed": float(out.tokens_computed),
+        "positions_computed": float(out.positions_computed),
         "forward_passes": float(out.passes),
         "micro_batches": 1.0,
         **behaviour,
@@ -206,6 +208,7 @@ def iteration_stats(steps: list[dict[str, float]], frozen_copies_bytes: int) -> 
         | {
             "num_tokens": totals["num_tokens"],
             "tokens_computed": totals["tokens_computed"],
+            "positions_computed": totals["positions_computed"],
             "forward_passes_per_microbatch": totals["forward_passes"] / totals["micro_batches"],
             "frozen_copies_mb": frozen_copies_bytes / 2**20,
             "optimizer_steps": float(len(steps)),

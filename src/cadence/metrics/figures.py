@@ -205,6 +205,7 @@ def summary(
         "kl_last": tail_mean("kl"),
         "num_tokens": num_tokens,
         "tokens_computed": sum(r["tokens_computed"] for r in records),
+        "positions_computed": sum(r.get("positions_computed", 0) for r in records),
         "reward_errors": sum(r["reward_errors"] for r in records),
         "reward_timeouts": sum(r["reward_timeouts"] for r in records),
         "constant_reward_iterations": sum(
