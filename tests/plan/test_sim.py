@@ -193,3 +193,21 @@ def test_partial_rollouts_need_offpolicy_and_continuous_batching():
     shape = Shape("offpolicy", "separate", 1, 1, staleness=1, partial="keep")
     with pytest.raises(ValueError, match="continuous"):
         simulate(shape, static, _cost(), _fixed(5, 4, 2, 5))
+
+
+def test_the_learner_is_timed_by_the_positions_its_layout_computes():
+    # One group of G = 4 responses of 1, 1, 1 and 9 tokens to a 2-token prompt, 1 s a position:
+    # packed computes 2 + 12 = 14 positions, prefix pads each response to 9: 2 + 36 = 38,
+    # unpacked (no shared prompt) repeats the prompt too: 4 x (2 + 9) = 44.
+    lengths = np.array([[[1, 1, 1, 9]]] * 3)
+    cost = _cost(microbatch_s=0.0, train_per_token_s=1.0)
+    shape = Shape("sync", "colocated", 1, 1)
+
+    def busy(**kw) -> float:
+        work = Workload(1, 4, prompt_tokens=2, micro_batch_groups=1, max_num_seqs=64, **kw)
+        result = simulate(shape, work, cost, lengths)
+        return result.wall_s - simulate(shape, work, _cost(microbatch_s=0.0), lengths).wall_s
+
+    assert busy(layout="packed") == pytest.approx(14)  # seconds an iteration
+    assert busy(layout="prefix") == pytest.approx(38)
+    assert busy(layout="prefix", shared_prompt=False) == pytest.approx(44)

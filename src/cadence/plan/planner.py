@@ -156,6 +156,7 @@ def workload(spec: PlanSpec) -> Workload:
         engine_devices=c.engine_devices,
         colocated_engine_devices=c.colocated_engine_devices,
         learner_strategy=c.learner_strategy,
+        layout=w.layout,
     )
 
 

@@ -64,6 +64,7 @@ class Workload:
     engine_devices: int = 1  # devices per inference engine (tensor parallel)
     colocated_engine_devices: int = 0  # when colocated (0: engine_devices)
     learner_strategy: str = "fsdp"  # how the training devices (the learner's ranks) hold it
+    layout: str = "packed"  # learner.shared_prompt_impl: the positions a group costs the learner
 
     def devices_per_engine(self, placement: str) -> int:
         if placement == "colocated" and self.colocated_engine_devices:
@@ -243,11 +244,12 @@ class Simulation:
         self.learner.poke()
 
     def tokens(self, k: int, i: int) -> tuple[int, int]:
-        """(trained, computed) tokens of group i of iteration k."""
+        """(trained, computed) tokens of group i of iteration k: computed are the positions the
+        learner's layout runs, padding included (`positions`)."""
         P, G = self.work.prompt_tokens, self.work.group_size
-        response = sum(self.lengths[k][i])
-        computed = (P if self.work.shared_prompt else G * P) + response
-        return G * P + response, computed
+        lengths = self.lengths[k][i]
+        layout = self.work.layout if self.work.shared_prompt else "unpacked"
+        return G * P + sum(lengths), positions(layout, P, lengths)
 
     # -- figures ---------------------------------------------------------------------------
     def result(self, tpspd_devices: int) -> SimResult:
@@ -279,6 +281,17 @@ class Simulation:
             rank_memory_bytes=self.cost.rank_memory(ranks, strategy),
             fits=self.cost.fits(ranks, strategy),
         )
+
+
+def positions(layout: str, prompt: int, lengths) -> int:
+    """The positions a group of `lengths` responses to a `prompt`-token prompt costs `layout`
+    (learner/packing.py), its responses padded to the group's longest where the layout pads."""
+    longest, total = int(max(lengths)), int(sum(lengths))
+    if layout in ("packed", "dense"):
+        return prompt + total
+    if layout == "prefix":
+        return prompt + len(lengths) * longest
+    return len(lengths) * (prompt + longest)  # unpacked
 
 
 def _clipped(spans: list[tuple[float, float, int]], t0: float, t1: float, weighted=False) -> float:

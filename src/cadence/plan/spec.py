@@ -79,6 +79,12 @@ class WorkloadSpec(_Section):
         1024, ge=0, description="learner.logits_chunk_tokens: logits held for this many tokens."
     )
     shared_prompt: bool = Field(True, description="Learner computes each prompt once per group.")
+    layout: Literal["packed", "prefix", "dense"] = Field(
+        "packed",
+        description="learner.shared_prompt_impl: the positions the learner computes and is timed "
+        "by: packed and dense a group's prompt and responses, prefix every response padded to "
+        "its group's longest.",
+    )
     reference_model: bool = Field(True, description="A frozen reference forward (KL term).")
     response: ResponseSpec = Field(default_factory=ResponseSpec)
 
