@@ -27,7 +27,7 @@ def _saved_bytes(model, layout, tokens):
     return sum(total)
 
 
-@pytest.mark.parametrize("layout", ["unpacked", "dense", "prefix"])
+@pytest.mark.parametrize("layout", ["unpacked", "dense", "prefix", "packed"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_checkpointed_layers_give_the_plain_logprobs_and_gradients(model, tokenizer, layout, lora):
     built, tokens = _inputs(model, tokenizer, layout)

@@ -31,7 +31,7 @@ def _run(model, layout, tokens, temperature=0.7):
     return logprobs.detach(), entropy, grads
 
 
-@pytest.mark.parametrize("layout", ["unpacked", "dense", "prefix"])
+@pytest.mark.parametrize("layout", ["unpacked", "dense", "prefix", "packed"])
 def test_chunked_logprobs_equal_the_full_logits_values_and_gradients(model, tokenizer, layout):
     built, tokens = _inputs(model, tokenizer, layout)
     chunked = copy.deepcopy(model).train()

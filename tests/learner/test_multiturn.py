@@ -47,7 +47,7 @@ def _learner(model, tokenizer, layout="prefix", **loss):
     return recording_learner(model, tokenizer, layout, 6, **loss)
 
 
-@pytest.mark.parametrize("layout", ["unpacked", "dense", "prefix"])
+@pytest.mark.parametrize("layout", ["unpacked", "dense", "prefix", "packed"])
 def test_policy_token_logprobs_from_the_learner_equal_the_engines(episodes, layout):
     model, tokenizer, groups = episodes
     learner, rec = _learner(copy.deepcopy(model), tokenizer, layout)

@@ -181,7 +181,8 @@ def test_two_mixed_precision_ranks_make_the_one_process_mixed_update(
 
 
 def test_two_ranks_with_a_token_budget_make_the_one_process_update(model_dir, tokenizer):
-    # groups split across micro-batches by a token budget, one packed micro-batch a rank a round
+    # groups split across micro-batches by a token budget, one packed micro-batch a rank a round,
+    # in the padding-free layout against one process's prefix layout
     model = load_model(model_dir)
     groups = score(_groups(model, tokenizer, n=4), AlgoParams(max_policy_tokens=10))
     algo = AlgoParams(max_policy_tokens=10, kl_coef=0.0)
@@ -192,7 +193,7 @@ def test_two_ranks_with_a_token_budget_make_the_one_process_update(model_dir, to
         tokenizer.pad_token_id,
     )
     grads = capture_grads(one)
-    params = LearnerParams(lr=1e-3, micro_batch_tokens=20)
+    params = LearnerParams(lr=1e-3, micro_batch_tokens=20, shared_prompt_impl="packed")
     spec = RankSpec(str(model_dir), params, algo, tokenizer.pad_token_id, 2)
     ranked = start_local_ranks(spec, copy.deepcopy(model), Tracer())
     try:

@@ -34,9 +34,12 @@ def sync_reference(model_dir, tmp_path_factory):
 def test_periodic_update_equals_sync_update(model_dir, sync_reference, tmp_path):
     sync_run, sync_records, sync_grads = sync_reference
     per_grads: list = []
+    # periodic trains padding-free (the packed layout), sync the default prefix layout
+    packed = "learner.shared_prompt_impl='packed'"
     per_run, per_records, pids = train_run(
-        _cfg(model_dir, "periodic"), tmp_path / "periodic", per_grads
+        _cfg(model_dir, "periodic", packed), tmp_path / "periodic", per_grads
     )
+    assert per_run.trainer.layout == "packed"
     # Groups reach the periodic learner in completion order, so its sums run in another order:
     # equal within float tolerance, step by step (see tests/updates.py). The first step's
     # gradients agree to ~3e-7 relative; later steps start from parameters that already differ by
