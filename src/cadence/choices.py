@@ -109,14 +109,15 @@ class LossKind:
     advantage: str = ""  # the advantage it computes itself ("": algo.advantage's)
     aggregation: str = ""  # its loss_agg where unset ("": the key's default)
     dual_clip: bool = False  # takes algo.clip_ratio_c
+    token_advantages: bool = True  # reads an advantage per token (distillation's), not per sequence
 
 
 LOSS_KINDS: dict[str, LossKind] = {
     "ppo_clip": LossKind(ratio=True, dual_clip=True),
     "pg": LossKind(),
-    "rloo": LossKind(whole_groups=True, advantage="rloo"),
-    "online_dpo": LossKind(pairs=True, whole_groups=True),
-    "gspo": LossKind(ratio=True, aggregation="seq-mean"),
+    "rloo": LossKind(whole_groups=True, advantage="rloo", token_advantages=False),
+    "online_dpo": LossKind(pairs=True, whole_groups=True, token_advantages=False),
+    "gspo": LossKind(ratio=True, aggregation="seq-mean", token_advantages=False),
     "cispo": LossKind(ratio=True),
 }
 LOSSES = tuple(LOSS_KINDS)

@@ -6,7 +6,7 @@ import torch
 from batches import LN2, make_batch
 from torch.testing import assert_close
 
-from cadence.algo import AlgoParams
+from cadence.algo import AlgoParams, get_loss
 from cadence.algo.aggregation import AGG_MODES, normaliser, token_weights
 from cadence.algo.correction import tis_weights
 from cadence.algo.losses import (
@@ -243,10 +243,22 @@ def test_algo_params_reject_bad_values(kwargs: dict, message: str):
 
 
 def test_policy_batch_rejects_mismatched_shapes():
-    with pytest.raises(ValueError, match=r"advantages must have shape \(2,\)"):
-        make_batch(torch.zeros(2, 3), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"advantages must have shape \(2,\) or \(2, 3\)"):
+        make_batch(torch.zeros(2, 3), torch.zeros(2, 4))
     with pytest.raises(ValueError, match=r"old_logprobs must have shape \(2, 3\)"):
         make_batch(torch.zeros(2, 3), torch.zeros(2), old_logprobs=torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "pg", "cispo"])
+def test_per_token_advantages_equal_to_the_sequences_give_the_same_loss(loss):
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.5, -2.5]], requires_grad=True)
+    old = logprobs.detach() + torch.tensor([[0.1, -0.2, 0.0], [0.05, 0.3, -0.1]])
+    seq = make_batch(logprobs, torch.tensor([1.0, -0.5]), old_logprobs=old)
+    tok = replace(seq, advantages=seq.advantages[:, None].expand(2, 3).clone())
+    want, got = get_loss(loss)(seq, AlgoParams())[0], get_loss(loss)(tok, AlgoParams())[0]
+    assert_close(got, want)
+    with pytest.raises(ValueError, match="one advantage per sequence, not one per token"):
+        get_loss("gspo")(tok, AlgoParams())
 
 
 # --- truncated importance sampling ------------------------------------------------------------

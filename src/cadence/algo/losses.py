@@ -40,7 +40,7 @@ class PolicyBatch:
 
     logprobs: Tensor  # (B, T) under the policy being trained, with grad
     old_logprobs: Tensor  # (B, T) the ratio's denominator: the sampling (or, TIS, proximal) policy
-    advantages: Tensor  # (B,) one per sequence
+    advantages: Tensor  # (B,) one per sequence, or (B, T) one per token (distillation)
     loss_mask: Tensor  # (B, T) 1/True on response tokens, 0/False on prompt and padding
     token_weights: Tensor  # (B, T) from `token_weights(loss_mask, mode)`
     ref_logprobs: Tensor | None = None  # (B, T) under the frozen reference policy
@@ -57,13 +57,33 @@ class PolicyBatch:
             value = getattr(self, name)
             if value is not None and value.shape != shape:
                 raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(value.shape)}")
-        for name in ("advantages", "rewards", "group_ids"):
+        if self.advantages is not None and self.advantages.shape == shape:
+            pass  # per token: policy-gradient losses only (`token_advantages`)
+        elif self.advantages is not None and self.advantages.shape != shape[:1]:
+            raise ValueError(
+                f"advantages must have shape ({shape[0]},) or {tuple(shape)}; "
+                f"got {tuple(self.advantages.shape)}"
+            )
+        for name in ("rewards", "group_ids"):
             value = getattr(self, name)
             if value is not None and value.shape != shape[:1]:
                 raise ValueError(
                     f"{name} must have shape ({shape[0]},), one per sequence; "
                     f"got {tuple(value.shape)}"
                 )
+
+
+def token_advantages(batch: PolicyBatch) -> Tensor:
+    """The advantages as the per-token losses read them: (B, 1) for one per sequence, (B, T) as
+    given for one per token."""
+    adv = batch.advantages
+    return adv if adv.dim() == 2 else adv.unsqueeze(-1)
+
+
+def _sequence_advantages(batch: PolicyBatch) -> Tensor:
+    if batch.advantages.dim() != 1:
+        raise ValueError("this loss reads one advantage per sequence, not one per token")
+    return batch.advantages
 
 
 def _clamped_exp(log_ratio: Tensor) -> tuple[Tensor, Tensor]:
@@ -246,7 +266,7 @@ def ppo_clip_loss(batch: PolicyBatch, params: AlgoParams) -> tuple[Tensor, dict[
     C. With the bypass, old_logprobs are the behaviour ones and only the mode's mask applies.
     """
     ratio, clamped = _policy_ratio(batch)  # (B, T), (B, T)
-    adv = batch.advantages.unsqueeze(-1)  # (B, 1)
+    adv = token_advantages(batch)  # (B, 1) or (B, T)
     unclipped = ratio * adv  # (B, T)
     clipped = ratio.clamp(1.0 - params.clip_low, 1.0 + params.clip_high) * adv  # (B, T)
     pg_per_token = -torch.minimum(unclipped, clipped)  # (B, T)
@@ -271,7 +291,7 @@ def pg_loss(batch: PolicyBatch, params: AlgoParams) -> tuple[Tensor, dict[str, T
     exp(logprobs - old_logprobs) to show how off-policy the batch was.
     """
     ratio, clamped = _policy_ratio(batch)  # (B, T), (B, T)
-    adv = batch.advantages.unsqueeze(-1)  # (B, 1)
+    adv = token_advantages(batch)  # (B, 1) or (B, T)
     pg_per_token = -adv * batch.logprobs  # (B, T)
     unclipped = torch.zeros_like(clamped)  # (B, T)
     return _finish(_Terms(pg_per_token, ratio, unclipped, clamped, False), batch, params)
@@ -294,8 +314,9 @@ def gspo_loss(batch: PolicyBatch, params: AlgoParams) -> tuple[Tensor, dict[str,
     log_ratio = _masked_log_ratio(batch.logprobs, batch.old_logprobs, mask)  # (B, T)
     lengths = mask.sum(-1).clamp(min=1)  # (B,) an empty response: ratio 1, weight 0
     seq_ratio, clamped = _clamped_exp(log_ratio.sum(-1) / lengths)  # (B,), (B,)
-    unclipped = seq_ratio * batch.advantages  # (B,)
-    clipped = seq_ratio.clamp(1.0 - params.clip_low, 1.0 + params.clip_high) * batch.advantages
+    adv = _sequence_advantages(batch)  # (B,)
+    unclipped = seq_ratio * adv  # (B,)
+    clipped = seq_ratio.clamp(1.0 - params.clip_low, 1.0 + params.clip_high) * adv
     pg_seq = -torch.minimum(unclipped, clipped)  # (B,)
     shape = log_ratio.shape
     terms = _Terms(
@@ -320,7 +341,7 @@ def cispo_loss(batch: PolicyBatch, params: AlgoParams) -> tuple[Tensor, dict[str
     ratio, clamped = _policy_ratio(batch)  # (B, T), (B, T)
     low, high = 1.0 - params.clip_low, 1.0 + params.clip_high
     weight = ratio.clamp(low, high).detach()  # (B, T)
-    adv = batch.advantages.unsqueeze(-1)  # (B, 1)
+    adv = token_advantages(batch)  # (B, 1) or (B, T)
     pg_per_token = -weight * adv * batch.logprobs  # (B, T)
     clipped = (ratio < low) | (ratio > high)  # (B, T)
     return _finish(_Terms(pg_per_token, ratio, clipped, clamped), batch, params)

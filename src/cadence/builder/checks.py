@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from cadence.algo import ADVANTAGES, AdvantageContext, get_advantage, is_pair_loss
-from cadence.choices import engine_kind
+from cadence.choices import LOSSES, engine_kind, loss_kind
 from cadence.config import Config, ConfigError
 from cadence.engine.vllm import INSTALL_HINT
 from cadence.pipeline.checkpoint import Checkpoint
@@ -26,8 +26,55 @@ def check_before_loading(cfg: Config) -> None:
     from, an engine that is not installed, a response budget that leaves no room for a prompt
     in the model's positions (read from its config.json)."""
     check_group_size(cfg)
+    check_teachers(cfg)
     require_engine(cfg.rollout.engine)
     max_prompt_tokens(cfg, model_positions(cfg.model.path))
+
+
+def check_teachers(cfg: Config) -> None:
+    """[distill]: a loss that reads per-token advantages, the one-process learner, and teachers
+    whose tokenizer is the student's (vocabulary and special tokens compared from the tokenizer
+    files alone, before any weight loads)."""
+    d = cfg.distill
+    if not d.on:
+        return
+    if not loss_kind(cfg.algo.loss).token_advantages:
+        works = ", ".join(k for k in LOSSES if loss_kind(k).token_advantages)
+        raise ConfigError(
+            f"distillation gives each token its own advantage; algo.loss = '{cfg.algo.loss}' "
+            f"reads one per sequence (or none): use one of {works}"
+        )
+    if cfg.learner.ranks > 1:
+        raise ConfigError(
+            "distillation runs its teachers in the one-process learner: set learner.ranks = 1"
+        )
+    from cadence.models import load_tokenizer
+
+    student = load_tokenizer(cfg.model.path)
+    for path in [d.teacher] if d.teacher else [t.path for t in d.teachers]:
+        if not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"distill teacher {path!r} is not a model directory (no config.json)")
+        differs = tokenizer_difference(student, load_tokenizer(path))
+        if differs:
+            raise ConfigError(
+                f"distill teacher {path!r} does not share the student's tokenizer "
+                f"({cfg.model.path!r}): {differs}. Its log-probs would score other tokens."
+            )
+
+
+def tokenizer_difference(a, b) -> str:
+    """What differs between two tokenizers ('' when nothing): vocabulary, special tokens."""
+    va, vb = a.get_vocab(), b.get_vocab()
+    if va != vb:
+        only = sorted(set(va).symmetric_difference(vb))[:3]
+        moved = sum(1 for t in set(va) & set(vb) if va[t] != vb[t])
+        return (
+            f"vocabularies differ ({len(va)} and {len(vb)} tokens, e.g. {only}, {moved} ids moved)"
+        )
+    for name in ("bos_token", "eos_token", "pad_token"):
+        if getattr(a, name) != getattr(b, name):
+            return f"{name} differs ({getattr(a, name)!r} and {getattr(b, name)!r})"
+    return ""
 
 
 def check_group_size(cfg: Config) -> None:

@@ -48,6 +48,7 @@ from cadence.dataplane import Store
 from cadence.engine import Engine
 from cadence.learner import Learner, LearnerParams, Scorer, Trainer
 from cadence.learner.allocator import return_freed_memory
+from cadence.learner.distill import ANY_TASK, DistillParams, Teachers
 from cadence.learner.driver import RankedLearner, start_local_ranks, start_ray_ranks
 from cadence.learner.precision import Masters, warn_pure_low_precision
 from cadence.metrics import Tracer
@@ -271,7 +272,26 @@ def build_learner(
     if masters is None and not is_lora(model):
         masters = Masters.split(model, DTYPES[cfg.model.dtype], DTYPES[cfg.learner.master_dtype])
     params = params or learner_params(cfg)
-    return Learner(model, params, algo_params(cfg), pad_id, ref, tracer, masters=masters)
+    teachers = load_teachers(cfg)
+    return Learner(
+        model, params, algo_params(cfg), pad_id, ref, tracer, masters=masters, teachers=teachers
+    )
+
+
+def load_teachers(cfg: Config) -> Teachers | None:
+    """[distill]'s teachers, frozen, in the model's dtype on its device (each directory loaded
+    once, whatever the tasks it scores); None without distillation."""
+    d = cfg.distill
+    if not d.on:
+        return None
+    paths = {ANY_TASK: d.teacher} if d.teacher else {k: t.path for t in d.teachers for k in t.tasks}
+    dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
+    loaded = {
+        path: load_model(path, dtype=dtype, device=device).requires_grad_(False)
+        for path in dict.fromkeys(paths.values())
+    }
+    models = {task: loaded[path] for task, path in paths.items()}
+    return Teachers(models, DistillParams(d.coef, d.reward_coef))
 
 
 def load_policy(cfg: Config) -> tuple[torch.nn.Module, Masters | None]:

@@ -12,6 +12,7 @@ from cadence.config.algo import AlgoConfig
 from cadence.config.base import Section
 from cadence.config.checks import check_all
 from cadence.config.data import DataConfig
+from cadence.config.distill import DistillConfig
 from cadence.config.env import EnvConfig
 from cadence.config.model import ModelConfig
 from cadence.config.reward import RewardConfig, default_stage
@@ -53,6 +54,9 @@ class Config(Section):
     """How generation and training overlap: the mode (sync, periodic, offpolicy), placement,
     workers, dynamic sampling, worker recovery, and the Ray backend (docs/pipeline.md,
     docs/ray.md)."""
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    """On-policy distillation: a teacher's log-probs of the student's sampled tokens as the
+    advantage, one teacher or one per task (docs/distillation.md)."""
     env: EnvConfig = Field(default_factory=EnvConfig)
     """What a sample is: one response, a multi-turn episode with tools, or an episode of a verifiers
     environment (docs/envs.md)."""

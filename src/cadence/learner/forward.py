@@ -12,6 +12,7 @@ Learner's). docs/learner.md.
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import torch
 
@@ -25,6 +26,7 @@ from cadence.algo import (
 )
 from cadence.learner.batch import Responses, responses
 from cadence.learner.checkpointing import checkpoint_layers
+from cadence.learner.distill import Teachers
 from cadence.learner.logprobs import token_logprobs
 from cadence.learner.packing import LAYOUTS, Layout, check_layout, install_checked_head
 from cadence.learner.params import Collective, LearnerParams
@@ -44,8 +46,10 @@ class Forward:
         pad_id: int,
         ref_model: torch.nn.Module | None = None,
         collective: Collective | None = None,
+        teachers: Teachers | None = None,
     ) -> None:
         self.model, self.params, self.algo, self.pad_id = model, params, algo, pad_id
+        self.teachers = teachers
         self.ref_model, self.collective = ref_model, collective
         self.forward_model = (collective and collective.forward_model) or model
         self.loss_fn = get_loss(algo.loss)
@@ -55,6 +59,8 @@ class Forward:
             raise ValueError(f"{why} needs a reference model")
         _prepare(model, ref_model, params, pad_id, wrapped=collective is not None)
         self.layout = choose_layout(model, params, pad_id)
+        if teachers is not None:
+            self._prepare_teachers(teachers)
         self.bypass = algo.correction_proximal == "bypass"  # old log-probs: the behaviour ones
         after_a_step = params.mini_batches > 1 or not params.reuse_old_logprobs
         # pair losses read no old log-probs; the bypass reads the behaviour ones
@@ -62,6 +68,19 @@ class Forward:
         old_copy = (collective and collective.old_copy) or frozen_copy
         self.old_model = old_copy(model) if needs_old else None
         self.frozen_copies_bytes = model_bytes(ref_model) + model_bytes(self.old_model)
+
+    def _prepare_teachers(self, teachers: Teachers) -> None:
+        """Each teacher as the reference is prepared (dropout off, log-prob head), and checked to
+        give its unpacked log-probs in the policy's layout."""
+        params = replace(self.params, activation_checkpointing=False)
+        for teacher in {id(m): m for m in teachers.models.values()}.values():
+            _prepare(teacher, None, params, self.pad_id, wrapped=False)
+            if self.layout != "unpacked":
+                reason = check_layout(teacher, self.layout, self.pad_id)
+                if reason is not None:
+                    raise ValueError(
+                        f"a teacher gives wrong log-probs in '{self.layout}': {reason}"
+                    )
 
     def begin_iteration(self) -> None:
         """Training mode; the old copy (if any) becomes the policy at the iteration's start."""
@@ -85,10 +104,22 @@ class Forward:
         if self.ref_model is not None:
             ref_logprobs = self._frozen_logprobs(self.ref_model, layout, resp)
             count += 1
+        advantages, distilled = resp.advantages, {}
+        if self.teachers is not None:
+            tasks = [scored[i].group.prompt.task for i in resp.group_ids.tolist()]
+            d = self.teachers.distill(
+                tasks,
+                logprobs,
+                resp.loss_mask,
+                resp.advantages,
+                lambda teacher: self._frozen_logprobs(teacher, layout, resp),
+            )
+            advantages, distilled = d.advantages, d.sums
+            count += d.passes
         batch = PolicyBatch(
             logprobs=logprobs,
             old_logprobs=old_logprobs,
-            advantages=resp.advantages,
+            advantages=advantages,
             loss_mask=resp.loss_mask,
             token_weights=token_weights(resp.loss_mask, self.algo.loss_agg),
             ref_logprobs=ref_logprobs,
@@ -108,6 +139,7 @@ class Forward:
             count,
             old_logprobs,
             not reused,
+            distilled,
         )
 
     def _old_logprobs(

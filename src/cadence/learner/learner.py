@@ -21,6 +21,7 @@ import torch
 
 from cadence.algo import AlgoParams, normaliser
 from cadence.choices import loss_kind
+from cadence.learner.distill import Teachers
 from cadence.learner.forward import Forward
 from cadence.learner.params import Collective, LearnerParams
 from cadence.learner.precision import Masters
@@ -53,6 +54,7 @@ class Learner:
         collective: Collective | None = None,
         track: str = "learner",
         masters: Masters | None = None,
+        teachers: Teachers | None = None,
     ) -> None:
         self.model = model
         self.collective = collective
@@ -75,7 +77,7 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup)
         )
-        self.forward = Forward(model, params, algo, pad_id, ref_model, collective)
+        self.forward = Forward(model, params, algo, pad_id, ref_model, collective, teachers)
         self.version = 0  # policy version: number of iterations trained
         self._steps_this_iteration = 0
         self.bad_steps = BadSteps(params.max_bad_steps)

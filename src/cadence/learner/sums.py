@@ -14,7 +14,7 @@ Read on: docs/learner.md#how-it-is-built.
 from __future__ import annotations
 
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ from cadence.algo import (
     correction_figures,
 )
 from cadence.learner.batch import Responses
+from cadence.learner.distill import distill_figures
 from cadence.types import Group
 
 # figures summed over an iteration's optimizer steps (the others are averaged)
@@ -84,6 +85,7 @@ class Passes:
     # pi_old is not the policy's own log-probs detached (a frozen old copy's pass, or the
     # behaviour log-probs): a first-step ratio can then differ from 1
     old_pass: bool = False
+    distilled: dict[str, float] = field(default_factory=dict)  # learner/distill.py's sums
 
 
 def record_micro_batch(
@@ -114,6 +116,7 @@ def record_micro_batch(
         "micro_batches": 1.0,
         **behaviour,
         **correction,
+        **out.distilled,
     }
     if idle:
         loss_metrics, own = dict.fromkeys(loss_metrics, 0.0), dict.fromkeys(own, 0.0)
@@ -141,6 +144,7 @@ def step_figures(
     if algo.corrects:
         out |= correction_figures(sums.values, sums.maxima)
         out["num_correction_tokens"] = sums["num_correction_tokens"]
+    out |= distill_figures(sums.values)
     return out | behaviour_figures(sums) | {k: sums[k] for k in TOTALS}
 
 

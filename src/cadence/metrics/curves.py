@@ -64,7 +64,10 @@ def draw_curves(
     ax.set_title("held-out accuracy (greedy, ± standard error)", fontsize=10)
     ax.set_xlabel("iteration")
     ax.grid(alpha=0.3)
-    _line(axes[1][0], records, "kl", "KL to reference")
+    if any("distill_reverse_kl" in r for r in records):  # distillation: the teacher's gap
+        _line(axes[1][0], records, "distill_reverse_kl", "reverse KL to the teacher (sampled)")
+    else:
+        _line(axes[1][0], records, "kl", "KL to reference")
     _line(axes[1][1], records, "response_tokens_mean", "response length (tokens, mean)")
     if title:
         fig.suptitle(title)

@@ -191,6 +191,7 @@ def summary(
     def tail_mean(key: str) -> float:
         return sum(r[key] for r in tail) / len(tail)
 
+    distilled = all("distill_reverse_kl" in r for r in tail)
     gen = sum(r["gen_busy_s"] for r in records)
     train = sum(r["train_busy_s"] for r in records)
     return labels | {
@@ -203,6 +204,7 @@ def summary(
         "reward_mean_first": records[0]["reward_mean"],
         "reward_mean_last": tail_mean("reward_mean"),
         "kl_last": tail_mean("kl"),
+        **({"distill_reverse_kl_last": tail_mean("distill_reverse_kl")} if distilled else {}),
         "num_tokens": num_tokens,
         "tokens_computed": sum(r["tokens_computed"] for r in records),
         "positions_computed": sum(r.get("positions_computed", 0) for r in records),

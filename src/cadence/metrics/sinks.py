@@ -124,6 +124,8 @@ class ConsoleProgress:
             f"reward {record.get('reward_mean', 0):.3f}  acc {record.get('accuracy', 0):.3f}  "
             f"kl {record.get('kl', 0):.4f}  tpspd {record.get('tpspd', 0):,.0f}"
         )
+        if "distill_reverse_kl" in record:
+            status += f"  teacher kl {record['distill_reverse_kl']:.4f}"
         if "heldout_accuracy" in record:
             status += f"  held-out {record['heldout_accuracy']:.3f}"
         self.done += 1

@@ -1,0 +1,88 @@
+"""On-policy distillation in whole runs: a teacher's reverse KL is reported, periodic makes
+sync's distilled update, and a teacher of another tokenizer is refused before any weight loads
+(docs/distillation.md)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from cadence.builder import build_run
+from cadence.config import ConfigError
+from cadence.data import ArithmeticTask
+from cadence.models import init_model, load_model, load_tokenizer
+from cadence.models.io import save_pretrained
+from runs import TWO_WORKERS, run_config, train_run
+from updates import assert_same_update
+
+DISTILL = ("algo.kl_coef=0.0", "distill.coef=1.0", "distill.reward_coef=0.0")
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(model_dir, tmp_path_factory):
+    """The test model's shape and tokenizer, other weights (noise of a seed added)."""
+    model = load_model(model_dir)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    out = tmp_path_factory.mktemp("teacher")
+    save_pretrained(model, load_tokenizer(model_dir), out)
+    return out
+
+
+def _cfg(model_dir, teacher_dir, mode, *extra):
+    return run_config(
+        model_dir,
+        f"pipeline.mode='{mode}'",
+        "pipeline.placement='separate'",
+        *TWO_WORKERS,
+        *DISTILL,
+        f"distill.teacher='{teacher_dir}'",
+        *extra,
+    )
+
+
+@pytest.mark.slow
+def test_periodic_makes_the_distilled_sync_update_and_reports_the_teacher_gap(
+    model_dir, teacher_dir, tmp_path
+):
+    sync_grads: list = []
+    sync = train_run(_cfg(model_dir, teacher_dir, "sync"), tmp_path / "sync", sync_grads)
+    kls = [r["distill_reverse_kl"] for r in sync.records]
+    assert all(k > 0.05 for k in kls)  # the teacher differs: the signal is not trivially 0
+    summary = json.loads((tmp_path / "sync" / "summary.json").read_text())
+    assert summary["distill_reverse_kl_last"] == pytest.approx(kls[-1])
+    per_grads: list = []
+    per = train_run(_cfg(model_dir, teacher_dir, "periodic"), tmp_path / "per", per_grads)
+    assert [r["distill_reverse_kl"] for r in per.records] == pytest.approx(kls, rel=1e-4)
+    assert_same_update(
+        per.run.trainer.model, sync.run.trainer.model, per_grads, sync_grads, grad_rtol=5e-5
+    )
+
+
+def test_a_teacher_of_another_tokenizer_is_refused_before_any_weight_loads(model_dir, tmp_path):
+    other = tmp_path / "other"
+    corpus = ArithmeticTask(difficulty=3, seed=5).corpus(300)  # another BPE vocabulary
+    init_model("test", other, corpus, seed=1)
+    (other / "model.safetensors").unlink()  # loading any weight would fail otherwise
+    cfg = run_config(model_dir, *DISTILL, f"distill.teacher='{other}'")
+    with pytest.raises(ConfigError, match="does not share the student's tokenizer"):
+        build_run(cfg)
+    shutil.rmtree(other)
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["algo.loss='gspo'"], "reads one per sequence"),
+        (["learner.ranks=2"], "set learner.ranks = 1"),
+    ],
+)
+def test_what_distillation_cannot_train_is_refused(model_dir, teacher_dir, sets, message):
+    cfg = run_config(model_dir, *DISTILL, f"distill.teacher='{teacher_dir}'", *sets)
+    with pytest.raises(ConfigError, match=message):
+        build_run(cfg)
