@@ -89,6 +89,11 @@ def test_cli_train_runs_and_eval_reads_the_result(model_dir, tmp_path, capsys):
     assert main(["eval", str(tmp_path / "run" / "final"), "--set", "data.num_heldout=4"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["num_prompts"] == 4 and 0.0 <= result["accuracy"] <= 1.0
+    # a distillation config's teacher is evaluated beside the student, on the same problems
+    teacher = ["--set", f"distill.teacher='{tmp_path / 'run' / 'final'}'"]
+    assert main(["eval", str(model_dir), "--set", "data.num_heldout=4", *teacher]) == 0
+    both = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"model": str(tmp_path / "run" / "final")} | both["teachers"][result["model"]] == result
 
 
 def test_groups_of_another_version_are_refused(model_dir):

@@ -151,8 +151,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     set_threads(cfg.train.threads)
-    result = evaluate_model(cfg, args.model_dir)
-    print(json.dumps({"model": str(args.model_dir)} | result))
+    out = {"model": str(args.model_dir)} | evaluate_model(cfg, args.model_dir)
+    d = cfg.distill  # a distilled run's teachers, on the same problems, beside the student
+    teachers = [d.teacher] if d.teacher else [t.path for t in d.teachers]
+    if teachers:
+        out["teachers"] = {path: evaluate_model(cfg, path) for path in teachers}
+    print(json.dumps(out))
     return 0
 
 
