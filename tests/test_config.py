@@ -433,3 +433,17 @@ def test_periodic_with_dynamic_sampling_and_several_steps_is_refused_not_run_unl
         load_config(None, [*sampling, *periodic])
     load_config(None, sampling)  # sync
     load_config(None, [*periodic, "pipeline.filter_groups='zero_variance'"])  # one step
+
+
+def test_a_teacher_per_task_round_trips_and_a_task_taught_twice_is_refused():
+    teachers = (
+        "distill.teachers=[{ path = 'a', tasks = ['chain_sum'] }, { path = 'b', tasks = ['x'] }]"
+    )
+    cfg = load_config(None, [teachers])
+    assert [t.tasks for t in cfg.distill.teachers] == [["chain_sum"], ["x"]]
+    assert cfg.distill.on and Config.model_validate(tomllib.loads(to_toml(cfg))) == cfg
+    twice = "distill.teachers=[{ path = 'a', tasks = ['x'] }, { path = 'b', tasks = ['x'] }]"
+    with pytest.raises(ConfigError, match=r"\['x'\] have more than one teacher"):
+        load_config(None, [twice])
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(None, ["distill.teacher='c'", teachers])
