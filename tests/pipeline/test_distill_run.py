@@ -86,3 +86,21 @@ def test_what_distillation_cannot_train_is_refused(model_dir, teacher_dir, sets,
     cfg = run_config(model_dir, *DISTILL, f"distill.teacher='{teacher_dir}'", *sets)
     with pytest.raises(ConfigError, match=message):
         build_run(cfg)
+
+
+@pytest.mark.slow
+def test_an_offpolicy_run_of_a_lora_student_distils_stale_rows_too(
+    model_dir, teacher_dir, tmp_path
+):
+    cfg = _cfg(
+        model_dir,
+        teacher_dir,
+        "offpolicy",
+        "pipeline.max_staleness=1",
+        "model.lora.r=4",
+        "model.lora.alpha=8.0",
+        "distill.reward_coef=1.0",
+    )
+    trained = train_run(cfg, tmp_path / "run")
+    assert all(r["distill_reverse_kl"] > 0.05 for r in trained.records)
+    assert max(r["staleness_max"] for r in trained.records) == 1  # stale rows were distilled
