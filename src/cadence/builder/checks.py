@@ -51,7 +51,7 @@ def check_teachers(cfg: Config) -> None:
     from cadence.models import load_tokenizer
 
     student = load_tokenizer(cfg.model.path)
-    for path in [d.teacher] if d.teacher else [t.path for t in d.teachers]:
+    for path in d.paths:
         if not (Path(path) / "config.json").is_file():
             raise ConfigError(f"distill teacher {path!r} is not a model directory (no config.json)")
         differs = tokenizer_difference(student, load_tokenizer(path))

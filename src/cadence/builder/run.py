@@ -48,7 +48,7 @@ from cadence.dataplane import Store
 from cadence.engine import Engine
 from cadence.learner import Learner, LearnerParams, Scorer, Trainer
 from cadence.learner.allocator import return_freed_memory
-from cadence.learner.distill import ANY_TASK, DistillParams, Teachers
+from cadence.learner.distill import DistillParams, Teachers
 from cadence.learner.driver import RankedLearner, start_local_ranks, start_ray_ranks
 from cadence.learner.precision import Masters, warn_pure_low_precision
 from cadence.metrics import Tracer
@@ -284,13 +284,11 @@ def load_teachers(cfg: Config) -> Teachers | None:
     d = cfg.distill
     if not d.on:
         return None
-    paths = {ANY_TASK: d.teacher} if d.teacher else {k: t.path for t in d.teachers for k in t.tasks}
     dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
     loaded = {
-        path: load_model(path, dtype=dtype, device=device).requires_grad_(False)
-        for path in dict.fromkeys(paths.values())
+        path: load_model(path, dtype=dtype, device=device).requires_grad_(False) for path in d.paths
     }
-    models = {task: loaded[path] for task, path in paths.items()}
+    models = {task: loaded[path] for task, path in d.by_task.items()}
     return Teachers(models, DistillParams(d.coef, d.reward_coef))
 
 

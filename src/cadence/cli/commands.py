@@ -152,10 +152,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg = _config(args)
     set_threads(cfg.train.threads)
     out = {"model": str(args.model_dir)} | evaluate_model(cfg, args.model_dir)
-    d = cfg.distill  # a distilled run's teachers, on the same problems, beside the student
-    teachers = [d.teacher] if d.teacher else [t.path for t in d.teachers]
-    if teachers:
-        out["teachers"] = {path: evaluate_model(cfg, path) for path in teachers}
+    if cfg.distill.paths:  # a distilled run's teachers, on the same problems, beside the student
+        out["teachers"] = {path: evaluate_model(cfg, path) for path in cfg.distill.paths}
     print(json.dumps(out))
     return 0
 

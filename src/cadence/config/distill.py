@@ -48,3 +48,15 @@ class DistillConfig(Section):
     @property
     def on(self) -> bool:
         return bool(self.teacher or self.teachers)
+
+    @property
+    def by_task(self) -> dict[str, str]:
+        """Task label -> teacher directory ("" for the one teacher of every prompt)."""
+        if self.teacher:
+            return {"": self.teacher}
+        return {task: t.path for t in self.teachers for task in t.tasks}
+
+    @property
+    def paths(self) -> list[str]:
+        """The teachers' directories, each once."""
+        return list(dict.fromkeys(self.by_task.values()))

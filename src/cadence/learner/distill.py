@@ -66,20 +66,22 @@ class Teachers:
         the reward's advantages (B,) and `logprobs_of(model)`, a teacher's (B, T) log-probs of
         the micro-batch: the advantages and the figures' sums."""
         keys = [self.teacher_of(t) for t in tasks]
+        rows = {  # teacher -> (B, 1) its rows
+            key: torch.tensor([k == key for k in keys], device=student.device)[:, None]
+            for key in self.models
+        }
         teacher, needed = torch.zeros_like(student), dict.fromkeys(keys)
         for key in needed:  # each teacher the rows need, once
-            rows = torch.tensor([k == key for k in keys], device=student.device)
-            teacher = torch.where(rows[:, None], logprobs_of(self.models[key]), teacher)
+            teacher = torch.where(rows[key], logprobs_of(self.models[key]), teacher)
         valid = mask != 0
         gap = torch.where(valid, teacher - student.detach(), 0.0)  # (B, T) log pT - log pS
         p = self.params
         advantages = p.coef * gap + p.reward_coef * reward_advantages[:, None]
         sums = {"distill_kl_sum": float(-gap.sum()), "distill_tokens": float(valid.sum())}
         if len(self.models) > 1:
-            for key in self.models:
-                rows = torch.tensor([k == key for k in keys], device=student.device)[:, None]
-                sums[f"distill_kl_sum/{key}"] = float(-(gap * rows).sum())
-                sums[f"distill_tokens/{key}"] = float((valid & rows).sum())
+            for key, own in rows.items():
+                sums[f"distill_kl_sum/{key}"] = float(-(gap * own).sum())
+                sums[f"distill_tokens/{key}"] = float((valid & own).sum())
         return Distilled(torch.where(valid, advantages, 0.0), sums, len(needed))
 
 

@@ -28,7 +28,13 @@ from cadence.learner.batch import Responses, responses
 from cadence.learner.checkpointing import checkpoint_layers
 from cadence.learner.distill import Teachers
 from cadence.learner.logprobs import token_logprobs
-from cadence.learner.packing import LAYOUTS, Layout, check_layout, install_checked_head
+from cadence.learner.packing import (
+    LAYOUTS,
+    Layout,
+    check_layout,
+    group_tokens,
+    install_checked_head,
+)
 from cadence.learner.params import Collective, LearnerParams
 from cadence.learner.scorer import Scored
 from cadence.learner.sums import Passes
@@ -92,9 +98,8 @@ class Forward:
         """The micro-batch's layout, its passes (policy with grad; old and reference as the
         algorithm needs them) and the loss, not yet backpropagated, at policy `version`;
         `stepped`: an optimizer step was taken this iteration already."""
-        groups = [s.group for s in scored]
         device = next(self.model.parameters()).device
-        tokens = [(g.prompt_ids, [c.token_ids for c in g.completions]) for g in groups]
+        tokens = [group_tokens(s.group) for s in scored]
         layout = LAYOUTS[self.layout](tokens, self.pad_id).to(device)
         resp = self._responses(scored, version, device)
         logprobs, entropy = self._logprobs(self.forward_model, layout, resp, True)

@@ -17,9 +17,15 @@ from cadence.learner.checkpointing import no_cache, prefix_cache
 from cadence.learner.logprobs import from_logits, install_head, logprob_head, remove_head
 from cadence.learner.segments import install as install_segments
 from cadence.learner.segments import segments
+from cadence.types import Group
 
 # (prompt_ids, [response_ids, ...]) per group: the only thing a layout needs to know
 GroupTokens = tuple[Sequence[int], Sequence[Sequence[int]]]
+
+
+def group_tokens(group: Group) -> GroupTokens:
+    """What a layout reads of `group`: its prompt's ids and each response's."""
+    return group.prompt_ids, [c.token_ids for c in group.completions]
 
 
 class Layout(Protocol):

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import TypeVar
 
-from cadence.learner.packing import GroupTokens, positions
+from cadence.learner.packing import group_tokens, positions
 from cadence.learner.scorer import Scored
 
 log = logging.getLogger(__name__)
@@ -95,11 +95,7 @@ def cost(parts: Scored | list[Scored], layout: str = "packed") -> int:
     """Positions `layout` computes for `parts` in one pass (a group's prompt once, its
     responses, and the padding the layout adds)."""
     parts = parts if isinstance(parts, list) else [parts]
-    return positions(layout, [lengths(s) for s in parts])
-
-
-def lengths(s: Scored) -> GroupTokens:
-    return s.group.prompt_ids, [c.token_ids for c in s.group.completions]
+    return positions(layout, [group_tokens(s.group) for s in parts])
 
 
 def split(s: Scored, budget: int, layout: str = "packed") -> list[Scored]:
