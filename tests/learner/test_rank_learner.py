@@ -1,20 +1,24 @@
 """Learner ranks without the pipeline: two FSDP2 ranks (spawned processes, gloo) driven by
 `RankedLearner` on fixed scored groups make the single-process `Learner`'s update, with online
-DPO's pair normaliser and a rank that has no group for a whole optimizer step."""
+DPO's pair normaliser, a rank that has no group for a whole optimizer step, and two teachers
+whose tasks fall on different ranks."""
 
 import copy
+import dataclasses
 import math
 from dataclasses import replace
 
 import pytest
+import torch
 
 from cadence.algo import CORRECTION_FIGURES, AlgoParams
 from cadence.engine import HFEngine, SamplingParams
 from cadence.learner import Learner, LearnerParams, score
+from cadence.learner.distill import DistillParams, Teachers
 from cadence.learner.driver import start_local_ranks
 from cadence.learner.rank import RankSpec
 from cadence.metrics import Tracer
-from cadence.models import load_model
+from cadence.models import load_model, load_tokenizer, save_pretrained
 from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
 from updates import assert_same_params, capture_grads
@@ -203,6 +207,52 @@ def test_two_ranks_with_a_token_budget_make_the_one_process_update(model_dir, to
         assert got["tokens_computed"] > want["tokens_computed"]  # groups were split
     finally:
         ranked.close()
+    want_params = {k: v.detach() for k, v in one.model.named_parameters()}
+    got_params = {k: v.detach() for k, v in ranked.model.named_parameters()}
+    assert_same_params(got_params, want_params, grads)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_ranks_distil_from_a_teacher_per_task_as_one_process_does(
+    model_dir, tokenizer, tmp_path, strategy
+):
+    # task a's teacher is another model, task b's the student itself; the two tasks' groups
+    # fall on different ranks in a round and one rank idles a whole step, so sharded teachers
+    # must make the same passes on every rank whatever their rows' tasks
+    model = load_model(model_dir)
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    save_pretrained(other, load_tokenizer(model_dir), tmp_path / "a")
+    groups = _groups(model, tokenizer, n=3)
+    for g, task in zip(groups, "aba", strict=True):
+        g.prompt = dataclasses.replace(g.prompt, task=task)
+    algo = AlgoParams(max_policy_tokens=10, loss="pg", loss_agg="token-mean", kl_coef=0.0)
+    groups = score(groups, algo)
+    params = LearnerParams(lr=1e-2, micro_batch_groups=1, mini_batches=2)
+    distill = DistillParams(coef=1.0, reward_coef=0.5)
+    frozen = {"a": other.requires_grad_(False), "b": copy.deepcopy(model).requires_grad_(False)}
+    one = Learner(
+        copy.deepcopy(model), params, algo, tokenizer.pad_token_id,
+        teachers=Teachers(frozen, distill),
+    )  # fmt: skip
+    grads = capture_grads(one)
+    teachers = (("a", str(tmp_path / "a")), ("b", str(model_dir)))
+    spec = RankSpec(
+        str(model_dir), params, algo, tokenizer.pad_token_id, 2, strategy=strategy,
+        teachers=teachers, distill=distill,
+    )  # fmt: skip
+    ranked = start_local_ranks(spec, copy.deepcopy(model), Tracer())
+    try:
+        want = one.train_iteration(iter(groups), len(groups))
+        got = ranked.train_iteration(iter(groups), len(groups))
+    finally:
+        ranked.close()
+    assert want["distill_reverse_kl/a"] > 1e-3
+    for name in ("loss", "distill_reverse_kl", "distill_reverse_kl/a", "distill_reverse_kl/b"):
+        assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-7), name
     want_params = {k: v.detach() for k, v in one.model.named_parameters()}
     got_params = {k: v.detach() for k, v in ranked.model.named_parameters()}
     assert_same_params(got_params, want_params, grads)

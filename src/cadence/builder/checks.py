@@ -32,9 +32,9 @@ def check_before_loading(cfg: Config) -> None:
 
 
 def check_teachers(cfg: Config) -> None:
-    """[distill]: a loss that reads per-token advantages, the one-process learner, and teachers
-    whose tokenizer is the student's (vocabulary and special tokens compared from the tokenizer
-    files alone, before any weight loads)."""
+    """[distill]: a loss that reads per-token advantages, and teachers whose tokenizer is the
+    student's (vocabulary and special tokens compared from the tokenizer files alone, before any
+    weight loads)."""
     d = cfg.distill
     if not d.on:
         return
@@ -43,10 +43,6 @@ def check_teachers(cfg: Config) -> None:
         raise ConfigError(
             f"distillation gives each token its own advantage; algo.loss = '{cfg.algo.loss}' "
             f"reads one per sequence (or none): use one of {works}"
-        )
-    if cfg.learner.ranks > 1:
-        raise ConfigError(
-            "distillation runs its teachers in the one-process learner: set learner.ranks = 1"
         )
     from cadence.models import load_tokenizer
 

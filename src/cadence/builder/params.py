@@ -22,6 +22,7 @@ from cadence.config import Config, ConfigError, PipelineConfig, to_toml
 from cadence.engine import SamplingParams
 from cadence.engine.vllm import VLLMOptions
 from cadence.learner import LearnerParams
+from cadence.learner.distill import DistillParams
 from cadence.learner.rank import RankSpec
 from cadence.models import stop_token_ids
 from cadence.pipeline.producer import ProducerParams
@@ -118,6 +119,10 @@ def rank_threads(cfg: Config) -> int:
     return cfg.learner.threads_per_rank or max(1, threads // cfg.learner.ranks)
 
 
+def distill_params(cfg: Config) -> DistillParams:
+    return DistillParams(cfg.distill.coef, cfg.distill.reward_coef)
+
+
 def rank_spec(cfg: Config, pad_id: int) -> RankSpec:
     """What each of the `learner.ranks` ranks builds itself from."""
     return RankSpec(
@@ -131,6 +136,8 @@ def rank_spec(cfg: Config, pad_id: int) -> RankSpec:
         master_dtype=cfg.learner.master_dtype,
         threads=rank_threads(cfg),
         timeout_s=cfg.pipeline.worker_timeout_s,
+        teachers=tuple(cfg.distill.by_task.items()) if cfg.distill.on else (),
+        distill=distill_params(cfg),
     )
 
 

@@ -21,6 +21,7 @@ from cadence.backend import RewardStage, make_pool
 from cadence.builder.checks import check_before_loading, check_sharded
 from cadence.builder.params import (
     algo_params,
+    distill_params,
     gpu_placement,
     learner_params,
     learner_threads,
@@ -48,7 +49,7 @@ from cadence.dataplane import Store
 from cadence.engine import Engine
 from cadence.learner import Learner, LearnerParams, Scorer, Trainer
 from cadence.learner.allocator import return_freed_memory
-from cadence.learner.distill import DistillParams, Teachers
+from cadence.learner.distill import Teachers
 from cadence.learner.driver import RankedLearner, start_local_ranks, start_ray_ranks
 from cadence.learner.precision import Masters, warn_pure_low_precision
 from cadence.metrics import Tracer
@@ -289,7 +290,7 @@ def load_teachers(cfg: Config) -> Teachers | None:
         path: load_model(path, dtype=dtype, device=device).requires_grad_(False) for path in d.paths
     }
     models = {task: loaded[path] for task, path in d.by_task.items()}
-    return Teachers(models, DistillParams(d.coef, d.reward_coef))
+    return Teachers(models, distill_params(cfg))
 
 
 def load_policy(cfg: Config) -> tuple[torch.nn.Module, Masters | None]:

@@ -38,12 +38,21 @@ class Distilled:
 
 class Teachers:
     """The teachers of a run: task label -> frozen model (`ANY_TASK` for one teacher of every
-    prompt), each named by its label in the per-teacher figures."""
+    prompt), each named by its label in the per-teacher figures. `every_pass`: every teacher
+    scores every micro-batch, in one order, whatever its rows' tasks (sharded teachers, whose
+    passes are collectives every rank must make alike)."""
 
-    def __init__(self, models: dict[str, torch.nn.Module], params: DistillParams) -> None:
+    def __init__(
+        self, models: dict[str, torch.nn.Module], params: DistillParams, every_pass: bool = False
+    ) -> None:
         if not models:
             raise ValueError("distillation needs at least one teacher")
-        self.models, self.params = models, params
+        self.models, self.params, self.every_pass = models, params, every_pass
+
+    @property
+    def any_task(self) -> str:
+        """A task some teacher scores (an idle rank's placeholder rows take it)."""
+        return next(iter(self.models))
 
     def teacher_of(self, task: str) -> str:
         if ANY_TASK in self.models:
@@ -71,6 +80,8 @@ class Teachers:
             for key in self.models
         }
         teacher, needed = torch.zeros_like(student), dict.fromkeys(keys)
+        if self.every_pass:
+            needed = dict.fromkeys(self.models)
         for key in needed:  # each teacher the rows need, once
             teacher = torch.where(rows[key], logprobs_of(self.models[key]), teacher)
         valid = mask != 0

@@ -18,6 +18,7 @@ import torch
 
 from cadence.algo import AlgoParams, needs_reference
 from cadence.learner.checkpointing import checkpoint_layers, decoder_layers
+from cadence.learner.distill import DistillParams, Teachers
 from cadence.learner.learner import Learner
 from cadence.learner.packing import install_checked_head
 from cadence.learner.params import Collective, LearnerParams
@@ -47,6 +48,10 @@ class RankSpec:
     master_dtype: str = "float32"  # what the optimizer steps (learner.master_dtype)
     threads: int = 1
     timeout_s: float = 300.0
+    # on-policy distillation: (task, teacher directory) pairs ("" for every task) and the
+    # advantage's weights; each rank holds each teacher as it holds the reference
+    teachers: tuple[tuple[str, str], ...] = ()
+    distill: DistillParams = field(default_factory=DistillParams)
 
 
 @dataclass(frozen=True)
@@ -146,15 +151,17 @@ class RankLearner:
             ),
             track=f"learner-{rank}",
             masters=self.masters,
+            teachers=self._teachers(),
         )
         if spec.strategy == "fsdp":  # the layout check's forward left the root unsharded
             self.model.reshard()
         self.sums = StepSums()
 
-    def _load(self, dtype: str) -> torch.nn.Module:
-        """The model in `dtype`, its layers checkpointed and its `LogprobHead` in place before
-        any sharding (FSDP2 swaps the parameters of the modules it was given)."""
-        model = load_model(self.spec.model_path, dtype=DTYPES[dtype], device="cpu")
+    def _load(self, dtype: str, path: str = "") -> torch.nn.Module:
+        """The model (or the one at `path`) in `dtype`, its layers checkpointed and its
+        `LogprobHead` in place before any sharding (FSDP2 swaps the parameters of the modules it
+        was given)."""
+        model = load_model(path or self.spec.model_path, dtype=DTYPES[dtype], device="cpu")
         if self.spec.params.activation_checkpointing:
             checkpoint_layers(model)
         if self.spec.params.logits_chunk_tokens:
@@ -183,13 +190,25 @@ class RankLearner:
         ddp.register_comm_hook(None, _sum_gradients)
         return model, ddp, ref
 
-    def _frozen(self, model: torch.nn.Module) -> torch.nn.Module:
-        """A frozen copy as this strategy holds it: the reference, or the old policy (whose
-        weights `Learner.begin_iteration` loads from the policy's state dict)."""
-        copy = self._load(self.spec.dtype).requires_grad_(False).eval()
+    def _frozen(self, model: torch.nn.Module | None, path: str = "") -> torch.nn.Module:
+        """A frozen copy as this strategy holds it: the reference, the old policy (whose
+        weights `Learner.begin_iteration` loads from the policy's state dict) or the teacher at
+        `path`."""
+        copy = self._load(self.spec.dtype, path).requires_grad_(False).eval()
         if self.spec.strategy == "fsdp":
             return _fully_shard(copy, self.device, frozen=True)
         return copy.to(self.device)
+
+    def _teachers(self) -> Teachers | None:
+        """The spec's teachers, each directory loaded once and held as the reference is
+        (sharded under FSDP2, whose passes are collectives: every teacher then scores every
+        micro-batch on every rank, so that the ranks' passes match)."""
+        if not self.spec.teachers:
+            return None
+        paths = dict.fromkeys(path for _, path in self.spec.teachers)
+        loaded = {path: self._frozen(None, path) for path in paths}
+        models = {task: loaded[path] for task, path in self.spec.teachers}
+        return Teachers(models, self.spec.distill, every_pass=self.spec.strategy == "fsdp")
 
     # --- calls from the driver ------------------------------------------------------------
 
@@ -221,7 +240,10 @@ class RankLearner:
         loss by 0 anyway), fresh at the learner's version."""
         pad = self.spec.pad_id
         completions = [Completion([pad], [0.0], reward=float(r)) for r in (0, 1)]
-        group = Group(Prompt("idle", "", ""), [pad], completions, self.learner.version, -1)
+        teachers = self.learner.forward.teachers  # placeholder rows some teacher scores
+        task = teachers.any_task if teachers is not None else ""
+        prompt = Prompt("idle", "", "", task=task)
+        group = Group(prompt, [pad], completions, self.learner.version, -1)
         rewards = torch.tensor([0.0, 1.0])  # (2,)
         return Scored(group, rewards, 2 * rewards - 1, torch.ones(2, dtype=torch.bool))
 

@@ -192,22 +192,23 @@ def behaviour_figures(sums: StepSums) -> dict[str, float]:
 def iteration_stats(steps: list[dict[str, float]], frozen_copies_bytes: int) -> dict[str, float]:
     """One iteration's figures from its optimizer steps' outputs: counts and totals add up over
     the steps, the behaviour figures are the first step's, a largest (smallest) value is the
-    steps' largest (smallest), every other figure is their mean. The correction's figures
-    come from the steps that had correction tokens only (a step without reports 0s, which are
-    no ratio)."""
+    steps' largest (smallest), every other figure is their mean over the steps that report it
+    (a teacher's, over the steps with its rows). The correction's figures come from the steps
+    that had correction tokens only (a step without reports 0s, which are no ratio)."""
     totals = {k: sum(s[k] for s in steps) for k in TOTALS}
     counts = (*COUNT_METRICS, "skipped_steps", "num_correction_tokens")
     summed = {*TOTALS, *counts, *BEHAVIOUR_FIGURES, *LARGEST_FIGURES, *SMALLEST_FIGURES}
     corrected = [s for s in steps if s.get("num_correction_tokens", 0) > 0] or steps
 
-    def over(key: str) -> list[dict[str, float]]:
-        return corrected if key in CORRECTION_FIGURES else steps
+    def over(key: str) -> list[float]:  # the steps that report `key` (a teacher's, with rows)
+        return [s[key] for s in (corrected if key in CORRECTION_FIGURES else steps) if key in s]
 
+    names = dict.fromkeys(k for s in steps for k in s)
     return (
-        {k: sum(s[k] for s in over(k)) / len(over(k)) for k in steps[0] if k not in summed}
+        {k: sum(over(k)) / len(over(k)) for k in names if k not in summed and over(k)}
         | {k: steps[0][k] for k in BEHAVIOUR_FIGURES if k in steps[0]}
-        | {k: max(s[k] for s in over(k)) for k in LARGEST_FIGURES if k in steps[0]}
-        | {k: min(s[k] for s in over(k)) for k in SMALLEST_FIGURES if k in steps[0]}
+        | {k: max(over(k)) for k in LARGEST_FIGURES if k in steps[0]}
+        | {k: min(over(k)) for k in SMALLEST_FIGURES if k in steps[0]}
         | {k: sum(s[k] for s in steps) for k in counts if k in steps[0]}
         | {
             "num_tokens": totals["num_tokens"],
