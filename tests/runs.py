@@ -85,8 +85,9 @@ def train_run(
 
 
 def local_pids(run, cfg: Config) -> list[int]:
-    """Pids of the processes a run started on this machine: rollout workers, reward workers
-    (beside the workers, or beside a colocated one) and learner ranks (none for Ray actors)."""
+    """Pids of the processes a run started on this machine: rollout workers, reward and teacher
+    workers (beside the workers, or reward workers beside a colocated one) and learner ranks
+    (none for Ray actors)."""
     if cfg.pipeline.backend != "local":
         return []
     pids = [d["pid"] for d in run.trainer.described] if cfg.learner.ranks > 1 else []
@@ -95,8 +96,8 @@ def local_pids(run, cfg: Config) -> list[int]:
     pids += [p.process.pid for p in getattr(processes, "procs", [])]
     if cfg.pipeline.placement == "separate":
         source = run.source
-        stage = source.reward_stage.processes.procs if source.reward_stage is not None else []
-        pids += [p.process.pid for p in source.pool.processes.procs + stage]
+        stages = [p for stage in source.stages for p in stage.processes.procs]
+        pids += [p.process.pid for p in source.pool.processes.procs + stages]
     return pids
 
 

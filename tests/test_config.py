@@ -447,3 +447,11 @@ def test_a_teacher_per_task_round_trips_and_a_task_taught_twice_is_refused():
         load_config(None, [twice])
     with pytest.raises(ConfigError, match="not both"):
         load_config(None, ["distill.teacher='c'", teachers])
+
+
+def test_a_teacher_stage_needs_the_rollout_workers_that_fill_the_store():
+    worker = ["distill.teacher='t'", "distill.placement='worker'"]
+    with pytest.raises(ConfigError, match=r"set pipeline\.placement = 'separate'"):
+        load_config(None, worker)
+    cfg = load_config(None, [*worker, "pipeline.placement='separate'", "distill.num_workers=2"])
+    assert cfg.distill.placement == "worker" and cfg.distill.num_workers == 2

@@ -75,6 +75,8 @@ class Completion:
     loss_mask: list[int] | None = None  # per token: 1 policy, 0 environment; None: all policy
     episode: EpisodeStats | None = None  # set for multi-turn episodes
     token_versions: list[int] | None = None  # per token: the policy version that sampled it
+    # per token, a distillation teacher's log-prob of it, where a teacher stage scored it
+    teacher_logprobs: list[float] | None = None
 
     @property
     def oldest_version(self) -> int | None:

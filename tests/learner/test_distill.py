@@ -9,9 +9,10 @@ import torch
 from rollouts import sample_groups, split_params, train
 
 from cadence.learner import Learner
-from cadence.learner.distill import ANY_TASK, DistillParams, Teachers
+from cadence.learner.distill import DistillParams, Teachers
 from cadence.learner.logprobs import token_logprobs
-from cadence.learner.packing import LAYOUTS
+from cadence.learner.packing import LAYOUTS, group_tokens
+from cadence.models.scoring import ANY_TASK, response_logprobs
 from updates import capture_grads
 
 
@@ -102,3 +103,28 @@ def _tokens(groups, task) -> int:
         if task is None or g.prompt.task == task
         for c in g.completions
     )
+
+
+def test_a_teacher_stage_scores_what_the_learner_s_teacher_pass_does(model, tokenizer):
+    # a teacher worker's right-padded passes (backend/teacher_stage.py) against the learner's own
+    # teacher pass in its packed layout, with the temperature the learner divides by
+    teacher = _other(model, seed=2).requires_grad_(False).eval()
+    groups = sample_groups(model, tokenizer, n=3)
+    scored = response_logprobs(
+        teacher,
+        [g.prompt_ids for g in groups for _ in g.completions],
+        [c.token_ids for g in groups for c in g.completions],
+        temperature=0.7,
+        rows_per_pass=5,
+    )
+    tokens = [group_tokens(g) for g in groups]
+    layout = LAYOUTS["packed"](tokens, tokenizer.pad_token_id)
+    width = max(len(c.token_ids) for g in groups for c in g.completions)
+    resp = torch.full((len(scored), width), tokenizer.pad_token_id)
+    for b, c in enumerate(c for g in groups for c in g.completions):
+        resp[b, : len(c.token_ids)] = torch.tensor(c.token_ids)
+    with torch.no_grad():
+        want, _ = token_logprobs(teacher, layout, resp, 0.7, False)
+    assert any(scored)
+    for b, row in enumerate(scored):
+        assert row == pytest.approx(want[b, : len(row)].tolist(), abs=1e-5)

@@ -19,7 +19,8 @@ from collections import deque
 from collections.abc import Sequence
 
 from cadence.backend.procs import Processes, WorkerDied
-from cadence.backend.reward_stage import JobClock, ScoreResult, reward_worker_main, work_limit_s
+from cadence.backend.reward_stage import REWARD_LIMIT, ScoreResult, reward_worker_main, work_limit_s
+from cadence.backend.store_stage import JobClock
 from cadence.metrics.trace import Span, Tracer
 from cadence.rewards import RewardCall, RewardResult, RewardSpec
 
@@ -53,7 +54,7 @@ class RewardProcesses:
         self._waiting: deque[_Batch] = deque()
         self._jobs: dict[int, tuple[int, list[_Batch]]] = {}  # job -> (worker, its batches)
         self._next_job = 0
-        self._clock = JobClock()
+        self._clock = JobClock("reward worker", REWARD_LIMIT)
         self._spec = spec
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -123,6 +123,14 @@ def distill_params(cfg: Config) -> DistillParams:
     return DistillParams(cfg.distill.coef, cfg.distill.reward_coef)
 
 
+def rank_teachers(cfg: Config) -> tuple[tuple[str, str], ...]:
+    """(task, teacher directory) for each learner rank to hold; directory "" where a teacher
+    stage scores the rows instead."""
+    d = cfg.distill
+    held = d.placement == "learner"
+    return tuple((task, path if held else "") for task, path in d.by_task.items()) if d.on else ()
+
+
 def rank_spec(cfg: Config, pad_id: int) -> RankSpec:
     """What each of the `learner.ranks` ranks builds itself from."""
     return RankSpec(
@@ -136,7 +144,7 @@ def rank_spec(cfg: Config, pad_id: int) -> RankSpec:
         master_dtype=cfg.learner.master_dtype,
         threads=rank_threads(cfg),
         timeout_s=cfg.pipeline.worker_timeout_s,
-        teachers=tuple(cfg.distill.by_task.items()) if cfg.distill.on else (),
+        teachers=rank_teachers(cfg),
         distill=distill_params(cfg),
     )
 

@@ -18,6 +18,7 @@ import torch
 
 from cadence.algo import needs_reference
 from cadence.backend import RewardStage, make_pool
+from cadence.backend.teacher_stage import TeacherSpec, TeacherStage
 from cadence.builder.checks import check_before_loading, check_sharded
 from cadence.builder.params import (
     algo_params,
@@ -124,9 +125,13 @@ def build_source(
         placement=gpu_placement(cfg),
         **ray_options(p),
     )
+    stage = teachers = None
     try:
         stage = reward_stage(cfg, store, tracer) if separate else None
+        teachers = teacher_stage(cfg, store, tracer) if cfg.distill.placement == "worker" else None
     except BaseException:
+        if stage is not None:
+            stage.close()
         pool.close()
         raise
     return WorkerSource(
@@ -138,6 +143,7 @@ def build_source(
         stream=p.mode != "sync",
         store=store,
         reward_stage=stage,
+        teacher_stage=teachers,
         filter_groups=filter_groups,
         max_oversample=p.max_oversample,
         next_extra=stream.extra,
@@ -170,6 +176,24 @@ def reward_stage(cfg: Config, store: Store, tracer: Tracer) -> RewardStage:
         batch_size=r.batch_size,
         timeout_s=cfg.pipeline.worker_timeout_s,
     )
+
+
+def teacher_stage(cfg: Config, store: Store, tracer: Tracer) -> TeacherStage | None:
+    """The teacher workers of `distill.placement = "worker"`, started, teachers loaded."""
+    d = cfg.distill
+    if not d.on:
+        return None
+    spec = TeacherSpec(
+        tuple(d.by_task.items()),
+        dtype=cfg.model.dtype,
+        device=cfg.model.device,
+        temperature=cfg.rollout.temperature,
+        threads=d.threads_per_worker,
+    )
+    return TeacherStage(
+        spec, d.num_workers, store, tracer, batch_size=d.batch_size,
+        timeout_s=cfg.pipeline.worker_timeout_s,
+    )  # fmt: skip
 
 
 def build_run(cfg: Config, resume: Checkpoint | None = None) -> Run:
@@ -281,10 +305,13 @@ def build_learner(
 
 def load_teachers(cfg: Config) -> Teachers | None:
     """[distill]'s teachers, frozen, in the model's dtype on its device (each directory loaded
-    once, whatever the tasks it scores); None without distillation."""
+    once, whatever the tasks it scores); their tasks alone where a teacher stage scores (None
+    models); None without distillation."""
     d = cfg.distill
     if not d.on:
         return None
+    if d.placement == "worker":  # a teacher stage scores the rows: the learner holds none
+        return Teachers(dict.fromkeys(d.by_task), distill_params(cfg))
     dtype, device = DTYPES[cfg.model.dtype], cfg.model.device
     loaded = {
         path: load_model(path, dtype=dtype, device=device).requires_grad_(False) for path in d.paths

@@ -10,6 +10,7 @@ from cadence.choices import CHAT_KINDS, ENGINES, engine_kind, env_kind
 from cadence.config.algo import AlgoConfig
 from cadence.config.base import changed, check_custom_resources
 from cadence.config.data import DataConfig
+from cadence.config.distill import DistillConfig
 from cadence.config.env import EnvConfig
 from cadence.config.model import ModelConfig
 from cadence.config.reward import RewardConfig
@@ -28,6 +29,7 @@ class Sections(Protocol):
     learner: LearnerConfig
     pipeline: PipelineConfig
     env: EnvConfig
+    distill: DistillConfig
 
     @property
     def max_policy_tokens(self) -> int: ...
@@ -79,6 +81,16 @@ def check_reward_stage_needs_workers(cfg: Sections) -> None:
             f"reward.stage = 'separate' with pipeline.placement = 'separate' scores every "
             f"response with reward.function, and env.kind = '{env}' gives rewards of its own, "
             "which would be dropped: set reward.stage = 'worker'"
+        )
+
+
+def check_teacher_stage_needs_workers(cfg: Sections) -> None:
+    d = cfg.distill
+    if d.on and d.placement == "worker" and cfg.pipeline.placement != "separate":
+        raise ValueError(
+            "distill.placement = 'worker' scores rows in a teacher stage as they reach the "
+            "sample store, which rollout workers fill: set pipeline.placement = 'separate', or "
+            "distill.placement = 'learner'"
         )
 
 
@@ -323,6 +335,7 @@ CHECKS = (
     check_chat_environments_need_a_chat_template,
     check_correction_needs_sampled_logprobs,
     check_reward_stage_needs_workers,
+    check_teacher_stage_needs_workers,
     check_prompt_fits_vllm,
     check_overlong_buffer_fits,
     check_learner_ranks,

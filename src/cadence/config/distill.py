@@ -31,9 +31,17 @@ class DistillConfig(Section):
     reward_coef: float = Field(0.0, ge=0.0)
     """Weight of the reward's advantage added to it: 0 pure distillation, 1 RL plus
     distillation."""
-    placement: Literal["learner"] = "learner"
+    placement: Literal["learner", "worker"] = "learner"
     """Where a teacher runs: learner (a frozen copy beside the reference, a no-grad pass over the
-    learner's micro-batch layout, in the learner's process)."""
+    learner's micro-batch layout, in the learner's process or each learner rank), or worker (a
+    teacher stage: processes of their own that score rows as they reach the sample store, so
+    the learner holds no teacher; needs pipeline.placement = 'separate')."""
+    num_workers: int = Field(1, ge=1)
+    """placement 'worker': teacher worker processes (each holds every teacher)."""
+    threads_per_worker: int = Field(1, ge=1)
+    """placement 'worker': torch threads in each teacher worker."""
+    batch_size: int = Field(16, ge=1)
+    """placement 'worker': most responses a teacher worker takes at once."""
 
     @model_validator(mode="after")
     def _one_way(self) -> DistillConfig:

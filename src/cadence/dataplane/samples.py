@@ -37,6 +37,9 @@ GENERATED = (
 REWARD = ("reward", "reward_error")  # written by whoever scores: a rollout worker or reward stage
 TRAIN = GENERATED + REWARD  # what the learner reads
 SCORE = ("prompt", "prompt_ids", "response_ids", "response_text")  # what a reward stage reads
+TEACHER = "teacher"  # the store task of a teacher stage (on-policy distillation)
+TEACH = ("prompt", "prompt_ids", "response_ids")  # what a teacher stage reads
+TEACHER_LOGPROBS = "teacher_logprobs"  # what it writes: per response token, the teacher's
 
 
 def group_rows(
@@ -77,7 +80,8 @@ def group_rows(
 
 
 def batch_groups(batch: SampleBatch) -> list[Group]:
-    """The groups of a batch taken whole (`groups=True`, every field of `TRAIN`), in its order."""
+    """The groups of a batch taken whole (`groups=True`, every field of `TRAIN`, and a teacher
+    stage's `TEACHER_LOGPROBS` where one scores), in its order."""
     by_group: dict[int, list[int]] = {}
     for i, row in enumerate(batch.rows):
         by_group.setdefault(row.group, []).append(i)
@@ -97,6 +101,7 @@ def batch_groups(batch: SampleBatch) -> list[Group]:
                 loss_mask=d["loss_mask"][i],
                 episode=d["episode"][i],
                 token_versions=d["token_versions"][i],
+                teacher_logprobs=d[TEACHER_LOGPROBS][i] if TEACHER_LOGPROBS in d else None,
             )
             for i in positions
         ]

@@ -26,6 +26,7 @@ class Responses:
     rewards: torch.Tensor  # (B,) shaped
     group_ids: torch.Tensor  # (B,) index of each response's group in the micro-batch
     stale: torch.Tensor  # (B,) True where the group's policy_version is older than the learner's
+    teacher_logprobs: torch.Tensor | None = None  # (B, T) a teacher stage's, where one scored
 
 
 def responses(scored: list[Scored], pad_id: int, version: int, device: torch.device) -> Responses:
@@ -49,4 +50,12 @@ def responses(scored: list[Scored], pad_id: int, version: int, device: torch.dev
     advantages = torch.cat([s.advantages for s in scored])  # (B,)
     rewards = torch.cat([s.rewards for s in scored])  # (B,)
     per_row = (advantages, rewards, group_ids, stale[group_ids])
-    return Responses(*(t.to(device) for t in (tokens, mask, behaviour, *per_row)))
+    out = Responses(*(t.to(device) for t in (tokens, mask, behaviour, *per_row)))
+    if any(c.teacher_logprobs is not None for c in completions):
+        teacher = torch.zeros((len(completions), width))  # (B, T)
+        for b, c in enumerate(completions):
+            if c.teacher_logprobs is None:
+                raise ValueError("a micro-batch's responses have teacher log-probs, but not all")
+            teacher[b, : len(c.teacher_logprobs)] = torch.tensor(c.teacher_logprobs)
+        out.teacher_logprobs = teacher.to(device)
+    return out

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-ANY_TASK = ""  # the key of a teacher that scores every prompt
+from cadence.models.scoring import teacher_key
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,16 @@ class Distilled:
 
 class Teachers:
     """The teachers of a run: task label -> frozen model (`ANY_TASK` for one teacher of every
-    prompt), each named by its label in the per-teacher figures. `every_pass`: every teacher
+    prompt), each named by its label in the per-teacher figures; a model None where a teacher
+    stage scores the rows instead (their `teacher_logprobs`). `every_pass`: every teacher
     scores every micro-batch, in one order, whatever its rows' tasks (sharded teachers, whose
     passes are collectives every rank must make alike)."""
 
     def __init__(
-        self, models: dict[str, torch.nn.Module], params: DistillParams, every_pass: bool = False
+        self,
+        models: dict[str, torch.nn.Module | None],
+        params: DistillParams,
+        every_pass: bool = False,
     ) -> None:
         if not models:
             raise ValueError("distillation needs at least one teacher")
@@ -54,14 +58,13 @@ class Teachers:
         """A task some teacher scores (an idle rank's placeholder rows take it)."""
         return next(iter(self.models))
 
+    @property
+    def staged(self) -> bool:
+        """Whether a teacher stage scores the rows (the learner holds no teacher)."""
+        return all(m is None for m in self.models.values())
+
     def teacher_of(self, task: str) -> str:
-        if ANY_TASK in self.models:
-            return ANY_TASK
-        if task not in self.models:
-            raise ValueError(
-                f"no teacher scores task {task!r}: [[distill.teachers]] name {sorted(self.models)}"
-            )
-        return task
+        return teacher_key(self.models, task)
 
     def distill(
         self,
@@ -70,10 +73,12 @@ class Teachers:
         mask: Tensor,
         reward_advantages: Tensor,
         logprobs_of: Callable[[torch.nn.Module], Tensor],
+        scored: Tensor | None = None,
     ) -> Distilled:
         """Rows' `tasks` (B,), the student's log-probs (B, T; detached here), the loss mask,
         the reward's advantages (B,) and `logprobs_of(model)`, a teacher's (B, T) log-probs of
-        the micro-batch: the advantages and the figures' sums."""
+        the micro-batch, or `scored`, the (B, T) a teacher stage wrote: the advantages and the
+        figures' sums."""
         keys = [self.teacher_of(t) for t in tasks]
         rows = {  # teacher -> (B, 1) its rows
             key: torch.tensor([k == key for k in keys], device=student.device)[:, None]
@@ -82,6 +87,10 @@ class Teachers:
         teacher, needed = torch.zeros_like(student), dict.fromkeys(keys)
         if self.every_pass:
             needed = dict.fromkeys(self.models)
+        if scored is not None:
+            teacher, needed = scored.to(student.dtype), {}
+        elif self.staged:
+            raise ValueError("distillation: rows reached the learner without teacher log-probs")
         for key in needed:  # each teacher the rows need, once
             teacher = torch.where(rows[key], logprobs_of(self.models[key]), teacher)
         valid = mask != 0

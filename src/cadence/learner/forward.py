@@ -79,7 +79,8 @@ class Forward:
         """Each teacher as the reference is prepared (dropout off, log-prob head), and checked to
         give its unpacked log-probs in the policy's layout."""
         params = replace(self.params, activation_checkpointing=False)
-        for teacher in {id(m): m for m in teachers.models.values()}.values():
+        held = [m for m in teachers.models.values() if m is not None]  # None: a stage's
+        for teacher in {id(m): m for m in held}.values():
             _prepare(teacher, None, params, self.pad_id, wrapped=False)
             if self.layout != "unpacked":
                 reason = check_layout(teacher, self.layout, self.pad_id)
@@ -118,6 +119,7 @@ class Forward:
                 resp.loss_mask,
                 resp.advantages,
                 lambda teacher: self._frozen_logprobs(teacher, layout, resp),
+                resp.teacher_logprobs,
             )
             advantages, distilled = d.advantages, d.sums
             count += d.passes

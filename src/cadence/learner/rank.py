@@ -48,8 +48,9 @@ class RankSpec:
     master_dtype: str = "float32"  # what the optimizer steps (learner.master_dtype)
     threads: int = 1
     timeout_s: float = 300.0
-    # on-policy distillation: (task, teacher directory) pairs ("" for every task) and the
-    # advantage's weights; each rank holds each teacher as it holds the reference
+    # on-policy distillation: (task, teacher directory) pairs (task "": every task; directory
+    # "": a teacher stage scores the rows) and the advantage's weights; each rank holds each
+    # teacher as it holds the reference
     teachers: tuple[tuple[str, str], ...] = ()
     distill: DistillParams = field(default_factory=DistillParams)
 
@@ -205,9 +206,9 @@ class RankLearner:
         micro-batch on every rank, so that the ranks' passes match)."""
         if not self.spec.teachers:
             return None
-        paths = dict.fromkeys(path for _, path in self.spec.teachers)
-        loaded = {path: self._frozen(None, path) for path in paths}
-        models = {task: loaded[path] for task, path in self.spec.teachers}
+        paths = dict.fromkeys(path for _, path in self.spec.teachers if path)
+        loaded = {path: self._frozen(None, path) for path in paths}  # "": a stage's rows
+        models = {task: loaded.get(path) for task, path in self.spec.teachers}
         return Teachers(models, self.spec.distill, every_pass=self.spec.strategy == "fsdp")
 
     # --- calls from the driver ------------------------------------------------------------

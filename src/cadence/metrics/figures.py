@@ -20,6 +20,7 @@ TRAIN_SPANS = ("forward_backward", "optimizer_step")
 STAGE_SPANS = {
     "gen": ("worker", ("generate",)),
     "reward": ("reward", ("score",)),
+    "teacher": ("teacher", ("teach",)),
     "train": ("learner", TRAIN_SPANS),
 }
 
@@ -147,12 +148,12 @@ def stage_figures(
     wall: float,
     rows_trained: int,
 ) -> dict[str, float]:
-    """Per stage (gen, reward when a reward stage scores, train) over one iteration, from the
-    source's stats before and after it: `stage_S_busy_s` (work spans, mean per worker, inside the
-    iteration), `stage_S_idle_s` (wall minus busy), `stage_S_rows_per_s` (samples the stage
-    finished / wall) and `stage_S_queue_depth` (rows waiting for the stage, time-weighted mean:
-    prompts x group size not yet generated; rows generated and not yet scored; rows in whole
-    ready groups not yet taken by the learner)."""
+    """Per stage (gen, reward and teacher where such a stage scores, train) over one iteration,
+    from the source's stats before and after it: `stage_S_busy_s` (work spans, mean per worker,
+    inside the iteration), `stage_S_idle_s` (wall minus busy), `stage_S_rows_per_s` (samples
+    the stage finished / wall) and `stage_S_queue_depth` (rows waiting for the stage,
+    time-weighted mean: prompts x group size not yet generated; rows generated and not yet
+    scored; rows in whole ready groups not yet taken by the learner)."""
     end = start + wall
     stages = {
         s: (workers, rows - before.stages.get(s, (0, 0))[1])

@@ -1,9 +1,9 @@
 """Views of a run's spans: a Chrome trace (Perfetto, chrome://tracing) and a Gantt PNG.
 
 Both views put tracks in one order: learner tracks, then the producer, then workers by number
-(worker-2 before worker-10), then reward workers by number, then queues (rows waiting for a
-stage), then anything else alphabetically. This module only reads `Span`
-records after the fact: it must not record spans, hold a tracer, or touch matplotlib's global
+(worker-2 before worker-10), then reward and teacher workers by number, then queues (rows
+waiting for a stage), then anything else alphabetically. This module only reads `Span` records
+after the fact: it must not record spans, hold a tracer, or touch matplotlib's global
 state (no pyplot, no backend switch), so drawing is safe from any thread and inside tests.
 """
 
@@ -35,7 +35,7 @@ def _natural_key(text: str) -> tuple[int | str, ...]:
     return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text))
 
 
-_GROUPS = ("learner", "producer", "worker", "reward", "queue")
+_GROUPS = ("learner", "producer", "worker", "reward", "teacher", "queue")
 
 
 def _track_key(track: str) -> tuple[int, tuple[int | str, ...]]:
@@ -46,8 +46,8 @@ def _track_key(track: str) -> tuple[int, tuple[int | str, ...]]:
 
 
 def order_tracks(tracks: Iterable[str]) -> list[str]:
-    """Distinct tracks: learner*, producer*, worker-N by N, reward-N by N, queue*, then the rest
-    alphabetically."""
+    """Distinct tracks: learner*, producer*, worker-N by N, reward-N and teacher-N by N, queue*,
+    then the rest alphabetically."""
     return sorted(set(tracks), key=_track_key)
 
 

@@ -18,8 +18,10 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from cadence.backend import Pool, RewardStage, TaskResult
+from cadence.backend.store_stage import StoreStage
 from cadence.dataplane import (
     LEARNER,
+    TEACHER_LOGPROBS,
     TRAIN,
     SampleStore,
     Store,
@@ -152,6 +154,7 @@ class WorkerSource:
         stream: bool,
         store: Store | None = None,
         reward_stage: RewardStage | None = None,
+        teacher_stage: StoreStage | None = None,
         filter_groups: bool = False,
         max_oversample: int = 0,
         next_extra: Callable[[int], Prompt] | None = None,
@@ -176,6 +179,9 @@ class WorkerSource:
         self.stream, self.max_staleness = stream, params.max_staleness
         self.store: Store = store if store is not None else SampleStore()
         self.reward_stage = reward_stage  # scores the rows when the workers do not
+        self.teacher_stage = teacher_stage  # a distillation teacher's log-probs of them
+        self.stages = [s for s in (reward_stage, teacher_stage) if s is not None]
+        self.fields = TRAIN + ((TEACHER_LOGPROBS,) if teacher_stage is not None else ())
         self.filter_groups, self.max_oversample = filter_groups, max_oversample
         self.gate = WeightGate(
             pool.weights, pool.num_workers, pool.timeout_s, self._raise_failure, verify
@@ -210,6 +216,8 @@ class WorkerSource:
         stages = {"gen": (self.pool.num_workers, self.producer.rows_generated)}
         if self.reward_stage is not None:
             stages["reward"] = (self.reward_stage.num_workers, self.reward_stage.rows_scored)
+        if self.teacher_stage is not None:
+            stages["teacher"] = (self.teacher_stage.num_workers, self.teacher_stage.rows_done)
         return replace(
             self.times,
             queue_depths=list(self.times.queue_depths),
@@ -218,8 +226,8 @@ class WorkerSource:
         )
 
     def start_iteration(self, iteration: int, version: int) -> None:
-        if self.reward_stage is not None:
-            self.reward_stage.start()
+        for stage in self.stages:
+            stage.start()
         self.producer.start()
         self.times = SourceStats(start=self.tracer.now())
         with self.tracer.span("weight_sync", "learner"):
@@ -244,8 +252,9 @@ class WorkerSource:
     def _raise_failure(self) -> None:
         if self.producer.failure is not None:
             raise self.producer.failure
-        if self.reward_stage is not None and self.reward_stage.failure is not None:
-            raise self.reward_stage.failure
+        for stage in self.stages:
+            if stage.failure is not None:
+                raise stage.failure
 
     def _arrived(self, result: TaskResult) -> None:
         """A worker's result reached the producer: the iteration's first and last arrivals."""
@@ -295,7 +304,7 @@ class WorkerSource:
             while True:
                 self._raise_failure()
                 batch = self.store.get(
-                    TRAIN,
+                    self.fields,
                     n,
                     LEARNER,
                     timeout=0.5,
@@ -321,7 +330,7 @@ class WorkerSource:
         self.store.close()  # wakes the reward stage's driver and any waiting get
         self.producer.stop()
         try:
-            if self.reward_stage is not None:
-                self.reward_stage.close()
+            for stage in self.stages:
+                stage.close()
         finally:
             self.pool.close()
