@@ -1,5 +1,5 @@
 """The race: both tools for the same budget, every snapshot scored by one evaluator, the time to
-the lower final accuracy and the ratio computed."""
+the lower final accuracy and the ratio computed, and a distilling cadence's teacher scored too."""
 
 import json
 import math
@@ -42,7 +42,8 @@ def test_the_race_config_is_stopped_by_time_and_refuses_what_trl_cannot_run(mode
 
 @pytest.mark.slow
 def test_both_tools_race_for_the_budget_and_every_snapshot_is_scored(model_dir, tmp_path):
-    sets = [*workload(model_dir), "data.num_heldout=8"]
+    # cadence distils from a teacher (the model itself), whose accuracy the report gives
+    sets = [*workload(model_dir), "data.num_heldout=8", f"distill.teacher='{model_dir}'"]
     budget_min, cap = 0.01, 40  # 0.6 s each: stopped by time, long before the cap
     report = bench_race(None, sets, tmp_path, budget_min, every=2, iterations=cap)
     assert json.loads((tmp_path / "race.json").read_text()) == report
@@ -67,3 +68,6 @@ def test_both_tools_race_for_the_budget_and_every_snapshot_is_scored(model_dir, 
     assert (tmp_path / "race.png").stat().st_size > 0
     md = (tmp_path / "race.md").read_text()
     assert "| cadence |" in md and "| trl |" in md and "x cadence's training seconds" in md
+    base = report["curves"]["cadence"][0]["accuracy"]
+    assert report["teachers"] == {str(model_dir): pytest.approx(base)}
+    assert f"cadence distils from {model_dir} (held-out {base:.3f})" in md

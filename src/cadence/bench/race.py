@@ -154,11 +154,16 @@ def bench_race(
     print("race: evaluating every snapshot (outside both clocks)", flush=True)
     base = Snapshot(0, 0.0, cfg.model.path)
     evaluate_snapshots(cfg, [base])
+    teachers = [Snapshot(0, 0.0, path) for path in cfg.distill.paths]  # cadence distils
+    if teachers:
+        print("race: the teachers cadence distils from", flush=True)
+        evaluate_snapshots(cfg, teachers)
     for tool in TOOLS:
         print(f"race: {tool}", flush=True)
         evaluate_snapshots(cfg, curves[tool])
         curves[tool] = [base, *curves[tool]]
     report = race_report(cfg, curves, minutes, every)
+    report["teachers"] = {t.path: t.accuracy for t in teachers}
     (out / "race.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "race.md").write_text(race_markdown(report) + "\n")
     draw_race(report, out / "race.png")
@@ -214,8 +219,17 @@ def race_markdown(report: dict) -> str:
             f"Budget {report['minutes']:g} min each, snapshots every {report['snapshot_every']} "
             f"steps, {report['num_heldout']} held-out problems (greedy), seed {report['seed']}; "
             f"cadence {pipe['mode']} / {pipe['placement']}; trl {report['trl_version']}.",
+            *teacher_lines(report.get("teachers", {})),
         ]
     )
+
+
+def teacher_lines(teachers: dict[str, float]) -> list[str]:
+    """What a race with `[distill]` says of it: cadence distils, TRL's GRPOTrainer does RL."""
+    if not teachers:
+        return []
+    named = ", ".join(f"{path} (held-out {acc:.3f})" for path, acc in teachers.items())
+    return ["", f"cadence distils from {named}; TRL trains GRPO on the reward alone."]
 
 
 def draw_race(report: dict, path: Path) -> None:
@@ -238,6 +252,9 @@ def draw_race(report: dict, path: Path) -> None:
             label=tool,
         )
     ax.axhline(report["target_accuracy"], color="tab:red", linestyle="--", label="target")
+    for teacher, accuracy in report.get("teachers", {}).items():
+        name = Path(teacher).name
+        ax.axhline(accuracy, color="tab:green", linestyle=":", label=f"teacher {name}")
     ax.set_xlabel("training seconds")
     ax.set_ylabel("held-out accuracy (greedy)")
     ax.set_title(f"race: {report['task']}, {report['minutes']:g} min each")
