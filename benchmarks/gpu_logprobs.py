@@ -62,9 +62,11 @@ def group_logprobs(model, group, layout: str, pad_id: int, temperature: float):
     device = next(model.parameters()).device
     packed = LAYOUTS[layout]([(group.prompt_ids, [c.token_ids for c in completions])], pad_id)
     with torch.no_grad():
-        pred = packed.to(device).logits(model).float() / temperature  # (G, T, V)
-        picked = pred.gather(-1, tokens.to(device)[:, :, None]).squeeze(-1)  # (G, T)
-        learner = (picked - pred.logsumexp(-1)).cpu()  # (G, T)
+        layout = packed.to(device)
+        pred = layout.logits(model).float() / temperature  # (M, V): the tokens that exist
+        picked = pred.gather(-1, tokens.to(device)[layout.valid][:, None]).squeeze(-1)  # (M,)
+        learner = torch.zeros(tokens.shape)  # (G, T), 0 on padding
+        learner[layout.valid.cpu()] = (picked - pred.logsumexp(-1)).cpu()
     return learner, behaviour, mask
 
 

@@ -6,7 +6,9 @@ different widths and depths in float32 on the CPU, the peak resident memory one 
 forward and backward adds (peak RSS less the RSS just before; each variant in a process of its
 own), with and without activation checkpointing and chunked log-probs, and sets it beside what
 the model predicts for the same micro-batch: its activations and logits, and the gradients the
-backward allocates (4 bytes a parameter). Written to plan_memory.json and .md in `--out`.
+backward allocates (4 bytes a parameter). `--held-out`: shapes, and a micro-batch of long-tailed
+responses in the packed layout, that the constants were not fitted on. Written to
+plan_memory.json and .md in `--out`.
 
     .venv/bin/python benchmarks/plan_memory.py [--out runs/plan-memory]
 """
@@ -33,6 +35,11 @@ HELD_OUT = {  # name -> (hidden, intermediate, layers, heads, kv heads, vocab, d
     "h384-L24": (384, 1024, 24, 6, 6, 24576, "float32"),
     "h768-L10-gqa-bf16": (768, 2048, 10, 12, 4, 49152, "bfloat16"),
 }
+# a micro-batch of long-tailed responses in the packed layout (--held-out too): the planner sizes
+# activations by the positions the layout computes (each group's prompt once, then its responses
+# end to end), which it was not fitted on
+LONG_TAIL = {"h768-L10-gqa long tail": "h768-L10-gqa"}
+TAIL_GROUPS, TAIL_SIZE, TAIL_MEAN, TAIL_CAP = 4, 4, 160, 1024  # lognormal lengths, capped
 VARIANTS = {"full logits": (0, False), "chunked": (256, False), "chunked + ckpt": (256, True)}
 # glibc returns every block of 64 KiB or more to the system when freed, so the resident set is
 # what is live (its default threshold grows, and freed tensors would stay counted)
@@ -71,24 +78,56 @@ def child(size: str, chunk: int, ckpt: bool) -> dict:
         from cadence.learner.precision import Masters
 
         masters = Masters.split(model, torch.bfloat16)
+    tail = size in LONG_TAIL
     params = LearnerParams(
-        micro_batch_groups=SEQUENCES,
+        micro_batch_groups=TAIL_GROUPS if tail else SEQUENCES,
         logits_chunk_tokens=chunk,
         activation_checkpointing=ckpt,
-        shared_prompt=False,
+        shared_prompt=tail,
+        shared_prompt_impl="packed",
     )
-    algo = AlgoParams(max_policy_tokens=RESPONSE, kl_coef=0.0)
+    algo = AlgoParams(max_policy_tokens=TAIL_CAP if tail else RESPONSE, kl_coef=0.0)
     learner = Learner(model, params, algo, 0, masters=masters)
-    groups = score(synthetic_groups(vocab, SEQUENCES, PROMPT, RESPONSE, 2)[:SEQUENCES], algo)
+    if tail:
+        groups = score(long_tailed_groups(vocab), algo)
+    else:
+        groups = score(synthetic_groups(vocab, SEQUENCES, PROMPT, RESPONSE, 2)[:SEQUENCES], algo)
     learner.begin_iteration()
     before = rss_mb()
     learner.forward_backward(groups, StepSums())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     n = sum(p.numel() for p in model.parameters())
-    return {"added_mb": peak - before, "params": n, "tokens": sum(g.num_tokens for g in groups)}
+    # the positions the layout computes: every token of the unpacked layout, each group's
+    # prompt once and its responses end to end in the packed one
+    tokens = sum(s.group.num_tokens for s in groups)
+    if tail:
+        tokens = sum(
+            len(s.group.prompt_ids) + sum(len(c.token_ids) for c in s.group.completions)
+            for s in groups
+        )
+    return {"added_mb": peak - before, "params": n, "tokens": tokens}
+
+
+def long_tailed_groups(vocab: int) -> list:
+    """`TAIL_GROUPS` groups of `TAIL_SIZE` responses after a `PROMPT`-token prompt, their
+    lengths lognormal (mean about `TAIL_MEAN`, capped at `TAIL_CAP`), rewards alternating."""
+    import numpy as np
+
+    from cadence.bench.shared_prompt import synthetic_groups
+
+    rng = np.random.default_rng(0)
+    sigma = 1.0
+    lengths = rng.lognormal(np.log(TAIL_MEAN) - sigma**2 / 2, sigma, TAIL_GROUPS * TAIL_SIZE)
+    groups = synthetic_groups(vocab, TAIL_GROUPS, PROMPT, TAIL_CAP, TAIL_SIZE)
+    for g, group in enumerate(groups):
+        for j, c in enumerate(group.completions):
+            n = int(min(max(lengths[g * TAIL_SIZE + j], 1), TAIL_CAP))
+            c.token_ids, c.logprobs = c.token_ids[:n], c.logprobs[:n]
+    return groups
 
 
 def shape(size: str) -> tuple:
+    size = LONG_TAIL.get(size, size)
     if size in SIZES:
         h, i, layers, heads, vocab = SIZES[size]
         return h, i, layers, heads, heads, vocab, "float32"
@@ -121,7 +160,7 @@ def main() -> None:
         print(json.dumps(child(size, int(chunk), ckpt == "1")))
         return
     rows = []
-    for size in HELD_OUT if args.held_out else SIZES:
+    for size in [*HELD_OUT, *LONG_TAIL] if args.held_out else SIZES:
         for name, (chunk, ckpt) in VARIANTS.items():
             cmd = [sys.executable, __file__, "--child", size, str(chunk), "1" if ckpt else "0"]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=ENV).stdout

@@ -87,6 +87,7 @@ def test_a_head_that_is_not_a_plain_projection_keeps_the_full_logits(model, toke
         install_checked_head(odd, 8, tokenizer.pad_token_id)
     assert logprob_head(odd) is None
     built, tokens = _inputs(model, tokenizer, "unpacked")
-    want = from_logits(built.logits(model), tokens, 1.0, False)[0]
+    want = from_logits(built.logits(model)[None], tokens[built.valid][None], 1.0, False)[0][0]
     got = token_logprobs(odd, built, tokens, 1.0, False)[0]
-    assert (got - want).abs().max() <= 1e-6
+    assert (got[built.valid] - want).abs().max() <= 1e-6
+    assert not got[~built.valid].any()  # padding: 0, as the head gives it

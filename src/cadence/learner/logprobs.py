@@ -171,6 +171,24 @@ def token_logprobs(
     """(log-probs (B, T), entropy (B, T) or None) of the response `tokens` in `layout`: through
     the model's `LogprobHead` where it has one, else from the full logits."""
     if logprob_head(model) is None:
-        return from_logits(layout.logits(model), tokens, temperature, with_entropy)
+        return full_logprobs(model, layout, tokens, temperature, with_entropy)
     out = layout.logprobs(model, tokens, temperature)  # (B, T, 2)
     return out[..., 0], out[..., 1].detach() if with_entropy else None
+
+
+def full_logprobs(
+    model: torch.nn.Module, layout, tokens: Tensor, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """`token_logprobs` from the full logits of the response tokens that exist ((M, V): no row
+    for a response's padding, whose positions hold 0)."""
+    valid = layout.valid  # (B, T)
+    flat, entropy = from_logits(
+        layout.logits(model)[None], tokens[valid][None], temperature, with_entropy
+    )
+
+    def spread(values: Tensor) -> Tensor:  # (1, M) -> (B, T)
+        out = values.new_zeros(valid.shape)
+        out[valid] = values[0]
+        return out
+
+    return spread(flat), spread(entropy) if entropy is not None else None

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from cadence.learner.checkpointing import no_cache, prefix_cache
-from cadence.learner.logprobs import from_logits, install_head, logprob_head, remove_head
+from cadence.learner.logprobs import full_logprobs, install_head, logprob_head, remove_head
 from cadence.learner.segments import install as install_segments
 from cadence.learner.segments import segments
 from cadence.types import Group
@@ -34,8 +34,11 @@ class Layout(Protocol):
 
     def to(self, device: torch.device) -> Layout: ...
 
+    valid: Tensor  # (B, T) response token t exists
+
     def logits(self, model: torch.nn.Module) -> Tensor:
-        """(B, T, V): row b, column t holds the logits that predict response b's token t."""
+        """(M, V): the logits that predict each response token that exists, in the order of
+        `valid`'s True entries (row b, then column t): no row for a response's padding."""
         ...
 
     def logprobs(self, model: torch.nn.Module, tokens: Tensor, temperature: float) -> Tensor:
@@ -89,8 +92,8 @@ class Unpacked(_Movable):
         logits = model(
             input_ids=self.input_ids, attention_mask=self.attention_mask, **no_cache(model)
         ).logits
-        index = self.pred_index[:, :, None].expand(-1, -1, logits.shape[-1])  # (B, T, V)
-        return logits.gather(1, index)  # (B, T, V)
+        rows = torch.arange(len(self.valid), device=logits.device)[:, None].expand_as(self.valid)
+        return logits[rows[self.valid], self.pred_index[self.valid]]  # (M, V)
 
     def logprobs(self, model: torch.nn.Module, tokens: Tensor, temperature: float) -> Tensor:
         rows = torch.arange(len(tokens), device=tokens.device)  # (B,)
@@ -216,7 +219,8 @@ class Dense(_Movable):
             position_ids=self.position_ids,
             use_cache=False,
         ).logits  # (N, L, V)
-        return logits[self.pred_row[:, None], self.pred_col]  # (B, T, V)
+        rows = self.pred_row[:, None].expand_as(self.pred_col)  # (B, T)
+        return logits[rows[self.valid], self.pred_col[self.valid]]  # (M, V)
 
     def logprobs(self, model: torch.nn.Module, tokens: Tensor, temperature: float) -> Tensor:
         head = logprob_head(model)
@@ -278,7 +282,8 @@ class Prefix(_Movable):
         prompt = self._prompt(model)
         first = prompt.logits[self.group_index, -1:]  # (B, 1, V) predicts response token 0
         rest = self._responses(model, prompt.past_key_values).logits  # (B, T, V)
-        return torch.cat([first, rest[:, :-1]], dim=1)  # (B, T, V) position t predicts t+1
+        # (B, T, V): position t predicts token t + 1; the padding's rows dropped
+        return torch.cat([first, rest[:, :-1]], dim=1)[self.valid]  # (M, V)
 
     def logprobs(self, model: torch.nn.Module, tokens: Tensor, temperature: float) -> Tensor:
         head, b, t = logprob_head(model), tokens.shape[0], tokens.shape[1]
@@ -359,8 +364,6 @@ def check_layout(model: torch.nn.Module, name: str, pad_id: int) -> str | None:
         return torch.randint(0, vocab, (n,), generator=gen).tolist()
 
     groups = [(ids(3), [ids(2), ids(4)]), (ids(5), [ids(1), ids(3)])]
-    lens = torch.tensor([len(r) for _, rs in groups for r in rs])  # (B,)
-    valid = torch.arange(int(lens.max()))[None, :] < lens[:, None]  # (B, T)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -372,7 +375,7 @@ def check_layout(model: torch.nn.Module, name: str, pad_id: int) -> str | None:
         return f"its forward failed: {type(e).__name__}: {e}"
     finally:
         model.train(was_training)
-    diff = (got.log_softmax(-1) - want.log_softmax(-1)).abs().amax(-1).cpu()[valid].max().item()
+    diff = (got.log_softmax(-1) - want.log_softmax(-1)).abs().max().item()  # (M, V) each
     dtype = next(model.parameters()).dtype
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     if not diff <= tolerance:
@@ -414,7 +417,7 @@ def _head_differs(model: torch.nn.Module, pad_id: int) -> str | None:
     model.eval()
     try:
         with torch.no_grad():
-            want, _ = from_logits(layout.logits(model), tokens, 1.0, False)
+            want, _ = full_logprobs(model, layout, tokens, 1.0, False)
             got = layout.logprobs(model, tokens, 1.0)[..., 0]
     except Exception as e:
         return f"its forward failed: {type(e).__name__}: {e}"
