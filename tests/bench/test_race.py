@@ -45,7 +45,7 @@ def test_both_tools_race_for_the_budget_and_every_snapshot_is_scored(model_dir, 
     # cadence distils from a teacher (the model itself), whose accuracy the report gives
     sets = [*workload(model_dir), "data.num_heldout=8", f"distill.teacher='{model_dir}'"]
     budget_min, cap = 0.01, 40  # 0.6 s each: stopped by time, long before the cap
-    report = bench_race(None, sets, tmp_path, budget_min, every=2, iterations=cap)
+    report = bench_race(None, sets, tmp_path, budget_min, every=2, iterations=cap, trl_threads=1)
     assert json.loads((tmp_path / "race.json").read_text()) == report
     for tool in ("cadence", "trl"):
         curve = report["curves"][tool]
@@ -68,6 +68,9 @@ def test_both_tools_race_for_the_budget_and_every_snapshot_is_scored(model_dir, 
     assert (tmp_path / "race.png").stat().st_size > 0
     md = (tmp_path / "race.md").read_text()
     assert "| cadence |" in md and "| trl |" in md and "x cadence's training seconds" in md
+    # each tool ran in a process of its own, TRL with the threads it was given
+    assert report["threads"] == {"cadence": 2, "trl": 1}
+    assert "each tool in a process of its own, torch threads cadence 2, trl 1" in md
     base = report["curves"]["cadence"][0]["accuracy"]
     assert report["teachers"] == {str(model_dir): pytest.approx(base)}
     assert f"cadence distils from {model_dir} (held-out {base:.3f})" in md

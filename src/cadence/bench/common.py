@@ -65,3 +65,37 @@ def machine() -> dict:
         "trl": package_version("trl"),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+
+
+def _answer(fn: Callable, args: tuple, conn) -> None:
+    """In the spawned process: `fn(*args)`'s value, or the traceback it raised, to `conn`."""
+    import traceback
+
+    try:
+        conn.send(("ok", fn(*args)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def run_apart(fn: Callable, *args):
+    """`fn(*args)` in a fresh interpreter (spawned, not forked, and not a daemon: a run may start
+    processes of its own), so that nothing one tool leaves in this process (torch's thread
+    count and pools, the allocator's free lists, imported hooks) slows the next. `fn` must be
+    importable; its value comes back pickled, and what it raised as a RuntimeError with its
+    traceback."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_answer, args=(fn, args, send), name=f"cadence-{fn.__name__}")
+    process.start()
+    send.close()
+    try:
+        kind, value = receive.recv()
+    except EOFError:
+        kind, value = "error", f"{fn.__name__}'s process exited without answering"
+    finally:
+        process.join()
+    if kind == "error":
+        raise RuntimeError(f"{fn.__name__} failed in its own process:\n{value}")
+    return value

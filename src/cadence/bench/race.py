@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cadence.bench.common import machine, package_version
+from cadence.bench.common import machine, package_version, run_apart
 from cadence.bench.runs import workload_config
 from cadence.bench.trl_setup import INSTALL_HINT, Meter, available, check_workload, trl_trainer
 from cadence.config import Config, ConfigError
@@ -139,18 +139,25 @@ def bench_race(
     minutes: float,
     every: int = 5,
     iterations: int = 0,
+    trl_threads: int = 0,
 ) -> dict:
-    """Both tools for `minutes` each, every snapshot evaluated; race.json, race.md, race.png."""
+    """Both tools for `minutes` each, each in a process of its own with its torch threads
+    (cadence `train.threads`, TRL `trl_threads` or the same), every snapshot evaluated;
+    race.json, race.md, race.png."""
     if every < 1:
         raise ConfigError(f"--snapshot-every must be >= 1; got {every}")
     if not available():
         raise ConfigError(f"suite 'race' needs trl, which is not installed: {INSTALL_HINT}")
     cfg = race_config(config, overrides, minutes, iterations)
+    threads = {"cadence": cfg.train.threads, "trl": trl_threads or cfg.train.threads}
     out.mkdir(parents=True, exist_ok=True)
     curves: dict[str, list[Snapshot]] = {}
     for tool, race in (("cadence", race_cadence), ("trl", race_trl)):
         print(f"race: {tool} trains for {minutes:g} min", flush=True)
-        curves[tool] = race(cfg, out / tool, every)
+        train = cfg.train.model_copy(update={"threads": threads[tool]})
+        # each in a process of its own: TRL run after cadence in cadence's process took about
+        # 70 s a step where alone it took 53-56 (SmolLM2, 2 threads)
+        curves[tool] = run_apart(race, cfg.model_copy(update={"train": train}), out / tool, every)
     print("race: evaluating every snapshot (outside both clocks)", flush=True)
     base = Snapshot(0, 0.0, cfg.model.path)
     evaluate_snapshots(cfg, [base])
@@ -164,6 +171,7 @@ def bench_race(
         curves[tool] = [base, *curves[tool]]
     report = race_report(cfg, curves, minutes, every)
     report["teachers"] = {t.path: t.accuracy for t in teachers}
+    report["threads"] = threads
     (out / "race.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "race.md").write_text(race_markdown(report) + "\n")
     draw_race(report, out / "race.png")
@@ -218,10 +226,17 @@ def race_markdown(report: dict) -> str:
             f"{report['ratio_trl_to_cadence']:.2f}x cadence's training seconds to reach it. "
             f"Budget {report['minutes']:g} min each, snapshots every {report['snapshot_every']} "
             f"steps, {report['num_heldout']} held-out problems (greedy), seed {report['seed']}; "
-            f"cadence {pipe['mode']} / {pipe['placement']}; trl {report['trl_version']}.",
+            f"cadence {pipe['mode']} / {pipe['placement']}; trl {report['trl_version']}; "
+            f"each tool in a process of its own{thread_words(report.get('threads', {}))}.",
             *teacher_lines(report.get("teachers", {})),
         ]
     )
+
+
+def thread_words(threads: dict[str, int]) -> str:
+    if not threads:
+        return ""
+    return ", torch threads " + ", ".join(f"{t} {n or 'all'}" for t, n in threads.items())
 
 
 def teacher_lines(teachers: dict[str, float]) -> list[str]:

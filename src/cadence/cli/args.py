@@ -106,6 +106,13 @@ def parser() -> argparse.ArgumentParser:
         help="suite 'race': each tool's wall-clock budget, in minutes",
     )
     sp.add_argument(
+        "--trl-threads",
+        type=int,
+        default=0,
+        help="suite 'race': TRL's torch threads (0: train.threads, as cadence's); each tool "
+        "runs in a process of its own",
+    )
+    sp.add_argument(
         "--snapshot-every",
         type=int,
         default=5,

@@ -188,7 +188,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         out = Path(args.out)
         bench_race(
-            args.config, list(args.set), out, args.minutes, args.snapshot_every, args.iterations
+            args.config,
+            list(args.set),
+            out,
+            args.minutes,
+            args.snapshot_every,
+            args.iterations,
+            args.trl_threads,
         )
         print((out / "race.md").read_text())
         return 0
