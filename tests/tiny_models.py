@@ -1,4 +1,5 @@
-"""Random-init tiny models of real architectures for tests (no tokenizer, no files)."""
+"""Random-init tiny models of real architectures for tests (no tokenizer, no files), and other
+weights for a model the tests already have."""
 
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ def tiny_causal_lm(
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**kw)).eval()
     return Qwen2ForCausalLM(Qwen2Config(**kw)).eval()
+
+
+def perturbed(model: torch.nn.Module, seed: int, scale: float) -> torch.nn.Module:
+    """A copy of `model` (its shape, so its tokenizer) with seeded noise of `scale` added to
+    every weight: a teacher, or another policy, that differs from it."""
+    import copy
+
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return other
 
 
 def classifier_dir(model_dir, out, arch: str):

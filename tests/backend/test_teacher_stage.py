@@ -8,7 +8,6 @@ import shutil
 import time
 
 import pytest
-import torch
 
 from cadence.backend import WorkerDied, WorkerError
 from cadence.backend.teacher_stage import TeacherSpec, TeacherStage
@@ -24,19 +23,15 @@ from cadence.metrics import Tracer
 from cadence.models import load_model, load_tokenizer, save_pretrained
 from cadence.models.scoring import response_logprobs
 from cadence.types import Completion, Group, Prompt
+from tiny_models import perturbed
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def other_dir(model_dir, tmp_path_factory):
-    model = load_model(model_dir)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
     out = tmp_path_factory.mktemp("other")
-    save_pretrained(model, load_tokenizer(model_dir), out)
+    save_pretrained(perturbed(load_model(model_dir), 5, 0.1), load_tokenizer(model_dir), out)
     return out
 
 

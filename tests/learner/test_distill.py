@@ -13,6 +13,7 @@ from cadence.learner.distill import DistillParams, Teachers
 from cadence.learner.logprobs import token_logprobs
 from cadence.learner.packing import LAYOUTS, group_tokens
 from cadence.models.scoring import ANY_TASK, response_logprobs
+from tiny_models import perturbed
 from updates import capture_grads
 
 
@@ -27,12 +28,7 @@ def _learner(model, tokenizer, teachers: dict, coef=1.0, reward_coef=0.0, **kw):
 
 def _other(model, seed: int):
     """A teacher of the student's shape and tokenizer, its weights moved by seeded noise."""
-    teacher = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in teacher.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    return teacher
+    return perturbed(model, seed, 0.05)
 
 
 def test_a_teacher_that_is_the_student_gives_zero_reverse_kl_and_no_update(model, tokenizer):

@@ -21,6 +21,7 @@ from cadence.metrics import Tracer
 from cadence.models import load_model, load_tokenizer, save_pretrained
 from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
+from tiny_models import perturbed
 from updates import assert_same_params, capture_grads
 
 pytestmark = pytest.mark.slow
@@ -56,9 +57,8 @@ def test_two_ranks_make_the_one_process_update_with_a_rank_idle_for_a_whole_step
             assert (want["behaviour_logprob_abs_diff_max"] < 1e-4) == (one.version == 1)
     finally:
         ranked.close()
-    want_params = {k: v.detach() for k, v in one.model.named_parameters()}
-    got_params = {k: v.detach() for k, v in ranked.model.named_parameters()}
-    assert_same_params(got_params, want_params, grads)
+    _assert_same_model(ranked, one, grads)
+    want_params = dict(one.model.named_parameters())
     moved = max((want_params[k] - p).abs().max().item() for k, p in model.named_parameters())
     assert moved > 1e-4
 
@@ -80,9 +80,7 @@ def test_two_ranks_make_the_one_process_update_with_a_batch_wide_advantage(model
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
     finally:
         ranked.close()
-    want_params = {k: v.detach() for k, v in one.model.named_parameters()}
-    got_params = {k: v.detach() for k, v in ranked.model.named_parameters()}
-    assert_same_params(got_params, want_params, grads)
+    _assert_same_model(ranked, one, grads)
 
 
 def test_two_ranks_report_the_rollout_correction_figures_of_one_process(model_dir, tokenizer):
@@ -142,7 +140,6 @@ def test_two_mixed_precision_ranks_make_the_one_process_mixed_update(
     # gradients reduced in float32) and DDP's float32 all-reduce into float32 masters against
     # one process's masters. Each micro-batch is one group on both sides, so every bf16 gradient
     # is the same; only the order of the float32 sums differs.
-    import torch
 
     from cadence.learner.precision import Masters
 
@@ -207,9 +204,7 @@ def test_two_ranks_with_a_token_budget_make_the_one_process_update(model_dir, to
         assert got["tokens_computed"] > want["tokens_computed"]  # groups were split
     finally:
         ranked.close()
-    want_params = {k: v.detach() for k, v in one.model.named_parameters()}
-    got_params = {k: v.detach() for k, v in ranked.model.named_parameters()}
-    assert_same_params(got_params, want_params, grads)
+    _assert_same_model(ranked, one, grads)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
@@ -220,11 +215,7 @@ def test_two_ranks_distil_from_a_teacher_per_task_as_one_process_does(
     # fall on different ranks in a round and one rank idles a whole step, so sharded teachers
     # must make the same passes on every rank whatever their rows' tasks
     model = load_model(model_dir)
-    other = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    other = perturbed(model, 3, 0.05)
     save_pretrained(other, load_tokenizer(model_dir), tmp_path / "a")
     groups = _groups(model, tokenizer, n=3)
     for g, task in zip(groups, "aba", strict=True):
@@ -253,6 +244,12 @@ def test_two_ranks_distil_from_a_teacher_per_task_as_one_process_does(
     assert want["distill_reverse_kl/a"] > 1e-3
     for name in ("loss", "distill_reverse_kl", "distill_reverse_kl/a", "distill_reverse_kl/b"):
         assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-7), name
+    _assert_same_model(ranked, one, grads)
+
+
+def _assert_same_model(ranked, one, grads) -> None:
+    """The ranks' gathered parameters are the one process's, where its steps were
+    well-conditioned (tests/updates.py)."""
     want_params = {k: v.detach() for k, v in one.model.named_parameters()}
     got_params = {k: v.detach() for k, v in ranked.model.named_parameters()}
     assert_same_params(got_params, want_params, grads)

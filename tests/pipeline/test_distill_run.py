@@ -8,7 +8,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from cadence.builder import build_run
 from cadence.config import ConfigError
@@ -16,6 +15,7 @@ from cadence.data import ArithmeticTask
 from cadence.models import init_model, load_model, load_tokenizer
 from cadence.models.io import save_pretrained
 from runs import TWO_WORKERS, run_config, train_run
+from tiny_models import perturbed
 from updates import assert_same_update
 
 DISTILL = ("algo.kl_coef=0.0", "distill.coef=1.0", "distill.reward_coef=0.0")
@@ -24,13 +24,8 @@ DISTILL = ("algo.kl_coef=0.0", "distill.coef=1.0", "distill.reward_coef=0.0")
 @pytest.fixture(scope="module")
 def teacher_dir(model_dir, tmp_path_factory):
     """The test model's shape and tokenizer, other weights (noise of a seed added)."""
-    model = load_model(model_dir)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=gen))
     out = tmp_path_factory.mktemp("teacher")
-    save_pretrained(model, load_tokenizer(model_dir), out)
+    save_pretrained(perturbed(load_model(model_dir), 7, 0.1), load_tokenizer(model_dir), out)
     return out
 
 
