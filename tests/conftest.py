@@ -16,6 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+# An OpenMP thread that waits sleeps at once instead of spinning on its core (libgomp's default
+# spins first): two test workers, and the processes their runs start, share two cores, and a
+# spinning thread holds a core that another process's work needs. Set before torch loads
+# libgomp; the processes the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 
 from cadence.data import ArithmeticTask

@@ -32,13 +32,19 @@ Message = tuple[str, int, Any]  # (kind, worker id, payload)
 # what a rollout worker, a reward worker and a learner rank import first (torch, transformers,
 # cadence): the fork server imports them once. transformers imports its Auto classes lazily, and
 # with them torch._dynamo (1-2 s in each process's first load_tokenizer or load_model on a busy
-# 2-core machine); math-verify (sympy, ~0.6 s) is imported where an answer is graded.
+# 2-core machine); a model class imports modeling_utils and its integrations (about 1 s more in
+# each process's first load_model: Llama's and Qwen2's are the ones most runs load), peft another
+# 0.8 s in a LoRA run; math-verify (sympy, ~0.6 s) is imported where an answer is graded. A name
+# that does not import is passed over by the server.
 PRELOAD = [
     "cadence.backend.worker_loop",
     "cadence.backend.ranks",
     "cadence.learner.rank",
     "transformers.models.auto.tokenization_auto",
     "transformers.models.auto.modeling_auto",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen2.modeling_qwen2",
+    "peft",
     "math_verify",
 ]
 START_ARGS_S = 60.0  # longest a started process waits for its arguments (sent as it starts)
