@@ -37,7 +37,7 @@ def _overrides(model_dir, mode="sync", placement="separate", *extra):
         "rollout.max_num_seqs=16",
         "rollout.group_size=4",
         "rollout.max_new_tokens=10",
-        "train.iterations=3",
+        "train.iterations=2",  # the second generates with the weights the first trained
         "train.prompts_per_iteration=4",
         "train.micro_batch_groups=2",
         "train.lr=1e-3",
