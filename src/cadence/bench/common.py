@@ -78,14 +78,15 @@ def _answer(fn: Callable, args: tuple, conn) -> None:
 
 
 def run_apart(fn: Callable, *args):
-    """`fn(*args)` in a fresh interpreter (spawned, not forked, and not a daemon: a run may start
-    processes of its own), so that nothing one tool leaves in this process (torch's thread
-    count and pools, the allocator's free lists, imported hooks) slows the next. `fn` must be
-    importable; its value comes back pickled, and what it raised as a RuntimeError with its
-    traceback."""
-    import multiprocessing
+    """`fn(*args)` in a process of its own (not a daemon: a run may start processes of its own),
+    so that nothing one tool leaves in this process (torch's thread count and pools, the
+    allocator's free lists, imported hooks) slows the next. It forks from the fork server
+    (backend/procs.py), which has imported torch and transformers and run nothing: what a fresh
+    interpreter holds, without its 8-9 s of imports. `fn` must be importable; its value comes
+    back pickled, and what it raised as a RuntimeError with its traceback."""
+    from cadence.backend.procs import fork_server
 
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fork_server()
     receive, send = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_answer, args=(fn, args, send), name=f"cadence-{fn.__name__}")
     process.start()
