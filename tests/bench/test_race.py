@@ -1,12 +1,21 @@
 """The race: both tools for the same budget, every snapshot scored by one evaluator, the time to
-the lower final accuracy and the ratio computed, and a distilling cadence's teacher scored too."""
+the lower final accuracy and the ratio computed; with a teacher both distil from it, the teacher
+is scored too and the time to 90% of it reported."""
 
 import json
 import math
 
 import pytest
 
-from cadence.bench.race import STEP_CAP, Snapshot, bench_race, race_config, seconds_to_reach
+from cadence.bench.race import (
+    STEP_CAP,
+    Snapshot,
+    bench_race,
+    race_config,
+    seconds_to_reach,
+    seconds_to_teacher,
+)
+from cadence.bench.trl_setup import run_trl
 from cadence.config import ConfigError
 from runs import peer_workload
 
@@ -27,6 +36,8 @@ def test_the_time_to_target_is_the_first_snapshot_after_the_start_that_reaches_i
     assert seconds_to_reach(curve, 0.3) == 10.0
     with pytest.raises(StopIteration):
         seconds_to_reach(curve, 0.7)
+    assert seconds_to_teacher(curve, 0.6) == 20.0  # 90% of 0.6 = 0.54
+    assert seconds_to_teacher(curve, 0.8) is None
 
 
 def test_the_race_config_is_stopped_by_time_and_refuses_what_trl_cannot_run(model_dir):
@@ -38,11 +49,23 @@ def test_the_race_config_is_stopped_by_time_and_refuses_what_trl_cannot_run(mode
         race_config(None, workload(model_dir), 0, 0)
     with pytest.raises(ConfigError, match=r"train\.mini_batches"):
         race_config(None, [*workload(model_dir), "train.mini_batches=2"], 1, 0)
+    # TRL's DistillationTrainer: one teacher, no reward term, no reference
+    teacher = f"distill.teacher='{model_dir}'"
+    distilling = race_config(None, [*workload(model_dir), teacher], 1, 0)
+    with pytest.raises(ConfigError, match="--suite race"):  # suite 'trl' compares GRPO steps
+        run_trl(distilling, model_dir)
+    for extra, named in (
+        ("distill.reward_coef=1", r"distill\.reward_coef"),
+        ("algo.kl_coef=0.05", r"algo\.kl_coef"),
+        ("distill.coef=2", r"distill\.coef"),
+    ):
+        with pytest.raises(ConfigError, match=named):
+            race_config(None, [*workload(model_dir), teacher, extra], 1, 0)
 
 
 @pytest.mark.slow
 def test_both_tools_race_for_the_budget_and_every_snapshot_is_scored(model_dir, tmp_path):
-    # cadence distils from a teacher (the model itself), whose accuracy the report gives
+    # both tools distil from a teacher (the model itself), whose accuracy the report gives
     sets = [*workload(model_dir), "data.num_heldout=8", f"distill.teacher='{model_dir}'"]
     budget_min, cap = 0.01, 40  # 0.6 s each: stopped by time, long before the cap
     report = bench_race(None, sets, tmp_path, budget_min, every=2, iterations=cap, trl_threads=1)
@@ -73,4 +96,9 @@ def test_both_tools_race_for_the_budget_and_every_snapshot_is_scored(model_dir, 
     assert "each tool in a process of its own, torch threads cadence 2, trl 1" in md
     base = report["curves"]["cadence"][0]["accuracy"]
     assert report["teachers"] == {str(model_dir): pytest.approx(base)}
-    assert f"cadence distils from {model_dir} (held-out {base:.3f})" in md
+    assert report["trl_trainer"] == "DistillationTrainer"
+    assert report["teacher_target_accuracy"] == pytest.approx(0.9 * base)
+    for tool, seconds in report["seconds_to_teacher_target"].items():
+        reached = [p for p in report["curves"][tool][1:] if p["accuracy"] >= 0.9 * base - 1e-12]
+        assert seconds == (reached[0]["seconds"] if reached else None)
+    assert f"Both tools distil from {model_dir} (held-out {base:.3f})" in md

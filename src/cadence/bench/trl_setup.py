@@ -3,8 +3,9 @@
 `check_workload` refuses what TRL cannot run the way cadence does, `trl_args` maps the config to
 `GRPOConfig` (beside `CPU_SETTINGS`, which keep TRL on the CPU path doing the same work), and
 `run_trl` trains and reads back every figure the way cadence defines it (docs/benchmarks.md).
-The suites that compare the two (`--suite trl`, `race`, the ablation grid) use this; trl is
-imported only inside `trl_trainer`.
+A config with a `[distill]` teacher gets TRL's `DistillationTrainer` instead (`distill_args`):
+the same student, teacher, prompts and samples per step. The suites that compare the two
+(`--suite trl`, `race`, the ablation grid) use this; trl is imported only inside `trl_trainer`.
 """
 
 from __future__ import annotations
@@ -121,10 +122,28 @@ def check_workload(cfg: Config) -> None:
         problems.append(f"rollout.stop = {r.stop} (only EOS ends a TRL completion)")
     if cfg.model.dtype != "float32":
         problems.append(f"model.dtype = '{cfg.model.dtype}' (the comparison runs in float32)")
+    problems += distill_problems(cfg)
     if problems:
         raise ConfigError(
             "the TRL peer cannot run this workload as cadence does: " + "; ".join(problems)
         )
+
+
+def distill_problems(cfg: Config) -> list[str]:
+    """What TRL's DistillationTrainer cannot do of a distilling config (none without a teacher)."""
+    d = cfg.distill
+    if not d.on:
+        return []
+    problems = []
+    if d.teachers:
+        problems.append("[[distill.teachers]] (TRL's DistillationTrainer takes one teacher)")
+    if d.reward_coef:
+        problems.append(f"distill.reward_coef = {d.reward_coef} (TRL distils without a reward)")
+    if d.coef != 1.0:
+        problems.append(f"distill.coef = {d.coef} (TRL's loss is the reverse KL itself: 1)")
+    if cfg.algo.kl_coef:
+        problems.append(f"algo.kl_coef = {cfg.algo.kl_coef} (TRL distils without a reference)")
+    return problems
 
 
 def trl_args(cfg: Config, out: Path) -> dict:
@@ -156,6 +175,18 @@ def trl_args(cfg: Config, out: Path) -> dict:
         "use_cpu": cfg.model.device == "cpu",
         **CPU_SETTINGS,
     }
+
+
+def distill_args(cfg: Config, out: Path) -> dict:
+    """Every keyword argument given to `trl.DistillationConfig` for a distilling workload: each
+    prompt is a row repeated `group_size` times (TRL samples one completion a row), so a step
+    trains on the same prompts and as many samples as cadence's; `beta = 1` is the reverse KL."""
+    from trl import DistillationConfig
+
+    grpo = trl_args(cfg, out)
+    fields = DistillationConfig.__dataclass_fields__
+    args = {k: v for k, v in grpo.items() if k in fields}  # num_generations, epsilon... go
+    return args | {"beta": 1.0}
 
 
 def trl_peft_config(cfg: Config):
@@ -269,6 +300,11 @@ def _clock(meter: Meter):
 
 def run_trl(cfg: Config, out: Path) -> dict:
     """One TRL GRPOTrainer run on the same workload as `run_cadence(cfg)`; the same figures."""
+    if cfg.distill.on:
+        raise ConfigError(
+            "suite 'trl' compares GRPO steps; a [distill] config races TRL's DistillationTrainer "
+            "in --suite race"
+        )
     meter = Meter()
     trainer, args = trl_trainer(cfg, out, meter)
     trainer.train()
@@ -276,8 +312,9 @@ def run_trl(cfg: Config, out: Path) -> dict:
 
 
 def trl_trainer(cfg: Config, out: Path, meter: Meter, callbacks: tuple = ()) -> tuple:
-    """TRL's GRPOTrainer set up for `cfg`'s workload (its `train.iterations` steps' prompts), timed
-    into `meter`; `callbacks` join the trainer's. Returns the trainer and its GRPOConfig args."""
+    """TRL's GRPOTrainer (DistillationTrainer for a distilling `cfg`) set up for `cfg`'s workload
+    (its `train.iterations` steps' prompts), timed into `meter`; `callbacks` join the trainer's.
+    Returns the trainer and its config's arguments."""
     check_workload(cfg)
     if not available():
         raise ConfigError(f"the TRL peer needs trl, which is not installed: {INSTALL_HINT}")
@@ -296,20 +333,40 @@ def trl_trainer(cfg: Config, out: Path, meter: Meter, callbacks: tuple = ()) -> 
     model = load_model(cfg.model.path, dtype=DTYPES[cfg.model.dtype], device=cfg.model.device)
     stream = PromptStream(make_task(cfg), prompt_render(cfg, tokenizer), cfg.data.task)
     prompts = stream.next_batch(t.prompts_per_iteration * t.iterations)
-    dataset = Dataset.from_list([{"prompt": p.text, "answer": p.answer} for p in prompts])
-    args = trl_args(cfg, out)
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=_reward_fn(load_reward(cfg.reward.function, cfg.reward.answer_format), meter),
-        args=GRPOConfig(**args),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=trl_peft_config(cfg),
-        callbacks=[_clock(meter), *callbacks],
-    )
+    rows = [{"prompt": p.text, "answer": p.answer} for p in prompts]
+    common = {
+        "model": model,
+        "processing_class": tokenizer,
+        "peft_config": trl_peft_config(cfg),
+        "callbacks": [_clock(meter), *callbacks],
+    }
+    if cfg.distill.on:
+        from trl import DistillationConfig, DistillationTrainer
+
+        args = distill_args(cfg, out)
+        teacher = load_model(
+            cfg.distill.teacher, dtype=DTYPES[cfg.model.dtype], device=cfg.model.device
+        )
+        group = [row for row in rows for _ in range(cfg.rollout.group_size)]
+        trainer = DistillationTrainer(
+            teacher_model=teacher,
+            args=DistillationConfig(**args),
+            train_dataset=Dataset.from_list(group),
+            **common,
+        )
+    else:
+        args = trl_args(cfg, out)
+        trainer = GRPOTrainer(
+            reward_funcs=_reward_fn(
+                load_reward(cfg.reward.function, cfg.reward.answer_format), meter
+            ),
+            args=GRPOConfig(**args),
+            train_dataset=Dataset.from_list(rows),
+            **common,
+        )
+        trainer._calculate_rewards = _timed(trainer._calculate_rewards, meter.reward_s)
     trainer.remove_callback(PrinterCallback)  # it would print TRL's end-of-training log
     trainer._generate = _timed(trainer._generate, meter.generate_s, meter.count)
-    trainer._calculate_rewards = _timed(trainer._calculate_rewards, meter.reward_s)
     return trainer, args
 
 
