@@ -2,9 +2,10 @@
 
 One config builder on top of a small base run, one trainer that records metrics (and, if asked,
 every optimizer step's gradients), `Cadence` (a `cadence` command in a session of its own, for
-the tests that kill one), and the process checks the fault tests share: pids of a run's local
-processes, which of them are alive, and the processes of a session or children of a pid as /proc
-lists them. Nothing here asserts: each test states its own claim.
+the tests that kill one), `KillOnFirstGroups` (a fault injected while prompts are in flight),
+and the process checks the fault tests share: pids of a run's local processes, which of them are
+alive, and the processes of a session or children of a pid as /proc lists them. Nothing here
+asserts: each test states its own claim.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -63,6 +66,25 @@ def peer_workload(model_dir, *, kl: bool = True) -> list[str]:
 def run_config(model_dir, *sets: str, base: tuple[str, ...] = SMALL_RUN) -> Config:
     """`base`, then `sets` (later keys win), on the model in `model_dir`."""
     return load_config(None, [f"model.path='{model_dir}'", *base, *sets])
+
+
+class KillOnFirstGroups:
+    """Wraps a rollout pool's `poll`: calls `kill(pool)` once, when iteration 1's first groups
+    arrive, so what it kills (an actor, a node) dies with prompts in flight. `killed` is what
+    `kill` returned, `killed_at` the monotonic time (None before the kill)."""
+
+    def __init__(self, pool, kill: Callable) -> None:
+        self.pool, self.kill, self.poll = pool, kill, pool.poll
+        self.killed, self.killed_at = None, None
+        pool.poll = self
+
+    def __call__(self, timeout_s):
+        message = self.poll(timeout_s)
+        groups = message[2].groups if message is not None and message[0] == "groups" else []
+        if self.killed_at is None and groups and groups[0].iteration == 1:
+            self.killed = self.kill(self.pool)
+            self.killed_at = time.monotonic()
+        return message
 
 
 class Trained(NamedTuple):

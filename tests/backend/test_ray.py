@@ -18,7 +18,7 @@ from cadence.builder import build_run, train
 from cadence.metrics import MemorySink
 from cadence.models import load_model
 from partial_runs import publish_when_idle
-from runs import TWO_WORKERS, processes, run_config, train_run
+from runs import TWO_WORKERS, KillOnFirstGroups, processes, run_config, train_run
 from updates import assert_same_update, capture_grads, max_relative_diff
 
 
@@ -81,33 +81,15 @@ def _assert_same_update_as_sync(ray_sync_run, run, records, grads):
     assert all(r["staleness_max"] == 0 and r["optimizer_steps"] == 1 for r in records)
 
 
-class _KillOnFirstGroups:
-    """Wraps a pool's `poll`: kills worker 0's actor when iteration 1's first groups arrive, so
-    the worker dies with prompts in flight."""
-
-    def __init__(self, pool, ray) -> None:
-        self.pool, self.ray, self.poll = pool, ray, pool.poll
-        self.killed_at: float | None = None
-
-    def __call__(self, timeout_s):
-        message = self.poll(timeout_s)
-        groups = message[2].groups if message is not None and message[0] == "groups" else []
-        if self.killed_at is None and groups and groups[0].iteration == 1:
-            self.ray.kill(self.pool._actors[0])
-            self.killed_at = time.monotonic()
-        return message
-
-
 @pytest.fixture(scope="module")
 def ray_periodic_run(ray_cluster, model_dir, tmp_path_factory):
     """One periodic run on Ray, two workers, worker 0's actor killed when iteration 1's first
-    groups arrive (`_KillOnFirstGroups`): its update, its sample store (in an actor) and when
+    groups arrive (`KillOnFirstGroups`): its update, its sample store (in an actor) and when
     the kill came. One run for both claims: a Ray run (actors importing torch and transformers)
     is most of this module's time."""
     run = build_run(_cfg(model_dir, "periodic", *TWO_WORKERS))
     grads = capture_grads(run.trainer)
-    killer = _KillOnFirstGroups(run.source.pool, ray_cluster)
-    run.source.pool.poll = killer
+    killer = KillOnFirstGroups(run.source.pool, lambda pool: ray_cluster.kill(pool._actors[0]))
     sink = MemorySink()
     train(run, tmp_path_factory.mktemp("p"), extra_sinks=[sink], evaluate=False)
     return run, sink.records, grads, killer.killed_at
@@ -195,8 +177,7 @@ def test_killed_actor_is_reported_with_its_prompts_and_nothing_hangs(
     # killed at the first groups holds prompts in flight
     one = ("pipeline.num_workers=1", "pipeline.prompts_per_task=1", "pipeline.tasks_in_flight=2")
     run = build_run(_cfg(model_dir, "periodic", *one, "pipeline.max_worker_restarts=0"))
-    killer = _KillOnFirstGroups(run.source.pool, ray_cluster)
-    run.source.pool.poll = killer
+    killer = KillOnFirstGroups(run.source.pool, lambda pool: ray_cluster.kill(pool._actors[0]))
     errors: list[BaseException] = []
 
     def target():

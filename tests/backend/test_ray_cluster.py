@@ -29,6 +29,7 @@ from cadence.builder import build_run, train
 from cadence.config import load_config
 from cadence.metrics import MemorySink
 from cadence.models import load_model
+from runs import KillOnFirstGroups
 from updates import assert_same_params, capture_grads
 
 pytestmark = pytest.mark.slow
@@ -131,22 +132,12 @@ def _nodes_with(nodes, resource: str) -> set[str]:
     return {n["NodeID"] for n in table if n["Alive"] and resource in n["Resources"]}
 
 
-class _KillNodeOnFirstGroups:
-    """Wraps a pool's `poll`: when iteration 1's first groups arrive, kills the raylet of the
-    node that worker 0 runs on (SIGKILL): its actor dies with prompts in flight."""
-
-    def __init__(self, pool, nodes) -> None:
-        self.pool, self.nodes, self.poll = pool, nodes, pool.poll
-        self.killed: str | None = None
-
-    def __call__(self, timeout_s):
-        message = self.poll(timeout_s)
-        groups = message[2].groups if message is not None and message[0] == "groups" else []
-        if self.killed is None and groups and groups[0].iteration == 1:
-            self.killed = _node_of(self.pool._actors[0])
-            (node,) = [n for n in self.nodes.worker_nodes if n.node_id == self.killed]
-            node.kill_raylet()
-        return message
+def _kill_node_of(actor, cluster) -> str:
+    """SIGKILLs the raylet of the node `actor` runs on; returns the node's id."""
+    killed = _node_of(actor)
+    (node,) = [n for n in cluster.worker_nodes if n.node_id == killed]
+    node.kill_raylet()
+    return killed
 
 
 class _Placement(MemorySink):
@@ -184,8 +175,9 @@ def test_a_run_on_the_cluster_places_by_resources_survives_a_lost_node_and_makes
     assert all(n["driver"] == head and n["worker"] in rollout for n in want.nodes)
 
     run = build_run(_cfg(model_dir, "periodic", "learner.ranks=2", _RANKS_ON_TRAINER))
-    killer = _KillNodeOnFirstGroups(run.source.pool, cluster)
-    run.source.pool.poll = killer
+    killer = KillOnFirstGroups(
+        run.source.pool, lambda pool: _kill_node_of(pool._actors[0], cluster)
+    )
     got = _Placement(run)
     train(run, tmp_path / "periodic", extra_sinks=[got], evaluate=False)
 
