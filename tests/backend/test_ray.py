@@ -81,6 +81,11 @@ def _assert_same_update_as_sync(ray_sync_run, run, records, grads):
     assert all(r["staleness_max"] == 0 and r["optimizer_steps"] == 1 for r in records)
 
 
+def _kill_first_actor(ray):
+    """`KillOnFirstGroups`'s kill: worker 0's Ray actor, as an out-of-memory kill would."""
+    return lambda pool: ray.kill(pool._actors[0])
+
+
 @pytest.fixture(scope="module")
 def ray_periodic_run(ray_cluster, model_dir, tmp_path_factory):
     """One periodic run on Ray, two workers, worker 0's actor killed when iteration 1's first
@@ -89,7 +94,7 @@ def ray_periodic_run(ray_cluster, model_dir, tmp_path_factory):
     is most of this module's time."""
     run = build_run(_cfg(model_dir, "periodic", *TWO_WORKERS))
     grads = capture_grads(run.trainer)
-    killer = KillOnFirstGroups(run.source.pool, lambda pool: ray_cluster.kill(pool._actors[0]))
+    killer = KillOnFirstGroups(run.source.pool, _kill_first_actor(ray_cluster))
     sink = MemorySink()
     train(run, tmp_path_factory.mktemp("p"), extra_sinks=[sink], evaluate=False)
     return run, sink.records, grads, killer.killed_at
@@ -177,7 +182,7 @@ def test_killed_actor_is_reported_with_its_prompts_and_nothing_hangs(
     # killed at the first groups holds prompts in flight
     one = ("pipeline.num_workers=1", "pipeline.prompts_per_task=1", "pipeline.tasks_in_flight=2")
     run = build_run(_cfg(model_dir, "periodic", *one, "pipeline.max_worker_restarts=0"))
-    killer = KillOnFirstGroups(run.source.pool, lambda pool: ray_cluster.kill(pool._actors[0]))
+    killer = KillOnFirstGroups(run.source.pool, _kill_first_actor(ray_cluster))
     errors: list[BaseException] = []
 
     def target():

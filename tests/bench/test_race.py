@@ -36,8 +36,8 @@ def test_the_time_to_target_is_the_first_snapshot_after_the_start_that_reaches_i
     assert seconds_to_reach(curve, 0.3) == 10.0
     with pytest.raises(StopIteration):
         seconds_to_reach(curve, 0.7)
-    assert seconds_to_teacher(curve, 0.6) == 20.0  # 90% of 0.6 = 0.54
-    assert seconds_to_teacher(curve, 0.8) is None
+    assert seconds_to_teacher(curve, 0.54) == 20.0
+    assert seconds_to_teacher(curve, 0.72) is None
 
 
 def test_the_race_config_is_stopped_by_time_and_refuses_what_trl_cannot_run(model_dir):

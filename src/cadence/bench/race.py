@@ -135,10 +135,11 @@ def seconds_to_reach(snapshots: list[Snapshot], target: float) -> float:
     return next(s.seconds for s in snapshots if s.step > 0 and s.accuracy >= target - 1e-12)
 
 
-def seconds_to_teacher(snapshots: list[Snapshot], teacher: float) -> float | None:
-    """Training seconds to `OF_TEACHER` of the teacher's accuracy; None where no snapshot does."""
+def seconds_to_teacher(snapshots: list[Snapshot], target: float) -> float | None:
+    """Training seconds to `target` (`OF_TEACHER` of the teacher's accuracy); None where no
+    snapshot reaches it."""
     try:
-        return seconds_to_reach(snapshots, OF_TEACHER * teacher)
+        return seconds_to_reach(snapshots, target)
     except StopIteration:
         return None
 
@@ -186,7 +187,7 @@ def bench_race(
         target = OF_TEACHER * teachers[0].accuracy
         report["teacher_target_accuracy"] = target
         report["seconds_to_teacher_target"] = {
-            tool: seconds_to_teacher(curves[tool], teachers[0].accuracy) for tool in TOOLS
+            tool: seconds_to_teacher(curves[tool], target) for tool in TOOLS
         }
     report["trl_trainer"] = "DistillationTrainer" if teachers else "GRPOTrainer"
     report["threads"] = threads
