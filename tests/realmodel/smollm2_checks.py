@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -46,6 +48,19 @@ def run_config(model_dir, *overrides: str) -> Config:
             *overrides,
         ],
     )
+
+
+def first_layers(model: torch.nn.Module, n: int, out: Path) -> torch.nn.Module:
+    """A copy of `model` with its first `n` decoder layers only, also saved to `out` (processes
+    that load it by path): the real weights, modules and tied embedding at a fraction of the
+    depth, for claims about how the model is sharded or sent rather than what 30 layers compute."""
+    model = copy.deepcopy(model)
+    model.model.layers = model.model.layers[:n]
+    model.config.num_hidden_layers = n
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:n]
+    model.save_pretrained(out)
+    return model
 
 
 @contextlib.contextmanager

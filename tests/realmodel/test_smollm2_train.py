@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from smollm2_checks import learner_batch, recorded_batch, run_config, with_rewards
+from smollm2_checks import first_layers, learner_batch, recorded_batch, run_config, with_rewards
 
 from cadence.builder import algo_params, build_learner, start_ranks
 from cadence.learner import score
@@ -58,15 +58,18 @@ def test_lora_trains_the_adapter_towards_reward_and_its_reference_is_the_base_mo
     assert change[rewarded].mean() > change[~rewarded].mean()
 
 
-def test_two_fsdp_ranks_make_the_one_process_step(smollm2_dir, smollm2, smollm2_groups):
+def test_two_fsdp_ranks_make_the_one_process_step(smollm2, smollm2_groups, tmp_path):
     """One GRPO step, full fine-tuning: `learner.ranks = 2` (FSDP2 over gloo, one group per
-    rank) against one process with both groups, from the same weights."""
+    rank) against one process with both groups, from the same weights: SmolLM2's first 12 of 30
+    layers (what is sharded and how is the model's: its modules, its tied embedding; the depth
+    only multiplied the time)."""
     model, tok = smollm2
-    cfg = run_config(smollm2_dir)
+    model = first_layers(model, 12, tmp_path)
+    cfg = run_config(tmp_path)
     algo, groups = algo_params(cfg), with_rewards(smollm2_groups, REWARDS)
     one = build_learner(cfg, copy.deepcopy(model), tok.pad_token_id)
     grads = capture_grads(one)
-    ranked_cfg = run_config(smollm2_dir, "learner.ranks=2", "learner.strategy='fsdp'")
+    ranked_cfg = run_config(tmp_path, "learner.ranks=2", "learner.strategy='fsdp'")
     ranked = start_ranks(ranked_cfg, copy.deepcopy(model), tok.pad_token_id, Tracer())
     try:
         want = one.train_iteration(iter(score(groups, algo)), len(groups))
