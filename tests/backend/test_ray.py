@@ -264,40 +264,41 @@ def _cli_run_on_ray(model_dir, out, iterations: int) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-def test_cli_run_on_ray_leaves_no_ray_process(model_dir, tmp_path):
-    seen: list[str] = []
-    proc = _cli_run_on_ray(model_dir, tmp_path, iterations=1)
-    while proc.poll() is None:  # note the Ray processes the run starts, to check them after
-        seen += [c for c in _processes(proc.pid) if c not in seen]
-        time.sleep(0.5)
-    assert proc.returncode == 0, proc.stderr.read().decode()
-    assert any("raylet" in c for c in seen) and any("gcs_server" in c for c in seen)
-    deadline = time.monotonic() + 10
-    while _processes(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _processes(proc.pid) == []
-    assert (tmp_path / "metrics.jsonl").read_text().strip()
+def test_a_cli_run_on_ray_leaves_no_ray_process_whether_it_ends_or_its_learner_is_sigkilled(
+    model_dir, tmp_path
+):
+    # Two `cadence train` at once, each on the Ray it starts (a local Ray takes free ports): one
+    # ends after an iteration, the other's learner is SIGKILLed once it has trained one. Before
+    # the reaper, Ray's dashboard and runtime-env agents outlived a SIGKILLed learner by 60-95 s,
+    # waiting on a timeout of Ray's to report the raylet's death to a GCS that had died with it.
+    ends = _cli_run_on_ray(model_dir, tmp_path / "ends", iterations=1)
+    killed = _cli_run_on_ray(model_dir, tmp_path / "killed", iterations=1000)
+    seen: list[str] = []  # the Ray processes the ending run starts, to check them after
 
+    def note() -> None:
+        seen.extend(c for c in _processes(ends.pid) if c not in seen)
 
-@pytest.mark.slow
-def test_a_sigkilled_learner_leaves_no_ray_process_behind(model_dir, tmp_path):
-    # Before: Ray's dashboard and runtime-env agents outlived the learner by 60-95 s, waiting on
-    # a timeout of Ray's to report the raylet's death to a GCS that had died with it.
-    proc = _cli_run_on_ray(model_dir, tmp_path, iterations=1000)
-    metrics = tmp_path / "metrics.jsonl"
+    metrics = tmp_path / "killed" / "metrics.jsonl"
     deadline = time.monotonic() + 180
     while not metrics.exists() or not metrics.stat().st_size:
-        assert proc.poll() is None, proc.stderr.read().decode()
+        assert killed.poll() is None, killed.stderr.read().decode()
         assert time.monotonic() < deadline, "training did not start"
+        note()
         time.sleep(0.2)
-    ray_processes = [c for c in _processes(proc.pid) if "ray::" in c or "raylet" in c]
+    ray_processes = [c for c in _processes(killed.pid) if "ray::" in c or "raylet" in c]
     assert any("DashboardAgent" in c for c in ray_processes), ray_processes
-    proc.kill()
-    proc.wait()
+    killed.kill()
+    killed.wait()
+    while ends.poll() is None:
+        note()
+        time.sleep(0.5)
+    assert ends.returncode == 0, ends.stderr.read().decode()
+    assert any("raylet" in c for c in seen) and any("gcs_server" in c for c in seen)
+    assert (tmp_path / "ends" / "metrics.jsonl").read_text().strip()
     deadline = time.monotonic() + 15  # the reaper's grace is 3 s; Ray's own timeout 60 s
-    while _processes(proc.pid) and time.monotonic() < deadline:
+    while (_processes(ends.pid) or _processes(killed.pid)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _processes(proc.pid) == []
+    assert _processes(ends.pid) == [] and _processes(killed.pid) == []
 
 
 def test_the_reaper_stops_the_processes_of_its_ray_session_and_no_other(tmp_path):
