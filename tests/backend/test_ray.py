@@ -3,8 +3,10 @@ exits. One local Ray (2 CPUs) serves the module; the CLI tests start their own i
 Runs are two iterations: the second generates with the weights the first trained, which is what
 an equality of updates needs; each run a test only reads is made once for the module."""
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +20,14 @@ from cadence.builder import build_run, train
 from cadence.metrics import MemorySink
 from cadence.models import load_model
 from partial_runs import publish_when_idle
-from runs import TWO_WORKERS, KillOnFirstGroups, processes, run_config, train_run
+from runs import (
+    TWO_WORKERS,
+    KillOnFirstGroups,
+    processes,
+    run_config,
+    session_alive,
+    train_run,
+)
 from updates import assert_same_update, capture_grads, max_relative_diff
 
 
@@ -273,6 +282,17 @@ def test_a_cli_run_on_ray_leaves_no_ray_process_whether_it_ends_or_its_learner_i
     # waiting on a timeout of Ray's to report the raylet's death to a GCS that had died with it.
     ends = _cli_run_on_ray(model_dir, tmp_path / "ends", iterations=1)
     killed = _cli_run_on_ray(model_dir, tmp_path / "killed", iterations=1000)
+    try:
+        _end_one_kill_the_other(ends, killed, tmp_path)
+    finally:  # a failed assertion leaves neither run nor its Ray behind
+        for run in (ends, killed):
+            for p in session_alive(run.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+            run.wait()
+
+
+def _end_one_kill_the_other(ends, killed, tmp_path) -> None:
     seen: list[str] = []  # the Ray processes the ending run starts, to check them after
 
     def note() -> None:
