@@ -37,6 +37,7 @@ import os
 import pytest
 
 import history
+from cadence.config import load_config
 from runs import run_config, train_run
 
 pytestmark = pytest.mark.slow
@@ -105,3 +106,43 @@ def test_a_short_run_raises_the_sampled_reward(request, tmp_path, run):
             history.record(run, seed, records)
         elif seed == 0:  # step by step within the trusted runs' band (tests/history.py)
             assert history.off_history(run, records) == []
+
+
+# The main job's own config (configs/default.toml, what `make run` trains), short and on the tiny
+# model with the letter-share reward: every seed's gain must lie in the band of its recorded
+# seeds, not one seed past a threshold. Recorded: MAIN_JOB_GAINS (seeds 0-7, 2026-12-02,
+# `CADENCE_LEARNING_SEEDS=0,1,2,3,4,5,6,7 pytest tests/pipeline/test_learning.py -k main_job -s`
+# prints each); the band is theirs widened by MAIN_JOB_MARGIN on both sides, its floor above
+# what the runs without learning gained (train.lr = 1e-9: MAIN_JOB_UNTRAINED).
+MAIN_JOB = (
+    "train.iterations=8",
+    "train.warmup_iterations=2",
+    "train.prompts_per_iteration=8",
+    "train.micro_batch_groups=4",
+    "train.lr=1e-2",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+    "rollout.group_size=4",
+    "rollout.max_new_tokens=8",
+    "data.num_heldout=4",
+    "metrics.progress=false",
+    "reward.function='fixtures_rewards:letter_share'",
+)
+MAIN_JOB_GAINS = (0.244, 0.160, 0.193, 0.238, 0.102, 0.132, 0.153, 0.174)
+MAIN_JOB_UNTRAINED = (0.064, -0.034, -0.025, 0.045, -0.022, -0.037, -0.009, 0.035)
+MAIN_JOB_MARGIN = 0.03
+MAIN_JOB_SEEDS = SEEDS if "CADENCE_LEARNING_SEEDS" in os.environ else [0, 1, 2]
+
+
+def test_the_main_job_s_config_learns_on_every_seed_within_its_band(model_dir, tmp_path):
+    low = min(MAIN_JOB_GAINS) - MAIN_JOB_MARGIN
+    high = max(MAIN_JOB_GAINS) + MAIN_JOB_MARGIN
+    assert low > max(MAIN_JOB_UNTRAINED)  # the band's floor is learning, not noise
+    gains = {}
+    for seed in MAIN_JOB_SEEDS:
+        sets = [f"model.path='{model_dir}'", *MAIN_JOB, f"train.seed={seed}"]
+        cfg = load_config("configs/default.toml", sets)
+        records = train_run(cfg, tmp_path / f"seed{seed}", evaluate=False).records
+        gains[seed] = round(_gain([r["reward_mean"] for r in records]), 3)
+    print(f"main job: gains by seed {gains}")
+    assert all(low <= g <= high for g in gains.values()), (gains, (low, high))
