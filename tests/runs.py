@@ -46,6 +46,11 @@ SMALL_RUN = (
 
 TWO_WORKERS = ("pipeline.num_workers=2", "pipeline.prompts_per_task=1")  # a task per prompt
 
+# For tests that run configs/default.toml for what it shares with every config (the CLI, trackers,
+# Ctrl-C, studies) and claim nothing about its dynamic sampling: each iteration trains the prompts
+# it draws, rather than drawing up to `pipeline.max_oversample` more to replace all-equal groups.
+UNFILTERED = "pipeline.filter_groups='none'"
+
 
 def peer_workload(model_dir, *, kl: bool = True) -> list[str]:
     """The tiny workload cadence and TRL both run in the bench tests (`--suite trl`, `--suite

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runs import processes
+from runs import UNFILTERED, processes
 
 pytestmark = pytest.mark.slow
 
@@ -82,6 +82,8 @@ def test_ctrl_c_stops_learner_and_workers_and_prints_one_line(model_dir, tmp_pat
         "rollout.max_new_tokens=8",
         "--set",
         "metrics.progress=false",
+        "--set",
+        UNFILTERED,  # the first iteration ends after its 4 prompts
     ]
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
     with _ctrl_c_not_ignored():

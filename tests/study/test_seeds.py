@@ -8,6 +8,7 @@ import pytest
 from cadence.cli import main
 from cadence.study import seeds as seeds_module
 from cadence.study import study_seeds
+from runs import UNFILTERED
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +25,7 @@ def _overrides(model_dir):
         "data.num_heldout=6",
         "train.lr=1e-3",
         "reward.function='fixtures_rewards:even_length'",
+        UNFILTERED,
     ]
 
 
