@@ -102,3 +102,52 @@ def test_both_tools_race_for_the_budget_and_every_snapshot_is_scored(model_dir, 
         reached = [p for p in report["curves"][tool][1:] if p["accuracy"] >= 0.9 * base - 1e-12]
         assert seconds == (reached[0]["seconds"] if reached else None)
     assert f"Both tools distil from {model_dir} (held-out {base:.3f})" in md
+
+
+def test_a_race_over_seeds_runs_one_race_a_seed_sums_them_up_and_resumes(
+    model_dir, tmp_path, monkeypatch, capsys
+):
+    # what each seed's race returned is made up here (a real race is the test above): the claim
+    # is the orchestration: train.seed per race, one folder a seed, the summary, the resumption
+    from cadence.bench import race as race_module
+    from cadence.cli import main
+
+    raced = []
+
+    def fake_race(config, overrides, out, **race):
+        seed = int(overrides[-1].removeprefix("train.seed="))
+        raced.append((seed, race["minutes"], race["trl_threads"]))
+        cadence_s, trl_s = 10.0 * (seed + 1), 30.0 + seed
+        report = {
+            "final_accuracy": {"cadence": 0.5 + seed / 100, "trl": 0.4},
+            "target_accuracy": 0.4,
+            "seconds_to_target": {"cadence": cadence_s, "trl": trl_s},
+            "ratio_trl_to_cadence": trl_s / cadence_s,
+            "curves": {"cadence": [{"step": 9 + seed}], "trl": [{"step": 3}]},
+            "threads": {"cadence": 2, "trl": race["trl_threads"]},
+        }
+        out.mkdir(parents=True)
+        (out / "race.json").write_text(json.dumps(report))
+        return report
+
+    monkeypatch.setattr(race_module, "bench_race", fake_race)
+    args = ["bench", "--suite", "race", "--out", str(tmp_path), "--minutes", "3"]
+    args += ["--trl-threads", "2", "--set", f"model.path='{model_dir}'"]
+    assert main([*args, "--seeds", "0,1,2"]) == 0
+    assert raced == [(0, 3.0, 2), (1, 3.0, 2), (2, 3.0, 2)]
+    summary = json.loads((tmp_path / "races.json").read_text())
+    assert [row["seed"] for row in summary["seeds"]] == [0, 1, 2]
+    assert summary["ratio_trl_to_cadence"] == pytest.approx(
+        {"min": 32 / 30, "median": 31 / 20, "max": 3.0}
+    )
+    md = (tmp_path / "races.md").read_text()
+    assert "| 1 | 10 / 3 | 0.510 / 0.400 | 0.400 | 20 / 31 | 1.55x |" in md
+    assert "1.07x to 3.00x" in md and "median 1.55x" in md and md in capsys.readouterr().out
+    # seeds raced already are read back; only the new one runs
+    assert main([*args, "--seeds", "2,0,3"]) == 0
+    assert [seed for seed, *_ in raced] == [0, 1, 2, 3]
+    summary = json.loads((tmp_path / "races.json").read_text())
+    assert [row["seed"] for row in summary["seeds"]] == [2, 0, 3]
+    for bad in ("0,0", "a", ""):
+        assert main([*args, "--seeds", bad]) == 2
+    assert main(["bench", "--suite", "modes", "--out", str(tmp_path), "--seeds", "0"]) == 2

@@ -9,7 +9,8 @@ greedy, the same held-out problems). A snapshot's training seconds leave out its
 budget counts it, for both tools alike. Writes race.json, race.md and race.png and reports the
 seconds each tool needs to reach the lower of the two final accuracies. With a `[distill]` teacher
 both tools distil from it (TRL's `DistillationTrainer`) and the report adds the seconds each needs
-to reach 90% of the teacher's accuracy. docs/benchmarks.md.
+to reach 90% of the teacher's accuracy. `--seeds` runs one race per `train.seed` (seed-N/) and
+sums them up in races.json and races.md. docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -195,6 +196,81 @@ def bench_race(
     (out / "race.md").write_text(race_markdown(report) + "\n")
     draw_race(report, out / "race.png")
     return report
+
+
+def bench_race_seeds(
+    config: str | Path | None, overrides: list[str], out: Path, seeds: list[int], **race
+) -> dict:
+    """One race per seed (`train.seed`, for both tools) in `out`/seed-N, then races.json and
+    races.md over them. A seed whose race.json is there already is read, not run again: a long
+    study stopped part way resumes."""
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds must name distinct seeds; got {seeds}")
+    reports = {}
+    for seed in seeds:
+        done = out / f"seed-{seed}" / "race.json"
+        if done.is_file():
+            print(f"race: seed {seed} was raced already ({done})", flush=True)
+            reports[seed] = json.loads(done.read_text())
+            continue
+        print(f"race: seed {seed}", flush=True)
+        sets = [*overrides, f"train.seed={seed}"]
+        reports[seed] = bench_race(config, sets, out / f"seed-{seed}", **race)
+    summary = races_summary(reports)
+    (out / "races.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "races.md").write_text(races_markdown(summary) + "\n")
+    return summary
+
+
+def races_summary(reports: dict[int, dict]) -> dict:
+    """Per seed: both final accuracies, the target, each tool's seconds to it and the ratio;
+    over the seeds: the ratio's least, median and greatest."""
+    rows = [
+        {
+            "seed": seed,
+            "final_accuracy": r["final_accuracy"],
+            "target_accuracy": r["target_accuracy"],
+            "seconds_to_target": r["seconds_to_target"],
+            "ratio_trl_to_cadence": r["ratio_trl_to_cadence"],
+            "steps": {tool: r["curves"][tool][-1]["step"] for tool in TOOLS},
+            "threads": r.get("threads", {}),
+        }
+        for seed, r in reports.items()
+    ]
+    ratios = sorted(row["ratio_trl_to_cadence"] for row in rows)
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return {
+        "suite": "race",
+        "seeds": rows,
+        "ratio_trl_to_cadence": {"min": ratios[0], "median": median, "max": ratios[-1]},
+    }
+
+
+def races_markdown(summary: dict) -> str:
+    header = ["seed", "steps (cadence / trl)", "final accuracy (cadence / trl)"]
+    header += ["target", "s to target (cadence / trl)", "TRL / cadence"]
+    cells = [
+        [
+            str(row["seed"]),
+            " / ".join(str(row["steps"][tool]) for tool in TOOLS),
+            " / ".join(f"{row['final_accuracy'][tool]:.3f}" for tool in TOOLS),
+            f"{row['target_accuracy']:.3f}",
+            " / ".join(f"{row['seconds_to_target'][tool]:.0f}" for tool in TOOLS),
+            f"{row['ratio_trl_to_cadence']:.2f}x",
+        ]
+        for row in summary["seeds"]
+    ]
+    r = summary["ratio_trl_to_cadence"]
+    return "\n".join(
+        [
+            table(header, cells),
+            "",
+            f"TRL takes {r['min']:.2f}x to {r['max']:.2f}x cadence's training seconds to the "
+            f"lower final accuracy (median {r['median']:.2f}x) over {len(cells)} seeds; each "
+            "seed's race is in seed-N/ (race.md, race.png).",
+        ]
+    )
 
 
 def race_report(cfg: Config, curves: dict[str, list[Snapshot]], minutes: float, every: int):

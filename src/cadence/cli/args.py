@@ -113,6 +113,12 @@ def parser() -> argparse.ArgumentParser:
         "runs in a process of its own",
     )
     sp.add_argument(
+        "--seeds",
+        default=None,
+        help="suite 'race': one race per train.seed (comma-separated), each in OUT/seed-N, "
+        "summed up in races.json and races.md; a seed already raced is read, not run again",
+    )
+    sp.add_argument(
         "--snapshot-every",
         type=int,
         default=5,

@@ -183,20 +183,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
         longtail = args.suite == "partial"
         args.config = "configs/bench-longtail.toml" if longtail else "configs/default.toml"
     load_config(args.config, args.set)  # fail early on a bad config, before any run starts
+    if args.seeds is not None and args.suite != "race":
+        raise ConfigError(f"--seeds applies to --suite race, not '{args.suite}'")
     if args.suite == "race":
-        from cadence.bench.race import bench_race
+        from cadence.bench.race import bench_race, bench_race_seeds
 
         out = Path(args.out)
-        bench_race(
-            args.config,
-            list(args.set),
-            out,
-            args.minutes,
-            args.snapshot_every,
-            args.iterations,
-            args.trl_threads,
-        )
-        print((out / "race.md").read_text())
+        race = {
+            "minutes": args.minutes,
+            "every": args.snapshot_every,
+            "iterations": args.iterations,
+            "trl_threads": args.trl_threads,
+        }
+        if args.seeds is None:
+            bench_race(args.config, list(args.set), out, **race)
+            print((out / "race.md").read_text())
+        else:
+            from cadence.study import parse_list
+
+            try:
+                seeds = [int(n) for n in parse_list(args.seeds, None, "seed(s)")]
+            except ValueError as e:
+                raise ConfigError(f"cadence bench: --seeds: {e}") from None
+            bench_race_seeds(args.config, list(args.set), out, seeds, **race)
+            print((out / "races.md").read_text())
         return 0
     if args.suite == "engine":
         set_threads(load_config(args.config, args.set).train.threads)
