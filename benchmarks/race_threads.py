@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             for tool, loop in (("cadence", race_cadence), ("trl", race_trl)):
                 cfg = race_config(a.config, [*a.set, f"train.threads={n}"], 600, a.steps)
                 start = time.perf_counter()
+                # snapshots every steps + 1: only the final one is saved
                 snapshots = run_apart(loop, cfg, out / f"{tool}-t{n}-r{repeat}", a.steps + 1)
                 last = snapshots[-1]
                 per_step = last.seconds / last.step

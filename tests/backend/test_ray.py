@@ -22,6 +22,7 @@ from cadence.models import load_model
 from partial_runs import publish_when_idle
 from runs import (
     TWO_WORKERS,
+    UNFILTERED,
     KillOnFirstGroups,
     processes,
     run_config,
@@ -263,7 +264,7 @@ def _cli_run_on_ray(model_dir, out, iterations: int) -> subprocess.Popen:
         "rollout.max_new_tokens=8",
         "data.num_heldout=2",
         "metrics.progress=false",
-        "pipeline.filter_groups='none'",  # an iteration of 4 prompts, not up to 132
+        UNFILTERED,  # an iteration of 4 prompts, not up to 132
     ]
     args = [sys.executable, "-m", "cadence.cli", "train", "configs/default.toml"]
     args += ["--out", str(out)] + [a for o in overrides for a in ("--set", o)]

@@ -24,7 +24,7 @@ from cadence.models import load_model
 from cadence.pipeline.checkpoint_files import list_checkpoints
 from inflight import kept_cache_logprobs, learner_logprobs
 from partial_runs import PUBLISHED, publish_when_idle, thread_workers
-from runs import Cadence, in_process, run_config, train_run
+from runs import UNFILTERED, Cadence, in_process, run_config, train_run
 
 pytestmark = pytest.mark.slow
 
@@ -150,7 +150,7 @@ def test_a_run_killed_mid_iteration_resumes_to_the_same_parameters(
                 "algo.kl_coef=0.05",
                 "metrics.progress=false",
                 "reward.function='fixtures_rewards:kill_learner_once'",
-                "pipeline.filter_groups='none'",  # 16 reward calls an iteration, as counted
+                UNFILTERED,  # 16 reward calls an iteration, as counted
             )
             for a in ("--set", s)
         ),

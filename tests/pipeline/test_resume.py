@@ -13,7 +13,7 @@ import torch
 from cadence.cli import main
 from cadence.models import load_model
 from cadence.pipeline.checkpoint_files import list_checkpoints
-from runs import Cadence, in_process, session_alive
+from runs import UNFILTERED, Cadence, in_process, session_alive
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def _sets(model_dir, mode):
         "algo.kl_coef=0.05",
         "metrics.progress=false",
         "reward.function='fixtures_rewards:kill_learner_once'",
-        "pipeline.filter_groups='none'",  # 16 reward calls an iteration: the kill's count holds
+        UNFILTERED,  # 16 reward calls an iteration: the kill's count holds
     ]
     return [a for s in common + MODES[mode][0] for a in ("--set", s)]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -237,14 +238,9 @@ def races_summary(reports: dict[int, dict]) -> dict:
         }
         for seed, r in reports.items()
     ]
-    ratios = sorted(row["ratio_trl_to_cadence"] for row in rows)
-    mid = len(ratios) // 2
-    median = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
-    return {
-        "suite": "race",
-        "seeds": rows,
-        "ratio_trl_to_cadence": {"min": ratios[0], "median": median, "max": ratios[-1]},
-    }
+    ratios = [row["ratio_trl_to_cadence"] for row in rows]
+    spread = {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios)}
+    return {"suite": "race", "seeds": rows, "ratio_trl_to_cadence": spread}
 
 
 def races_markdown(summary: dict) -> str:

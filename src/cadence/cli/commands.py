@@ -199,10 +199,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             bench_race(args.config, list(args.set), out, **race)
             print((out / "race.md").read_text())
         else:
-            from cadence.study import parse_list
+            from cadence.study import parse_seeds
 
             try:
-                seeds = [int(n) for n in parse_list(args.seeds, None, "seed(s)")]
+                seeds = parse_seeds(args.seeds)
             except ValueError as e:
                 raise ConfigError(f"cadence bench: --seeds: {e}") from None
             bench_race_seeds(args.config, list(args.set), out, seeds, **race)
@@ -304,7 +304,7 @@ def print_ledger(config: str, overrides: list[str], gpu_bytes: float, out: Path)
 
 
 def cmd_study(args: argparse.Namespace) -> int:
-    from cadence.study import LOSSES, parse_list, study_offpolicy, study_seeds
+    from cadence.study import LOSSES, parse_list, parse_seeds, study_offpolicy, study_seeds
     from cadence.study.offpolicy import VARIANTS
 
     overrides = list(args.set) + (
@@ -313,7 +313,7 @@ def cmd_study(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
         if args.study == "seeds":
-            seeds = [int(n) for n in parse_list(args.seeds, None, "seed(s)")]
+            seeds = parse_seeds(args.seeds)
         else:
             losses = parse_list(args.losses, LOSSES, "loss(es)")
             staleness = [int(n) for n in parse_list(args.staleness, None, "staleness")]

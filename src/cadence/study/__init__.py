@@ -5,9 +5,17 @@
 """
 
 from cadence.study.offpolicy import LOSSES, study_offpolicy
-from cadence.study.runs import parse_list, train_or_resume
+from cadence.study.runs import parse_list, parse_seeds, train_or_resume
 from cadence.study.seeds import study_seeds
 
 STUDIES = ("offpolicy", "seeds")
 
-__all__ = ["LOSSES", "STUDIES", "parse_list", "study_offpolicy", "study_seeds", "train_or_resume"]
+__all__ = [
+    "LOSSES",
+    "STUDIES",
+    "parse_list",
+    "parse_seeds",
+    "study_offpolicy",
+    "study_seeds",
+    "train_or_resume",
+]

@@ -16,6 +16,11 @@ def parse_list(text: str, allowed: dict | None, kind: str) -> list[str]:
     return items
 
 
+def parse_seeds(text: str) -> list[int]:
+    """Comma-separated integer seeds (`--seeds`); none, or one that is not an integer, raises."""
+    return [int(n) for n in parse_list(text, None, "seed(s)")]
+
+
 def train_or_resume(config: str | None, overrides: list[str], out: Path) -> dict[str, Any]:
     """Train `config` with `overrides` into `out`, from its newest checkpoint if an earlier
     attempt stopped there; the run's summary (read back if the run had already finished, e.g.
