@@ -12,9 +12,6 @@ import threading
 from itertools import islice
 
 import pytest
-import reasoning_gym
-from reasoning_gym.composite import DatasetSpec
-from reasoning_gym.utils import SYSTEM_PROMPTS
 
 from cadence.builder import make_task
 from cadence.cli import main
@@ -49,6 +46,9 @@ def test_cadence_imports_reasoning_gym_only_when_the_task_is_used() -> None:
 
 def test_rows_are_reasoning_gyms_own_labelled_with_their_dataset() -> None:
     task = _task(seed=3, num_heldout=0)
+    import reasoning_gym
+    from reasoning_gym.composite import DatasetSpec
+
     specs = [DatasetSpec(c.name, c.weight, dict(c.config)) for c in MIX]
     own = reasoning_gym.create_dataset("composite", seed=3, size=200, datasets=specs)
     epoch = list(islice(task.train_iter(), 200))  # each row once, in a shuffled order
@@ -107,6 +107,8 @@ def test_prompts_carry_label_and_metadata_and_render_like_any_task(tokenizer) ->
     assert (prompt.task, prompt.metadata) == (example.task, example.metadata)
     assert pickle.loads(pickle.dumps(prompt)) == prompt
     hash(prompt)  # metadata is left out of the hash
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
     system = _task(developer_prompt="direct").heldout()[0]
     assert system.messages == (("system", SYSTEM_PROMPTS["direct"]), ("user", system.question))
     text = ChatRender(tokenizer)(system)
@@ -118,6 +120,8 @@ def test_prompts_carry_label_and_metadata_and_render_like_any_task(tokenizer) ->
 
 
 def _entry() -> tuple[str, dict]:
+    import reasoning_gym
+
     row = reasoning_gym.create_dataset("chain_sum", seed=5, size=1)[0]
     return row["answer"], row["metadata"]
 
@@ -160,6 +164,8 @@ def test_each_row_is_graded_by_the_dataset_as_configured(name, config, wrong) ->
 
 
 def test_reward_partial_credit_is_the_datasets_own() -> None:
+    import reasoning_gym
+
     row = reasoning_gym.create_dataset("basic_arithmetic", seed=2, size=1)[0]
     grader = reasoning_gym.get_score_answer_fn("basic_arithmetic")
     padded = f"{row['answer']} ok"

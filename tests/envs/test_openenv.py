@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-import fixtures_openenv
 from cadence.builder import env_spec
 from cadence.config import ConfigError, load_config
 from cadence.data.base import stable_seed
@@ -127,6 +126,8 @@ def test_a_text_environment_needs_no_template_that_renders_tools(tokenizer):
 
 
 def test_an_observation_reads_as_its_one_field_or_a_json_object():
+    import fixtures_openenv
+
     one = fixtures_openenv.GuessObservation(feedback="lower", reward=0.0)
     assert text_of(one) == "lower"
     two = fixtures_openenv.TwoFields(x="a", y="b")  # any pydantic record of fields

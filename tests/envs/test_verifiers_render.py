@@ -5,9 +5,7 @@ back into tool calls, and each next turn bridged onto the sampled tokens unchang
 import json
 
 import pytest
-from renderers.base import ToolCallParseStatus
 
-from cadence.envs.verifiers.render import PlainRenderer
 from cadence.models import load_tokenizer
 
 CALC = {
@@ -26,6 +24,8 @@ CALC = {
 
 @pytest.fixture(scope="module")
 def renderer(model_dir):
+    from cadence.envs.verifiers.render import PlainRenderer
+
     return PlainRenderer(load_tokenizer(model_dir))
 
 
@@ -61,6 +61,8 @@ def test_messages_are_their_texts_tokenised_one_by_one(renderer):
 
 
 def test_a_completion_with_a_call_is_a_tool_call_filling_the_first_parameter(renderer):
+    from renderers.base import ToolCallParseStatus
+
     eos = renderer.tokenizer.eos_token_id
     plain = renderer.parse_response([*_ids(renderer, "#### 7"), eos], tools=[CALC])
     assert plain.content == "#### 7" and plain.tool_calls == []
@@ -79,14 +81,16 @@ def test_a_completion_with_a_call_is_a_tool_call_filling_the_first_parameter(ren
 @pytest.mark.parametrize(
     ("text", "status"),
     [
-        ("<call>search: cats</call>", ToolCallParseStatus.UNKNOWN_TOOL),
-        ("<call>calculator 1 + 1</call>", ToolCallParseStatus.MALFORMED_STRUCTURE),
-        ("<call>calculator: 1 +", ToolCallParseStatus.UNCLOSED_BLOCK),
+        ("<call>search: cats</call>", "UNKNOWN_TOOL"),
+        ("<call>calculator 1 + 1</call>", "MALFORMED_STRUCTURE"),
+        ("<call>calculator: 1 +", "UNCLOSED_BLOCK"),
     ],
 )
 def test_a_call_that_cannot_run_is_reported_not_raised(renderer, text, status):
+    from renderers.base import ToolCallParseStatus
+
     (call,) = renderer.parse_response(_ids(renderer, text), tools=[CALC]).tool_calls
-    assert call.status == status and call.raw == text
+    assert call.status == ToolCallParseStatus[status] and call.raw == text
 
 
 def test_the_next_turn_extends_the_sampled_tokens_unchanged(renderer):

@@ -13,7 +13,6 @@ import torch
 
 from cadence.engine import ContinuousEngine, Request, SamplingParams, derive_seed, derive_turn_seed
 from cadence.envs import CALL_END, VerifiersEnv
-from cadence.envs.verifiers.env import TasksetTask
 from cadence.models import load_model, load_tokenizer
 from cadence.rollout import RolloutWorker
 from cadence.types import Prompt
@@ -24,6 +23,8 @@ RUN_SEED, ITERATION, GROUP = 7, 3, 3
 
 def _prompts(factory: str, n: int) -> list[Prompt]:
     """The first `n` training tasks of the env's taskset, as the learner's stream gives them."""
+    from cadence.envs.verifiers.env import TasksetTask
+
     stream = TasksetTask(factory, seed=0, num_heldout=1).train_iter()
     return [
         Prompt(f"t{i}", e.question, "", i, metadata=e.metadata)

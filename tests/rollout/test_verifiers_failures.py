@@ -8,11 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("verifiers")
-
 from cadence.engine import SamplingParams, ScriptedEngine
 from cadence.envs import Budget, ScriptedEnv, replies
-from cadence.envs.verifiers.env import group_completions
 from cadence.rollout import RolloutWorker
 from cadence.rollout.episodes import Finished
 from cadence.rollout.verifiers import _outcome
@@ -20,6 +17,12 @@ from cadence.serve.engine_loop import EngineBroken
 from cadence.types import Completion, Prompt
 
 PROMPT = [5, 6, 7]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _verifiers():
+    """verifiers (an extra) is imported when these tests run, not when they are collected."""
+    pytest.importorskip("verifiers")
 
 
 def _trace(tokenizer, sampled: list[int], truncated=False, reward=1.0):
@@ -41,6 +44,8 @@ def _trace(tokenizer, sampled: list[int], truncated=False, reward=1.0):
 
 
 def test_a_truncated_trace_is_length_though_its_last_token_is_eos(tokenizer):
+    from cadence.envs.verifiers.env import group_completions
+
     eos = tokenizer.eos_token_id
     traces = [_trace(tokenizer, [40, 41, eos], truncated=True), _trace(tokenizer, [40, eos])]
     prompt, (cut, whole), _ = group_completions(traces, tokenizer)
@@ -50,6 +55,8 @@ def test_a_truncated_trace_is_length_though_its_last_token_is_eos(tokenizer):
 
 
 def test_an_episode_that_raised_is_a_failed_sample_of_its_group(tokenizer):
+    from cadence.envs.verifiers.env import group_completions
+
     eos = tokenizer.eos_token_id
     raised: cf.Future = cf.Future()
     raised.set_exception(ValueError("the sandbox died"))

@@ -7,10 +7,8 @@ import asyncio
 import httpx
 import openai
 import pytest
-from renderers.client import generate
 
 from cadence.engine import ContinuousEngine, Request, SamplingParams
-from cadence.envs.verifiers.render import PlainRenderer
 
 PROMPT = "Question: What is 3 + 4?\nAnswer: "
 AUTH = {"Authorization": "Bearer sesame"}
@@ -60,6 +58,10 @@ def test_stop_token_ids_end_a_completion_besides_eos(served):
 def test_verifiers_training_client_reads_the_answer(served):
     # renderers' `generate` is what verifiers' TrainClient calls: it renders the messages, posts
     # them, and checks every returned token against its log-prob entry
+    from renderers.client import generate
+
+    from cadence.envs.verifiers.render import PlainRenderer
+
     url, tokenizer, model = served
     renderer = PlainRenderer(tokenizer)
     client = openai.AsyncOpenAI(base_url=url, api_key="sesame", max_retries=0)
