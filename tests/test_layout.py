@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import collections
+import subprocess
+import sys
 from pathlib import Path
 
 import cadence
@@ -370,3 +372,29 @@ def test_test_modules_have_unique_names():
     # name in two folders stop the collection of a suite that holds both
     names = collections.Counter(p.name for p in Path(__file__).parent.rglob("test_*.py"))
     assert [n for n, count in names.items() if count > 1] == []
+
+
+# The libraries of cadence's extras (pyproject.toml) and what they pull: each loads where its
+# feature is used, never when cadence is imported (seconds each; a user without the extra
+# imports cadence all the same).
+EXTRA_LIBRARIES = {
+    "ray", "vllm", "trl", "datasets", "peft", "wandb", "mlflow", "fastapi", "uvicorn",
+    "tensorboard", "reasoning_gym", "openenv", "fastmcp", "verifiers",
+}  # fmt: skip
+
+
+def test_importing_cadence_loads_no_extras_library():
+    # one interpreter for every module the extras are used behind (a subprocess start costs
+    # about 5 s of the suite)
+    modules = (
+        "cadence, cadence.cli, cadence.config, cadence.builder, cadence.pipeline, cadence.data, "
+        "cadence.models, cadence.metrics, cadence.envs, cadence.serve, cadence.engine, "
+        "cadence.engine.vllm, cadence.backend, cadence.backend.local, "
+        "cadence.backend.worker_loop, cadence.backend.ray.pool, cadence.backend.ray.store, "
+        "cadence.backend.ray.weights, cadence.backend.ray.ranks, cadence.backend.ray.cluster, "
+        "cadence.learner.driver, cadence.rewards, cadence.rewards.reasoning_gym, cadence.bench, "
+        "cadence.bench.ablation"
+    )
+    code = f"import sys, {modules}; print(' '.join({{m.split('.')[0] for m in sys.modules}}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert sorted(EXTRA_LIBRARIES & set(out.stdout.split())) == []
