@@ -32,6 +32,7 @@ from cadence.models import init_model, load_model, load_tokenizer
 # on one worker; the vLLM engine modules (vLLM in the test's process, no Ray) on one worker too.
 RAY_OR_VLLM = {
     "tests/backend/test_ray.py",
+    "tests/backend/test_ray_cluster.py",  # its cluster's actors are 'ray::RayWorker' processes too
     "tests/pipeline/test_ranks_e2e.py",
     "tests/pipeline/test_vllm_pipeline.py",
 }
