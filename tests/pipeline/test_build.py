@@ -1,4 +1,5 @@
 import math
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -63,6 +64,31 @@ def test_every_field_a_translation_copies_is_fed_by_a_key_or_given():
     with pytest.raises(TypeError, match=r"Probe: .* feeds \['made_up'\]"):
         builder_params.from_sections(Probe, train_section)
     assert builder_params.from_sections(Probe, train_section, made_up=4).made_up == 4
+
+
+def test_a_thread_count_of_zero_means_omp_num_threads_else_the_cores_this_process_may_use(
+    monkeypatch,
+):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert builder_params.all_threads() == cores
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # as under `taskset -c 0`
+    assert builder_params.all_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # as torchrun or a batch scheduler sets it
+    assert builder_params.all_threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "not a number")
+    assert builder_params.all_threads() == 1
+    # the learner beside its workers: the cores they leave it, at most OMP_NUM_THREADS
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    separate = ["pipeline.placement='separate'", "pipeline.num_workers=2"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert builder_params.learner_threads(load_config(None, separate)) == 4
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert builder_params.learner_threads(load_config(None, separate)) == 6
+    assert (
+        builder_params.learner_threads(load_config(None, [*separate, "pipeline.learner_threads=7"]))
+        == 7
+    )
 
 
 def test_online_dpo_run_builds_a_reference_without_kl_and_trains(model_dir, tmp_path):

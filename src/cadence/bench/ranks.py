@@ -111,16 +111,14 @@ def bench_ranks(
     config: str | None, overrides: list[str], repeats: int, out: Path, iterations: int = 3
 ) -> list[dict]:
     """The cells above for the config's model and learner settings: N = `learner.ranks` (2
-    when the config has 1) ranks against one process, T = `train.threads` (0: every core)."""
-    import os
-
-    from cadence.builder import rank_spec
+    when the config has 1) ranks against one process, T = `train.threads` (0: `all_threads`)."""
+    from cadence.builder import all_threads, rank_spec
     from cadence.config import load_config
     from cadence.models import load_model, load_tokenizer
 
     cfg = load_config(config, overrides)
     ranks = cfg.learner.ranks if cfg.learner.ranks > 1 else 2
-    threads = cfg.train.threads or os.cpu_count() or 1
+    threads = cfg.train.threads or all_threads()
     tokenizer = load_tokenizer(cfg.model.path)
     model = load_model(cfg.model.path)  # the driver's copy, for the ranks' gathered weights
     vocab = model.get_input_embeddings().num_embeddings

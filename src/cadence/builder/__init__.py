@@ -18,6 +18,7 @@ from cadence.builder.checks import (
 )
 from cadence.builder.params import (
     algo_params,
+    all_threads,
     engine_options,
     learner_params,
     learner_threads,
@@ -63,6 +64,7 @@ from cadence.pipeline import train
 
 __all__ = [
     "algo_params",
+    "all_threads",
     "build_learner",
     "build_run",
     "build_scorer",

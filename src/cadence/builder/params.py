@@ -58,9 +58,26 @@ def from_sections(cls: type[T], *sections: Any, **given: Any) -> T:
     return cls(**(same | given))
 
 
+def all_threads() -> int:
+    """What a thread count of 0 means: OMP_NUM_THREADS where it is set (torchrun and batch
+    schedulers set it for each process they start), else the cores this process may run on (its
+    CPU affinity: a container's or `taskset`'s share, not the machine's count)."""
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
+    return _cores()
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 def set_threads(threads: int) -> None:
-    """torch threads of this process (0: every core)."""
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+    """torch threads of this process (0: `all_threads()`)."""
+    torch.set_num_threads(threads or all_threads())
 
 
 def sampling_params(cfg: Config, tokenizer, model_path: str | Path | None = None) -> SamplingParams:
@@ -106,16 +123,15 @@ def learner_threads(cfg: Config) -> int:
     p = cfg.pipeline
     if p.placement == "colocated":
         return cfg.train.threads
-    cores = os.cpu_count() or 1
     others = p.num_workers * p.threads_per_worker
     if cfg.reward.stage == "separate":
         others += cfg.reward.num_workers * cfg.reward.threads_per_worker
-    return p.learner_threads or max(1, cores - others)
+    return p.learner_threads or min(all_threads(), max(1, _cores() - others))
 
 
 def rank_threads(cfg: Config) -> int:
     """torch threads of each learner rank: the learner's threads shared among its ranks."""
-    threads = learner_threads(cfg) or os.cpu_count() or 1
+    threads = learner_threads(cfg) or all_threads()
     return cfg.learner.threads_per_rank or max(1, threads // cfg.learner.ranks)
 
 

@@ -42,7 +42,7 @@ class TrainConfig(Section):
     worker processes; 0: rollout.max_num_seqs): its KV cache is this many x (prompt +
     max_new_tokens) per layer while it runs, freed after."""
     threads: int = Field(0, ge=0)
-    """torch threads (0: all cores)."""
+    """torch threads (0: OMP_NUM_THREADS if set, else every core this process may run on)."""
     checkpoint_every: int = Field(10, ge=0)
     """Write a checkpoint (policy, optimizer, RNG, data cursor, version, metrics offset) every N
     iterations and at the end, for `cadence train --resume`; 0: never."""
@@ -169,7 +169,8 @@ class PipelineConfig(Section):
     threads_per_worker: int = Field(1, ge=1)
     """torch threads in each worker."""
     learner_threads: int = Field(0, ge=0)
-    """torch threads of the learner when separate (0: cores - workers)."""
+    """torch threads of the learner when separate (0: cores - workers, at most
+    OMP_NUM_THREADS if set)."""
     prompts_per_task: int = Field(4, ge=1)
     """Prompts sent to a worker as one task (the unit of assignment)."""
     tasks_in_flight: int = Field(0, ge=0)

@@ -49,9 +49,12 @@ class _Train:
 
 def cpu_layout(cfg: Config) -> tuple[int, int, int]:
     """(cores the separate run uses, learner threads, colocated threads) for this machine."""
+    from cadence.builder import all_threads
+
     p, cores = cfg.pipeline, os.cpu_count() or 1
-    learner = p.learner_threads or max(1, cores - p.num_workers * p.threads_per_worker)
-    return p.num_workers * p.threads_per_worker + learner, learner, cfg.train.threads or cores
+    workers = p.num_workers * p.threads_per_worker
+    learner = p.learner_threads or min(all_threads(), max(1, cores - workers))
+    return workers + learner, learner, cfg.train.threads or all_threads()
 
 
 @contextlib.contextmanager
