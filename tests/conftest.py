@@ -107,12 +107,20 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Pa
     return out
 
 
-@pytest.fixture(scope="session", autouse=True)
+# One thread per pytest-xdist worker, two alone: two workers of two threads each on two cores
+# made every in-process forward and backward wait on a descheduled thread (a reward-model test
+# took 275 s on a busy machine against 37 s). A thread count of 0 (`train.threads`' default)
+# means OMP_NUM_THREADS where it is set, so the runs a worker builds, and the `cadence`
+# processes and rank processes it starts, keep to one thread as well.
+_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+if _THREADS == 1:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+@pytest.fixture(autouse=True)
 def _few_threads():
-    """Two threads alone; one a pytest-xdist worker: two workers of two threads each on two cores
-    made every in-process forward and backward wait on a descheduled thread (a reward-model test
-    took 275 s on a busy machine against 37 s)."""
-    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+    """Each test starts on `_THREADS` torch threads, whatever the test before it set."""
+    torch.set_num_threads(_THREADS)
 
 
 @pytest.fixture(scope="session")
