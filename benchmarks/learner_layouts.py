@@ -10,10 +10,14 @@ alternating so every response trains) whose lengths are drawn once from a seeded
 - `7b`: the 7B recipe's planned lengths (G = 8, lognormal mean 800, sigma 0.6, capped at
   2,048; micro-batches of 16,384 tokens) on a tiny Qwen2 of 4,096 positions built from a config.
 Each variant runs in a process of its own (its peak RSS is its own): `today` is the config's
-own layout and micro-batching, the others the packed layout (`learner.shared_prompt_impl =
-"packed"`) with the micro-batching named.
+own layout and micro-batching, the others the layout (`learner.shared_prompt_impl`) and
+micro-batching named. `--profile` runs one more iteration under
+torch.profiler, after the timed ones, and reports where its CPU time went: matrix products,
+attention, and the log-prob head (forward and backward, its matrix products included).
+Seconds are the fastest of `--iterations` (default 2): a learner's first iteration also pages
+in its activations' memory, paid once a run (`first_ms_per_trained_token`).
 
-    .venv/bin/python benchmarks/learner_layouts.py [--workloads longtail,env,7b] [--out DIR]
+    .venv/bin/python benchmarks/learner_layouts.py [--workloads longtail,env,7b] [--profile]
 """
 
 from __future__ import annotations
@@ -36,25 +40,27 @@ WORKLOADS = {
     "env": ("configs/smollm2-env.toml", 8, 8, 70, (48.0, 0.5, 128)),
     "7b": ("", 8, 8, 120, (800.0, 0.6, 2048)),
 }
+_PREFIX, _PACKED = "learner.shared_prompt_impl='prefix'", "learner.shared_prompt_impl='packed'"
+_NO_CKPT = "learner.activation_checkpointing=false"
 # workload -> {variant: config overrides}; "today" is the config as shipped
 VARIANTS = {
     "longtail": {
         "today": [],
-        "packed, 4 groups": ["learner.shared_prompt_impl='packed'"],
+        "packed, 4 groups": [_PACKED],
     },
-    "env": {
-        "today": [],
-        "today, 8 groups": ["train.micro_batch_groups=8"],
-        "packed, 8 groups": ["learner.shared_prompt_impl='packed'", "train.micro_batch_groups=8"],
-        "packed, 8 groups, checkpointing": [
-            "learner.shared_prompt_impl='packed'",
+    "env": {  # named in full: the config now ships the last one
+        "prefix, 1 group": [_PREFIX, "train.micro_batch_groups=1", _NO_CKPT],
+        "prefix, 8 groups": [_PREFIX, "train.micro_batch_groups=8", _NO_CKPT],
+        "packed, 8 groups": [_PACKED, "train.micro_batch_groups=8", _NO_CKPT],
+        "packed, 8 groups, checkpointing (shipped)": [
+            _PACKED,
             "train.micro_batch_groups=8",
             "learner.activation_checkpointing=true",
         ],
     },
     "7b": {
-        "today (prefix, 16,384 tokens)": ["learner.shared_prompt_impl='prefix'"],
-        "packed, 16,384 positions": ["learner.shared_prompt_impl='packed'"],
+        "today (prefix, 16,384 tokens)": [_PREFIX],
+        "packed, 16,384 positions": [_PACKED],
     },
 }
 
@@ -112,7 +118,33 @@ def _groups(workload: str, vocab: int):
     return groups
 
 
-def measure(workload: str, variant: str, model_dir: str | None, iterations: int) -> dict:
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+HEAD = ("ChunkedLogprobs", "ChunkedLogprobsBackward")
+
+
+def _shares(learner, groups) -> dict:
+    """Where one more iteration's CPU time goes: each class's share of the self time of all ops
+    (the head's share is its inclusive time, so it overlaps the matrix products)."""
+    import torch
+
+    from cadence.learner import score
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        learner.train_iteration(iter(score(groups, learner.algo)), len(groups))
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    return {
+        "matmul_share": sum(e.self_cpu_time_total for e in events if e.key in MATMULS) / total,
+        "attention_share": sum(
+            e.self_cpu_time_total for e in events if "scaled_dot_product" in e.key
+        ) / total,
+        "logprob_head_share": sum(e.cpu_time_total for e in events if e.key in HEAD) / total,
+    }  # fmt: skip
+
+
+def measure(
+    workload: str, variant: str, model_dir: str | None, iterations: int, profile: bool = False
+) -> dict:
     """One process: the variant's learner over the workload's groups."""
     from cadence.builder import build_learner, load_policy, set_threads
     from cadence.learner import score
@@ -128,7 +160,8 @@ def measure(workload: str, variant: str, model_dir: str | None, iterations: int)
         stats = learner.train_iteration(iter(score(groups, learner.algo)), len(groups))
         times.append(time.perf_counter() - start)
     trained = sum(len(c.token_ids) for g in groups for c in g.completions)
-    return {
+    shares = _shares(learner, groups) if profile else {}
+    return shares | {
         "layout": learner.layout,
         "tokens_computed": stats["tokens_computed"],
         "positions_computed": stats["positions_computed"],
@@ -136,6 +169,7 @@ def measure(workload: str, variant: str, model_dir: str | None, iterations: int)
         "trained_tokens": trained,
         "iteration_s": min(times),
         "ms_per_trained_token": 1e3 * min(times) / trained,
+        "first_ms_per_trained_token": 1e3 * times[0] / trained,  # fresh memory, paged in
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
@@ -145,22 +179,25 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--out", default="runs/learner-layouts")
+    ap.add_argument("--profile", action="store_true", help="where each variant's time goes")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         workload, variant, model_dir = args.child
-        row = measure(workload, variant, model_dir or None, args.iterations)
+        row = measure(workload, variant, model_dir or None, args.iterations, args.profile)
         print(json.dumps(row))
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _tiny_7b_shape(Path(tmp) / "tiny-7b-shape")
+        shares = " | matmul | attention | log-prob head" if args.profile else ""
         print("| workload | variant | layout | positions / tokens | ms / trained token", end="")
-        print(" | peak RSS MB |")
-        print("|---|---|---|---|---|---|")
+        print(f" | first iteration | peak RSS MB{shares} |")
+        print("|---|---|---|---|---|---|---|" + "---|" * (3 if args.profile else 0))
         for workload in args.workloads.split(","):
             for variant in VARIANTS[workload]:
                 cmd = [sys.executable, __file__, "--iterations", str(args.iterations)]
+                cmd += ["--profile"] if args.profile else []
                 cmd += ["--child", workload, variant, model_dir if workload == "7b" else ""]
                 done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
                 if done.returncode:
@@ -171,9 +208,16 @@ def main() -> None:
                 print(
                     f"| {workload} | {variant} | {row['layout']} "
                     f"| {row['positions_per_token']:.2f} | {row['ms_per_trained_token']:.3f} "
-                    f"| {row['peak_rss_mb']:,.0f} |",
-                    flush=True,
+                    f"| {row['first_ms_per_trained_token']:.3f} | {row['peak_rss_mb']:,.0f} |",
+                    end="",
                 )
+                if args.profile:
+                    print(
+                        f" {row['matmul_share']:.0%} | {row['attention_share']:.0%} "
+                        f"| {row['logprob_head_share']:.0%} |",
+                        end="",
+                    )
+                print(flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "learner_layouts.json").write_text(json.dumps(rows, indent=2) + "\n")
