@@ -30,6 +30,7 @@ from cadence.builder.params import (
     reward_spec,
     sampling_params,
     set_threads,
+    usable_cores,
     vllm_options,
     worker_spec,
 )
@@ -105,6 +106,7 @@ __all__ = [
     "start_ranks",
     "tokenizer_corpus",
     "train",
+    "usable_cores",
     "vllm_options",
     "worker_spec",
 ]

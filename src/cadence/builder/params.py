@@ -65,10 +65,10 @@ def all_threads() -> int:
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0:
         return int(omp)
-    return _cores()
+    return usable_cores()
 
 
-def _cores() -> int:
+def usable_cores() -> int:
     """The cores this process may run on."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0)) or 1
@@ -126,7 +126,7 @@ def learner_threads(cfg: Config) -> int:
     others = p.num_workers * p.threads_per_worker
     if cfg.reward.stage == "separate":
         others += cfg.reward.num_workers * cfg.reward.threads_per_worker
-    return p.learner_threads or min(all_threads(), max(1, _cores() - others))
+    return p.learner_threads or min(all_threads(), max(1, usable_cores() - others))
 
 
 def rank_threads(cfg: Config) -> int:

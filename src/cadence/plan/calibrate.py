@@ -49,9 +49,9 @@ class _Train:
 
 def cpu_layout(cfg: Config) -> tuple[int, int, int]:
     """(cores the separate run uses, learner threads, colocated threads) for this machine."""
-    from cadence.builder import all_threads
+    from cadence.builder import all_threads, usable_cores
 
-    p, cores = cfg.pipeline, os.cpu_count() or 1
+    p, cores = cfg.pipeline, usable_cores()
     workers = p.num_workers * p.threads_per_worker
     learner = p.learner_threads or min(all_threads(), max(1, cores - workers))
     return workers + learner, learner, cfg.train.threads or all_threads()
